@@ -1,0 +1,270 @@
+"""``@batched``: the decorator form of :class:`~batchkit.DynamicBatcher`.
+
+::
+
+    @batchkit.batched(max_batch=8, max_wait_ms=20)
+    def embed(texts: list[str]) -> list[Vector]: ...
+
+    embed("hi")                 # blocks this thread, returns one Vector
+    await embed.acall("hi")     # from async code
+    embed.submit("hi")          # concurrent.futures.Future
+
+    @batchkit.batched(max_batch=32, max_wait_ms=5)
+    async def score(xs: list[Tensor]) -> list[float]: ...
+
+    await score(x)
+
+On a method, each instance gets its own batcher (created on first use), like Ray Serve's
+``@serve.batch``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar, overload
+
+from .batcher import BatcherStatistics, DynamicBatcher
+
+__all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _BatchedBase(Generic[T, R]):
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        self._fn = fn
+        self._options = options
+        self._batcher: DynamicBatcher[T, R] | None = None
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self._attr = f"__batchkit_{getattr(fn, '__name__', 'fn')}"
+
+    @property
+    def batcher(self) -> DynamicBatcher[T, R]:
+        """The :class:`DynamicBatcher` behind this function (created on first use)."""
+        b = self._batcher
+        if b is None:
+            with self._lock:
+                b = self._batcher
+                if b is None:
+                    b = self._batcher = DynamicBatcher(self._fn, **self._options)
+        return b
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        try:
+            store = instance.__dict__
+        except AttributeError:
+            raise TypeError(
+                f"@batched on a method needs instances with a __dict__ to hold their batcher; "
+                f"{type(instance).__name__} uses __slots__: add '__dict__' to its slots"
+            ) from None
+        bound = store.get(self._attr)
+        if bound is None:
+            with self._lock:
+                bound = store.get(self._attr)
+                if bound is None:
+                    bound = type(self)(functools.partial(self._fn, instance), self._options)
+                    store[self._attr] = bound
+        return bound
+
+    def submit(self, item: T, **kwargs: Any) -> concurrent.futures.Future[R]:
+        """Queue ``item``; return a :class:`concurrent.futures.Future` (see ``DynamicBatcher.submit``)."""
+        return self.batcher.submit(item, **kwargs)
+
+    async def acall(self, item: T, **kwargs: Any) -> R:
+        """Await the result for ``item`` from async code (asyncio or trio)."""
+        return await self.batcher.asubmit(item, **kwargs)
+
+    def flush(self) -> None:
+        """Dispatch everything waiting now."""
+        if self._batcher is not None:
+            self._batcher.flush()
+
+    def close(self, **kwargs: Any) -> None:
+        """Drain and stop the batcher (see ``DynamicBatcher.close``)."""
+        if self._batcher is not None:
+            self._batcher.close(**kwargs)
+
+    async def aclose(self, **kwargs: Any) -> None:
+        """:meth:`close` from async code."""
+        if self._batcher is not None:
+            await self._batcher.aclose(**kwargs)
+
+    def statistics(self) -> BatcherStatistics:
+        """The batcher's statistics snapshot."""
+        return self.batcher.statistics()
+
+    def map(
+        self,
+        items: Iterable[T],
+        *,
+        progress: bool = False,
+        window: int | None = None,
+        total: int | None = None,
+    ) -> Iterator[R]:
+        """Stream ``items`` through the batcher; yield results in input order.
+
+        At most ``window`` items are in flight (default: four batches, capped by the queue's
+        capacity), so memory stays bounded for any number of items. With ``progress``, a progress
+        bar is drawn on stderr (tqdm's when installed). The first failing item's exception is
+        raised when its turn to be yielded comes; the items after it are cancelled.
+        """
+        b = self.batcher
+        if window is None:
+            window = min(4 * b.max_batch_size, b.queue.maxsize)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window!r}")
+        if total is None and hasattr(items, "__len__"):
+            total = len(items)  # type: ignore[arg-type]
+        bar = _progress_bar(total, getattr(self, "__name__", "batched")) if progress else None
+        pending: deque[concurrent.futures.Future[R]] = deque()
+        it = iter(items)
+        try:
+            for item in it:
+                pending.append(b.submit(item))
+                if len(pending) >= window:
+                    yield pending.popleft().result()
+                    if bar is not None:
+                        bar.update(1)
+            while pending:
+                yield pending.popleft().result()
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            for f in pending:
+                f.cancel()
+            if bar is not None:
+                bar.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {getattr(self, '__qualname__', '?')} batcher={self._batcher!r}>"
+
+
+class BatchedFunction(_BatchedBase[T, R]):
+    """A ``def`` batch function wrapped by :func:`batched`: calling it blocks for one result."""
+
+    def __call__(self, item: T, **kwargs: Any) -> R:
+        return self.batcher(item, **kwargs)
+
+
+class AsyncBatchedFunction(_BatchedBase[T, R]):
+    """An ``async def`` batch function wrapped by :func:`batched`: calling it gives an awaitable."""
+
+    async def __call__(self, item: T, **kwargs: Any) -> R:
+        return await self.batcher.asubmit(item, **kwargs)
+
+
+class _Decorator:
+    def __init__(self, options: dict[str, Any]) -> None:
+        self._options = options
+
+    @overload
+    def __call__(self, fn: Callable[[list[T]], Coroutine[Any, Any, Sequence[R]]], /) -> AsyncBatchedFunction[T, R]: ...
+    @overload
+    def __call__(
+        self, fn: Callable[[Any, list[T]], Coroutine[Any, Any, Sequence[R]]], /
+    ) -> AsyncBatchedFunction[T, R]: ...
+    @overload
+    def __call__(self, fn: Callable[[list[T]], Sequence[R]], /) -> BatchedFunction[T, R]: ...
+    @overload
+    def __call__(self, fn: Callable[[Any, list[T]], Sequence[R]], /) -> BatchedFunction[T, R]: ...
+    def __call__(self, fn: Callable[..., Any], /) -> Any:
+        return _wrap(fn, self._options)
+
+
+def _wrap(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
+    if not callable(fn):
+        raise TypeError(f"@batched decorates a function over a list of items, got {fn!r}")
+    from .batcher import _is_async_callable
+
+    # Validate the options now, so that a typo fails at decoration, not at the first call.
+    DynamicBatcher(fn, **options)
+    cls = AsyncBatchedFunction if _is_async_callable(fn) else BatchedFunction
+    return cls(fn, options)
+
+
+@overload
+def batched(fn: Callable[[list[T]], Coroutine[Any, Any, Sequence[R]]], /) -> AsyncBatchedFunction[T, R]: ...
+@overload
+def batched(fn: Callable[[Any, list[T]], Coroutine[Any, Any, Sequence[R]]], /) -> AsyncBatchedFunction[T, R]: ...
+@overload
+def batched(fn: Callable[[list[T]], Sequence[R]], /) -> BatchedFunction[T, R]: ...
+@overload
+def batched(fn: Callable[[Any, list[T]], Sequence[R]], /) -> BatchedFunction[T, R]: ...
+@overload
+def batched(
+    fn: None = None,
+    /,
+    *,
+    max_batch: int = 8,
+    max_wait_ms: float = 20.0,
+    **options: Any,
+) -> _Decorator: ...
+def batched(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    max_batch: int = 8,
+    max_wait_ms: float = 20.0,
+    **options: Any,
+) -> Any:
+    """Turn a function over a list of items into one that callers call with a single item.
+
+    Usable bare (``@batched``) or called (``@batched(max_batch=8, max_wait_ms=20)``). Other
+    keyword options are those of :class:`~batchkit.DynamicBatcher` (``max_queue``, ``on_full``,
+    ``group_by``, ``size_fn``, ``max_batch_cost``, ``isolate_errors``, ...).
+
+    Raises:
+        ValueError, TypeError: at decoration time, for options the batcher would refuse.
+    """
+    if "max_batch_size" in options:
+        raise TypeError("@batched takes max_batch=..., not max_batch_size=...")
+    opts = {"max_batch_size": max_batch, "max_wait_ms": max_wait_ms, **options}
+    if fn is None:
+        return _Decorator(opts)
+    return _wrap(fn, opts)
+
+
+class _SimpleBar:
+    """A dependency-free progress line on stderr, used when tqdm is not installed."""
+
+    def __init__(self, total: int | None, desc: str) -> None:
+        self.total = total
+        self.desc = desc
+        self.n = 0
+        self._last = 0.0
+        self._t0 = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= 0.2:
+            self._last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        rate = self.n / max(now - self._t0, 1e-9)
+        of = f"/{self.total}" if self.total is not None else ""
+        sys.stderr.write(f"\r{self.desc}: {self.n}{of} [{rate:,.0f} it/s]")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        self._draw(time.monotonic())
+        sys.stderr.write("\n")
+
+
+def _progress_bar(total: int | None, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _SimpleBar(total, desc)
+    return tqdm(total=total, desc=desc)

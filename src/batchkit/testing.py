@@ -1,0 +1,51 @@
+"""Test doubles for users' own tests (and batchkit's): a clock that only moves when told."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["MockClock"]
+
+
+class MockClock:
+    """A :class:`~batchkit.Clock` that stands still until :meth:`advance` moves it.
+
+    >>> clock = MockClock()
+    >>> clock.advance(0.25)
+    >>> clock.now()
+    0.25
+
+    Thread-safe. Runtimes that sleep until a deadline (the batcher's dispatcher) are woken by
+    ``advance`` through listeners they register, so a test drives time exactly.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = float(start)
+        self._lock = threading.Lock()
+        self._listeners: list[threading.Condition] = []
+
+    def now(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward by ``seconds`` (must be >= 0) and wake whoever waits on it."""
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds!r}: time does not run backwards")
+        with self._lock:
+            self._now += seconds
+            listeners = list(self._listeners)
+        for cond in listeners:
+            with cond:
+                cond.notify_all()
+
+    def _add_listener(self, cond: threading.Condition) -> None:
+        with self._lock:
+            self._listeners.append(cond)
+
+    def _remove_listener(self, cond: threading.Condition) -> None:
+        with self._lock:
+            if cond in self._listeners:
+                self._listeners.remove(cond)
+
+    def __repr__(self) -> str:
+        return f"<MockClock now={self._now:.6f}>"

@@ -1,0 +1,180 @@
+"""@batched: bare and called forms, functions and methods, sync and async, map and controls."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import anyio
+import pytest
+
+import batchkit
+from batchkit import AsyncBatchedFunction, BatchedFunction, batched
+
+WAIT = 10
+
+
+def test_bare_and_called_forms_give_a_blocking_callable() -> None:
+    """@batched and @batched(...) on a def give a function called with one item."""
+
+    @batched
+    def double(xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+    @batched(max_batch=4, max_wait_ms=1)
+    def triple(xs: list[int]) -> list[int]:
+        return [3 * x for x in xs]
+
+    assert isinstance(double, BatchedFunction)
+    assert double(2) == 4
+    assert triple(2) == 6
+    assert double.__name__ == "double"
+    double.close()
+    triple.close()
+
+
+def test_threads_calling_share_batches() -> None:
+    """Concurrent blocking callers are served in shared batches, in order, each its own result."""
+    sizes: list[int] = []
+    gate = threading.Barrier(8, timeout=WAIT)
+
+    @batched(max_batch=8, max_wait_ms=1000)
+    def square(xs: list[int]) -> list[int]:
+        sizes.append(len(xs))
+        return [x * x for x in xs]
+
+    def call(i: int) -> int:
+        gate.wait()
+        return square(i)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        assert list(ex.map(call, range(8))) == [i * i for i in range(8)]
+    assert sizes == [8]
+    square.close()
+
+
+def test_submit_flush_statistics_and_close() -> None:
+    """The controls: submit returns a Future, flush dispatches, statistics counts, close refuses."""
+
+    @batched(max_batch=100, max_wait_ms=1e6, clock=batchkit.testing.MockClock())
+    def echo(xs: list[str]) -> list[str]:
+        return xs
+
+    futs = [echo.submit(s) for s in "abc"]
+    echo.flush()
+    assert [f.result(WAIT) for f in futs] == ["a", "b", "c"]
+    assert echo.statistics().flush_reasons == {"flush": 1}
+    echo.close()
+    with pytest.raises(batchkit.BatcherClosed):
+        echo("d")
+
+
+def test_map_streams_in_input_order_with_bounded_window() -> None:
+    """map() yields results in input order and never has more than `window` items in flight."""
+    peak = {"pending": 0}
+
+    @batched(max_batch=16, max_wait_ms=1)
+    def inc(xs: list[int]) -> list[int]:
+        peak["pending"] = max(peak["pending"], inc.batcher.statistics().pending + len(xs))
+        return [x + 1 for x in xs]
+
+    out = list(inc.map(range(500), window=32))
+    assert out == list(range(1, 501))
+    assert peak["pending"] <= 32
+    inc.close()
+
+
+def test_map_with_progress_bar_writes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """progress=True draws a progress bar on stderr and still returns every result."""
+
+    @batched(max_batch=8, max_wait_ms=1)
+    def ident(xs: list[int]) -> list[int]:
+        return xs
+
+    assert list(ident.map(list(range(50)), progress=True)) == list(range(50))
+    assert "50" in capsys.readouterr().err
+    ident.close()
+
+
+def test_map_raises_the_first_error_in_order() -> None:
+    """A failing item's exception surfaces when its result is due."""
+
+    @batched(max_batch=4, max_wait_ms=1)
+    def picky(xs: list[int]) -> list[object]:
+        return [ValueError(x) if x == 3 else x for x in xs]
+
+    it = picky.map(range(10))
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="3"):
+        next(it)
+    picky.close()
+
+
+def test_methods_get_one_batcher_per_instance() -> None:
+    """On a method, each instance has its own batcher bound to itself."""
+
+    class Model:
+        def __init__(self, scale: int) -> None:
+            self.scale = scale
+
+        @batched(max_batch=4, max_wait_ms=1)
+        def predict(self, xs: list[int]) -> list[int]:
+            return [self.scale * x for x in xs]
+
+    a, b = Model(2), Model(10)
+    assert a.predict(3) == 6
+    assert b.predict(3) == 30
+    assert a.predict is a.predict
+    assert a.predict.batcher is not b.predict.batcher
+    a.predict.close()
+    b.predict.close()
+
+
+def test_bad_options_fail_at_decoration() -> None:
+    """A misconfigured decorator fails where it is written, not at the first call."""
+    with pytest.raises(ValueError, match="max_batch_size must be"):
+
+        @batched(max_batch=0)
+        def f(xs: list[int]) -> list[int]:
+            return xs
+
+    with pytest.raises(TypeError, match="max_batch="):
+        batched(max_batch_size=4)
+
+
+@pytest.mark.anyio
+async def test_async_def_gives_an_awaitable() -> None:
+    """@batched on async def: `await f(x)` from tasks; batches are shared."""
+    sizes: list[int] = []
+
+    @batched(max_batch=10, max_wait_ms=1e6, clock=batchkit.testing.MockClock())
+    async def score(xs: list[int]) -> list[float]:
+        sizes.append(len(xs))
+        return [x / 2 for x in xs]
+
+    assert isinstance(score, AsyncBatchedFunction)
+    out: dict[int, float] = {}
+
+    async def one(i: int) -> None:
+        out[i] = await score(i)
+
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tg:
+            for i in range(10):
+                tg.start_soon(one, i)
+    assert out == {i: i / 2 for i in range(10)}
+    assert sizes == [10]
+    await score.aclose()
+
+
+@pytest.mark.anyio
+async def test_sync_function_awaited_with_acall() -> None:
+    """A def batch function can be awaited from async code through .acall()."""
+
+    @batched(max_batch=2, max_wait_ms=1)
+    def neg(xs: list[int]) -> list[int]:
+        return [-x for x in xs]
+
+    with anyio.fail_after(WAIT):
+        assert await neg.acall(5) == -5
+    await neg.aclose()

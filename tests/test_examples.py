@@ -1,0 +1,37 @@
+"""Every example is a program: run each one so that none can rot."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The example's main() runs to completion and prints its report."""
+    if "torch" in path.read_text():
+        pytest.importorskip("torch")
+    module = runpy.run_path(str(path), run_name="example")
+    old_argv = sys.argv
+    sys.argv = [str(path)]
+    try:
+        module["main"]()
+    finally:
+        sys.argv = old_argv
+    assert capsys.readouterr().out.strip()
+
+
+def test_cli_demo_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`batchkit demo` (short run) prints both rows of its comparison table."""
+    pytest.importorskip("torch")
+    from batchkit.cli import main
+
+    assert main(["demo", "--seconds", "0.3", "--callers", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "one request at a time" in out
+    assert "batchkit" in out

@@ -1,0 +1,62 @@
+"""The public surface: what ``import batchkit`` exports and what it must not do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import batchkit
+
+EXPECTED = {
+    "AsyncBatchedFunction",
+    "BatchInfo",
+    "BatchSizeMismatch",
+    "BatchTimeout",
+    "BatchedFunction",
+    "BatcherClosed",
+    "BatcherStatistics",
+    "BatchkitError",
+    "BoundedQueue",
+    "CircuitOpen",
+    "Clock",
+    "DeadlineExceeded",
+    "DynamicBatcher",
+    "KVCacheExhausted",
+    "LatencySummary",
+    "MonotonicClock",
+    "QueueEmpty",
+    "QueueEntry",
+    "QueueFull",
+    "QueueStatistics",
+    "__version__",
+    "batched",
+    "collate",
+    "testing",
+}
+
+
+def test_all_is_pinned() -> None:
+    """Adding or removing a public name is a deliberate change: update this set with it."""
+    assert set(batchkit.__all__) >= EXPECTED
+    for name in batchkit.__all__:
+        assert hasattr(batchkit, name), name
+
+
+def test_import_loads_no_heavy_module_and_starts_no_thread() -> None:
+    """``import batchkit`` pulls in neither torch nor cupy and starts no thread."""
+    code = (
+        "import sys, threading; import batchkit; "
+        "print(sorted(m for m in ('torch', 'cupy') if m in sys.modules), threading.active_count())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["[]", "1"]
+
+
+def test_errors_share_one_root_and_their_builtin() -> None:
+    """Every error is a BatchkitError and also the builtin it resembles."""
+    assert issubclass(batchkit.DeadlineExceeded, TimeoutError)
+    assert issubclass(batchkit.BatchTimeout, TimeoutError)
+    assert issubclass(batchkit.KVCacheExhausted, MemoryError)
+    assert issubclass(batchkit.BatchSizeMismatch, ValueError)
+    for name in ("QueueFull", "QueueEmpty", "DeadlineExceeded", "BatcherClosed", "BatchSizeMismatch"):
+        assert issubclass(getattr(batchkit, name), batchkit.BatchkitError)

@@ -1,0 +1,229 @@
+"""BoundedQueue: capacity policies, priorities, aging, deadlines, cancellation, thread and task safety."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+from batchkit import BoundedQueue, DeadlineExceeded, QueueEmpty, QueueFull
+from batchkit.testing import MockClock
+
+
+def drain(q: BoundedQueue[str]) -> list[str]:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except QueueEmpty:
+            return out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"maxsize": 0}, "maxsize must be an int >= 1"),
+        ({"maxsize": 2, "on_full": "explode"}, "on_full must be one of"),
+        ({"maxsize": 2, "aging_s": 0}, "aging_s must be > 0"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_fix(kwargs: dict, message: str) -> None:
+    """Constructor arguments are validated with a message naming the argument."""
+    with pytest.raises(ValueError, match=message):
+        BoundedQueue(**kwargs)
+
+
+def test_fifo_within_a_priority_and_lower_priority_value_first() -> None:
+    """Lower priority values are served first; equal priorities in arrival order."""
+    q: BoundedQueue[str] = BoundedQueue(10)
+    q.put_nowait("a", priority=1)
+    q.put_nowait("b", priority=0)
+    q.put_nowait("c", priority=1)
+    q.put_nowait("d", priority=-1)
+    q.put_nowait("e", priority=0)
+    assert drain(q) == ["d", "b", "e", "a", "c"]
+
+
+def test_reject_raises_queue_full_and_counts_it() -> None:
+    """on_full='reject' refuses the newcomer at once."""
+    q: BoundedQueue[int] = BoundedQueue(2)
+    q.put_nowait(1)
+    q.put_nowait(2)
+    with pytest.raises(QueueFull, match="queue is full"):
+        q.put_nowait(3)
+    s = q.statistics()
+    assert (s.depth, s.rejections, s.arrivals) == (2, 1, 2)
+
+
+def test_drop_oldest_evicts_the_oldest_and_tells_its_owner() -> None:
+    """on_full='drop_oldest' makes room by evicting the oldest item; on_drop reports QueueFull."""
+    dropped = []
+    q: BoundedQueue[str] = BoundedQueue(2, "drop_oldest", on_drop=lambda e, exc: dropped.append((e.item, type(exc))))
+    q.put_nowait("a")
+    q.put_nowait("b", priority=-5)
+    q.put_nowait("c")
+    assert dropped == [("a", QueueFull)]
+    assert drain(q) == ["b", "c"]
+    assert q.statistics().drops == 1
+
+
+def test_shed_lowest_priority_evicts_least_important_or_rejects_newcomer() -> None:
+    """shed_lowest_priority evicts the newest item of the worst priority if the newcomer is better."""
+    dropped: list[str] = []
+    q: BoundedQueue[str] = BoundedQueue(3, "shed_lowest_priority", on_drop=lambda e, exc: dropped.append(e.item))
+    q.put_nowait("low1", priority=5)
+    q.put_nowait("low2", priority=5)
+    q.put_nowait("mid", priority=1)
+    q.put_nowait("high", priority=0)
+    assert dropped == ["low2"]
+    with pytest.raises(QueueFull):
+        q.put_nowait("lower", priority=9)
+    assert drain(q) == ["high", "mid", "low1"]
+
+
+def test_aging_lets_low_priority_overtake_after_waiting() -> None:
+    """With aging, an old low-priority item eventually beats a fresh high-priority one."""
+    clock = MockClock()
+    q: BoundedQueue[str] = BoundedQueue(10, aging_s=1.0, clock=clock)
+    q.put_nowait("old-low", priority=3)
+    clock.advance(2.0)
+    q.put_nowait("new-high", priority=0)
+    assert q.get_nowait() == "new-high"  # 3 - 2 = 1 > 0
+    q.put_nowait("new-high2", priority=0)
+    clock.advance(2.0)  # old-low is now 3 - 4 = -1, new-high2 is 0 - 2 = -2
+    assert q.get_nowait() == "new-high2"
+    q.put_nowait("fresh", priority=0)
+    assert q.get_nowait() == "old-low"  # -1 beats 0
+
+
+def test_deadline_expiry_removes_item_and_reports_deadline_exceeded() -> None:
+    """Items whose deadline passes leave with DeadlineExceeded and are never handed out."""
+    clock = MockClock()
+    dropped = []
+    q: BoundedQueue[str] = BoundedQueue(5, clock=clock, on_drop=lambda e, exc: dropped.append((e.item, exc)))
+    q.put_nowait("short", deadline_ms=10)
+    q.put_nowait("long", deadline_ms=1000)
+    q.put_nowait("none")
+    assert q.next_deadline() == pytest.approx(0.010)
+    clock.advance(0.011)
+    assert q.expire() == 1
+    assert dropped[0][0] == "short"
+    assert isinstance(dropped[0][1], DeadlineExceeded)
+    assert drain(q) == ["long", "none"]
+    assert q.statistics().expiries == 1
+
+
+def test_cancel_frees_the_slot_and_is_idempotent() -> None:
+    """A cancelled entry frees its slot at once; cancelling twice is harmless."""
+    q: BoundedQueue[str] = BoundedQueue(1)
+    e = q.put_nowait("x")
+    assert q.cancel(e) is True
+    assert q.cancel(e) is False
+    q.put_nowait("y")
+    assert drain(q) == ["y"]
+    assert q.statistics().cancellations == 1
+
+
+def test_many_cancellations_keep_memory_bounded() -> None:
+    """Lazily deleted entries are compacted: internal storage stays near capacity."""
+    q: BoundedQueue[int] = BoundedQueue(4)
+    keep = q.put_nowait(-1)
+    for i in range(1000):
+        q.cancel(q.put_nowait(i))
+    assert sum(len(d) for d in q._levels.values()) <= 2 * q.maxsize + 1
+    assert keep.waiting
+    assert len(q) == 1
+
+
+def test_block_policy_put_waits_for_room_then_times_out() -> None:
+    """on_full='block': put waits for a get to free room, and raises QueueFull on timeout."""
+    q: BoundedQueue[int] = BoundedQueue(1, "block")
+    q.put_nowait(1)
+    with pytest.raises(QueueFull, match="within timeout"):
+        q.put(2, timeout=0.01)
+    done = threading.Event()
+
+    def producer() -> None:
+        q.put(3, timeout=10)
+        done.set()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    assert q.get(timeout=10) == 1
+    assert done.wait(10)
+    t.join(10)
+    assert q.get_nowait() == 3
+
+
+def test_get_waits_for_an_item_and_times_out() -> None:
+    """get blocks until an item arrives, or raises QueueEmpty after its timeout."""
+    q: BoundedQueue[int] = BoundedQueue(2)
+    with pytest.raises(QueueEmpty):
+        q.get(timeout=0.01)
+    t = threading.Timer(0.01, lambda: q.put_nowait(7))
+    t.start()
+    assert q.get(timeout=10) == 7
+    t.join()
+
+
+@pytest.mark.anyio
+async def test_async_get_and_blocking_put_from_tasks() -> None:
+    """aget awaits items and aput awaits room, from tasks on either backend."""
+    q: BoundedQueue[int] = BoundedQueue(2, "block")
+    got: list[int] = []
+
+    async def consumer() -> None:
+        for _ in range(10):
+            got.append(await q.aget())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            for i in range(10):
+                await q.aput(i)
+    assert got == list(range(10))
+    assert q.statistics().peak_depth <= 2
+
+
+@pytest.mark.anyio
+async def test_cancelled_async_waiter_leaves_no_trace() -> None:
+    """A task cancelled while waiting in aget is forgotten by the queue."""
+    q: BoundedQueue[int] = BoundedQueue(2)
+    with anyio.move_on_after(0.01):
+        await q.aget()
+    assert len(q._item_waiters) == 0
+    q.put_nowait(1)
+    assert await q.aget() == 1
+
+
+def test_threads_put_and_get_concurrently_without_loss() -> None:
+    """Many producer and consumer threads: every item is received exactly once."""
+    q: BoundedQueue[int] = BoundedQueue(8, "block")
+    n_producers, per = 4, 500
+    received: list[int] = []
+    lock = threading.Lock()
+
+    def producer(base: int) -> None:
+        for i in range(per):
+            q.put(base + i, timeout=10)
+
+    def consumer() -> None:
+        while True:
+            try:
+                x = q.get(timeout=0.5)
+            except QueueEmpty:
+                return
+            with lock:
+                received.append(x)
+
+    threads = [threading.Thread(target=producer, args=(k * per,)) for k in range(n_producers)]
+    threads += [threading.Thread(target=consumer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(received) == list(range(n_producers * per))
+    s = q.statistics()
+    assert s.depth == 0
+    assert s.served == n_producers * per
