@@ -17,14 +17,14 @@ def test_stack_then_split_round_trips(lib: str) -> None:
     items = rows if lib == "numpy" else [torch.tensor(r) for r in rows]
     batch = collate.stack(items)
     assert tuple(batch.shape) == (4, 3)
-    for got, want in zip(collate.split(batch), rows):
+    for got, want in zip(collate.split(batch), rows, strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
     assert len(collate.split(batch, 2)) == 2
 
 
 def test_stack_refuses_ragged_and_empty_input() -> None:
     """Different shapes point to pad; an empty list is refused."""
-    with pytest.raises(ValueError, match="use collate.pad"):
+    with pytest.raises(ValueError, match=r"use collate\.pad"):
         collate.stack([np.zeros(2), np.zeros(3)])
     with pytest.raises(ValueError, match="at least one item"):
         collate.stack([])
@@ -42,7 +42,7 @@ def test_pad_then_unpad_returns_each_item(lib: str, side: str) -> None:
     if side == "left":
         assert int(padded.batch[2, -1]) == 1
         assert int(padded.batch[2, 0]) == 0
-    for got, want in zip(collate.unpad(padded.batch, padded), seqs):
+    for got, want in zip(collate.unpad(padded.batch, padded), seqs, strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
