@@ -32,9 +32,9 @@ import anyio
 
 from ._clock import Clock
 from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, QueueFull
-from ._waiters import AsyncWaiter, ThreadWaiter, new_async_waiter, wake_all
+from ._waiters import ThreadWaiter, new_async_waiter, wake_all
 from .metrics import LatencySummary, SampleWindow
-from .queue import _ANY, BoundedQueue, OnFull, QueueEntry
+from .queue import _ANY, WAITING, BoundedQueue, OnFull, QueueEntry, _check_put_args
 
 __all__ = ["BatchInfo", "BatcherStatistics", "DynamicBatcher", "FLUSH_REASONS"]
 
@@ -48,20 +48,21 @@ _NO_FALLBACK: Any = object()
 _PENDING, _DISPATCHED, _DONE = range(3)
 
 
-class _Request:
-    """One caller's item and how to answer it."""
+class _Request(QueueEntry[Any]):
+    """One caller's item, its place in the queue (it *is* the queue entry) and how to answer it.
 
-    __slots__ = ("entry", "error", "fallback", "item", "sink", "state", "t_submit", "value")
+    The queue fields (priority, seq, arrival, ...) are filled in when it is admitted.
+    """
 
-    def __init__(self, item: Any, sink: Any, fallback: Any, t_submit: float) -> None:
+    __slots__ = ("error", "fallback", "phase", "sink", "value")
+
+    def __init__(self, item: Any, sink: Any, fallback: Any) -> None:  # noqa: D107
         self.item = item
-        self.sink = sink  # concurrent.futures.Future, or an async waiter
+        self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
         self.fallback = fallback
-        self.t_submit = t_submit
-        self.state = _PENDING
+        self.phase = _PENDING
         self.value: Any = None
         self.error: BaseException | None = None
-        self.entry: QueueEntry[_Request] | None = None
 
     def outcome(self) -> Any:
         if self.error is not None:
@@ -191,6 +192,7 @@ class DynamicBatcher(Generic[T, R]):
         self.isolate_errors = isolate_errors
         self.batch_timeout_s = batch_timeout_s
         self.clock: Clock = clock if clock is not None else queue.clock
+        self._now = self.clock.now
         self.queue: BoundedQueue[_Request] = queue
         queue.on_drop = self._on_drop
         self._is_async = _is_async_callable(fn)
@@ -252,17 +254,22 @@ class DynamicBatcher(Generic[T, R]):
             QueueFull: the queue refused the item.
         """
         fut: concurrent.futures.Future[R] = concurrent.futures.Future()
-        req = _Request(item, fut, fallback, 0.0)
+        req = _Request(item, fut, fallback)
         self._enqueue_sync(req, priority, deadline_ms, timeout)
         fut.add_done_callback(lambda f: self._cancel(req) if f.cancelled() else None)
         return fut
 
     def __call__(self, item: T, *, priority: int = 0, deadline_ms: float | None = None) -> R:
         """Submit ``item`` and block this thread until its result is ready."""
-        fut: concurrent.futures.Future[R] = concurrent.futures.Future()
-        req = _Request(item, fut, _NO_FALLBACK, 0.0)
+        waiter = ThreadWaiter()
+        req = _Request(item, waiter, _NO_FALLBACK)
         self._enqueue_sync(req, priority, deadline_ms, None)
-        return fut.result()
+        try:
+            waiter.wait()
+        except BaseException:  # KeyboardInterrupt while parked: give the item up
+            self._cancel(req)
+            raise
+        return req.outcome()  # type: ignore[no-any-return]
 
     async def asubmit(
         self,
@@ -279,13 +286,13 @@ class DynamicBatcher(Generic[T, R]):
         and discards its result otherwise. Same arguments and errors as :meth:`submit`.
         """
         waiter = new_async_waiter()
-        req = _Request(item, waiter, fallback, 0.0)
+        req = _Request(item, waiter, fallback)
         if self.queue.on_full == "block":
             await self._enqueue_async_blocking(req, priority, deadline_ms, timeout)
         else:
             self._enqueue(req, priority, deadline_ms)
         try:
-            await waiter.wait()
+            await waiter
         except BaseException:
             self._cancel(req)
             raise
@@ -310,43 +317,54 @@ class DynamicBatcher(Generic[T, R]):
         return key, cost
 
     def _enqueue(self, req: _Request, priority: int, deadline_ms: float | None) -> None:
-        key, cost = self._prepare(req) if (self.group_by or self.size_fn) else (None, 1)
-        q = self.queue
-        if deadline_ms is not None or not isinstance(priority, int):
-            from .queue import _check_put_args
-
+        if self.group_by is not None or self.size_fn is not None:
+            key, cost = self._prepare(req)
+        else:
+            key, cost = None, 1
+        if deadline_ms is not None or type(priority) is not int:
             _check_put_args(priority, deadline_ms)
+        q = self.queue
         with self._mutex:
             if self._closing:
                 raise BatcherClosed(f"{self.name}: the batcher is closed; create a new one to submit")
-            now = self.clock.now()
-            req.t_submit = now
+            drops: list[tuple[QueueEntry[Any], BaseException]] = []
+            if q._depth >= q.maxsize:
+                try:
+                    drops = q._admit(priority)
+                except QueueFull:
+                    self._rejected += 1
+                    raise
+            now = self._now()
+            req.priority = priority
+            req.arrival = now
+            req.deadline = None if deadline_ms is None else now + deadline_ms / 1e3
+            req.key = key
+            req.cost = cost
+            req.state = WAITING
+            q._seq += 1
+            req.seq = q._seq
             was_empty = q._depth == 0
-            try:
-                entry, drops = q._insert(req, priority, deadline_ms, key, cost, now)
-            except QueueFull:
-                self._rejected += 1
-                raise
-            req.entry = entry
+            q._push(req)
             self._submitted += 1
             if self._t_first is None:
                 self._t_first = now
             if self._dispatcher is None:
                 self._start()
-            elif self._dispatcher_idle and (
-                was_empty
-                or drops
-                or (entry.deadline is not None and (self._wake_at is None or entry.deadline < self._wake_at))
-                or self._is_due(key)
-            ):
-                self._dispatcher_idle = False
-                self._cond.notify()
+            elif self._dispatcher_idle:
+                # Wake the dispatcher only when this arrival changes its plan: a first item starts
+                # the wait clock, a full group is due now, an earlier deadline moves the wake-up.
+                load = q._key_counts[key]
+                if (
+                    was_empty
+                    or drops
+                    or load[0] >= self.max_batch_size
+                    or (self.max_batch_cost is not None and load[1] >= self.max_batch_cost)
+                    or (req.deadline is not None and (self._wake_at is None or req.deadline < self._wake_at))
+                ):
+                    self._dispatcher_idle = False
+                    self._cond.notify()
         if drops:
             self._resolve_drops(drops)
-
-    def _is_due(self, key: Hashable) -> bool:
-        count, cost = self.queue._key_load(key)
-        return count >= self.max_batch_size or (self.max_batch_cost is not None and cost >= self.max_batch_cost)
 
     def _enqueue_sync(self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None) -> None:
         if self.queue.on_full != "block":
@@ -387,7 +405,7 @@ class DynamicBatcher(Generic[T, R]):
                         waiter = new_async_waiter()
                         self.queue._space_waiters.append(waiter)
                 try:
-                    await waiter.wait()
+                    await waiter
                 except BaseException:
                     self.queue._abandon(self.queue._space_waiters, waiter)
                     raise
@@ -405,14 +423,14 @@ class DynamicBatcher(Generic[T, R]):
     def _cancel(self, req: _Request) -> None:
         """The caller gave up: drop its item if still queued, else let its result be discarded."""
         with self._mutex:
-            if req.state == _DONE:
+            if req.phase == _DONE:
                 return
-            if req.entry is not None and self.queue._cancel(req.entry):
-                req.state = _DONE
+            if self.queue._cancel(req):
+                req.phase = _DONE
                 self._cancelled += 1
-            elif req.state == _DISPATCHED:
+            elif req.phase == _DISPATCHED:
                 # Its batch runs; the result will find no one waiting and is dropped.
-                req.state = _DONE
+                req.phase = _DONE
                 self._cancelled += 1
 
     # ------------------------------------------------------------------ controls
@@ -581,13 +599,12 @@ class DynamicBatcher(Generic[T, R]):
                 reason = "timeout"
         if self.group_by is None:
             key = _ANY
-        entries = q._take(self.max_batch_size, now, self.max_batch_cost, key)
-        reqs = [e.item for e in entries]
+        reqs: list[_Request] = q._take(self.max_batch_size, now, self.max_batch_cost, key)  # type: ignore[assignment]
         for r in reqs:
-            r.state = _DISPATCHED
+            r.phase = _DISPATCHED
         info = BatchInfo(
             size=len(reqs),
-            cost=float(sum(e.cost for e in entries)) if self.size_fn else float(len(reqs)),
+            cost=float(sum(r.cost for r in reqs)) if self.size_fn else float(len(reqs)),
             key=None if key is _ANY else key,
             reason=reason,
         )
@@ -603,18 +620,25 @@ class DynamicBatcher(Generic[T, R]):
     # ------------------------------------------------------------------ running batches
 
     def _work_loop(self) -> None:
-        while True:
-            batch = self._work.get()
-            if batch is None:
-                return
+        batch = self._work.get()
+        while batch is not None:
             self._run_batch(batch)
             if batch.abandoned:
                 return  # a replacement worker took this one's place
             with self._mutex:
                 if batch in self._running:
                     self._running.remove(batch)
-                self._dispatcher_idle = False
-                self._cond.notify()
+                # Keep the model busy: if the next batch is already due, run it from here rather
+                # than handing it through the dispatcher thread (two thread switches saved).
+                now = self._now()
+                drops = self.queue._expire(now)
+                nxt, _ = self._next_batch(now)
+                if nxt is None:
+                    self._dispatcher_idle = False
+                    self._cond.notify()
+            if drops:
+                self._resolve_drops(drops)
+            batch = nxt if nxt is not None else self._work.get()
 
     def _run_batch(self, batch: _Batch) -> None:
         batch.thread = threading.current_thread()
@@ -627,10 +651,10 @@ class DynamicBatcher(Generic[T, R]):
                     live.append(r)
                 else:
                     with self._mutex:
-                        if r.state != _DONE:
-                            r.state = _DONE
+                        if r.phase != _DONE:
+                            r.phase = _DONE
                             self._cancelled += 1
-            elif r.state != _DONE:
+            elif r.phase != _DONE:
                 live.append(r)
         if not live:
             return
@@ -699,24 +723,26 @@ class DynamicBatcher(Generic[T, R]):
             return  # its callers were already failed with BatchTimeout
         claimed: list[_Request] = []
         with self._mutex:
-            now = self.clock.now()
+            now = self._now()
+            failed = 0
             for i, r in enumerate(reqs):
-                if r.state == _DONE:
+                if r.phase == _DONE:
                     continue
-                r.state = _DONE
+                r.phase = _DONE
                 if error is not None:
                     r.error = error
-                    self._failed += 1
+                    failed += 1
                 else:
                     v = results[i]
                     if isinstance(v, Exception):
                         r.error = v
-                        self._failed += 1
+                        failed += 1
                     else:
                         r.value = v
-                        self._succeeded += 1
-                self._latency.add(now - r.t_submit)
                 claimed.append(r)
+            self._failed += failed
+            self._succeeded += len(claimed) - failed
+            self._latency.extend([now - r.arrival for r in claimed])
             self._t_last = now
         self._wake(claimed)
 
@@ -746,10 +772,10 @@ class DynamicBatcher(Generic[T, R]):
         claimed: list[_Request] = []
         with self._mutex:
             for entry, exc in drops:
-                r: _Request = entry.item
-                if r.state == _DONE:
+                r: _Request = entry  # type: ignore[assignment]
+                if r.phase == _DONE:
                     continue
-                r.state = _DONE
+                r.phase = _DONE
                 if r.fallback is not _NO_FALLBACK and not isinstance(exc, QueueFull):
                     r.value = r.fallback
                 else:
@@ -816,6 +842,3 @@ def _is_async_callable(fn: object) -> bool:
 
 def _is_array(x: object) -> bool:
     return hasattr(x, "__len__") and hasattr(x, "__getitem__") and hasattr(x, "shape")
-
-
-_ = AsyncWaiter  # re-exported for type checkers of waiter unions

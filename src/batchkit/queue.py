@@ -23,7 +23,7 @@ import anyio
 
 from ._clock import Clock, MonotonicClock
 from ._errors import DeadlineExceeded, QueueEmpty, QueueFull
-from ._waiters import AsyncWaiter, ThreadWaiter, new_async_waiter
+from ._waiters import ThreadWaiter, new_async_waiter, wake_all
 from .metrics import LatencySummary, SampleWindow
 
 __all__ = ["ON_FULL_POLICIES", "BoundedQueue", "OnFull", "QueueEntry", "QueueStatistics"]
@@ -138,8 +138,8 @@ class BoundedQueue(Generic[T]):
         self._levels: dict[int, deque[QueueEntry[T]]] = {}
         self._deadlines: list[tuple[float, int, QueueEntry[T]]] = []
         self._key_counts: dict[Hashable, list[float]] = {}
-        self._space_waiters: deque[ThreadWaiter | AsyncWaiter | Any] = deque()
-        self._item_waiters: deque[ThreadWaiter | AsyncWaiter | Any] = deque()
+        self._space_waiters: deque[Any] = deque()
+        self._item_waiters: deque[Any] = deque()
         self._seq = 0
         self._depth = 0
         self._peak = 0
@@ -155,6 +155,46 @@ class BoundedQueue(Generic[T]):
     # Methods starting with ``_`` expect the caller to hold ``self._mutex``; they never block and
     # never call user code. They return the (entry, exception) pairs to hand to ``on_drop``.
 
+    def _admit(self, priority: int) -> list[tuple[QueueEntry[T], BaseException]]:
+        """Make room for one item of ``priority`` per the full policy. Raises QueueFull if refused."""
+        if self._depth < self.maxsize:
+            return []
+        victim = self._choose_victim(priority)
+        if victim is None:
+            self._rejections += 1
+            raise QueueFull(
+                f"queue is full ({self.maxsize} items, on_full={self.on_full!r}); raise "
+                "maxsize, use on_full='block' to wait, or add serving capacity"
+            )
+        self._remove(victim, DROPPED)
+        self._drops += 1
+        return [(victim, QueueFull(f"dropped from a full queue ({self.on_full}) to admit a newer item"))]
+
+    def _push(self, entry: QueueEntry[T]) -> None:
+        """Add an admitted entry (room was made by ``_admit``)."""
+        level = self._levels.get(entry.priority)
+        if level is None:
+            level = self._levels[entry.priority] = deque()
+        level.append(entry)
+        if entry.deadline is not None:
+            heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
+        counts = self._key_counts.get(entry.key)
+        if counts is None:
+            self._key_counts[entry.key] = [1, entry.cost]
+        else:
+            counts[0] += 1
+            counts[1] += entry.cost
+        self._depth += 1
+        self._arrivals += 1
+        if self._depth > self._peak:
+            self._peak = self._depth
+        if self._item_waiters:
+            wake_all((self._item_waiters.popleft(),))
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     def _insert(
         self,
         item: T,
@@ -165,39 +205,11 @@ class BoundedQueue(Generic[T]):
         now: float,
     ) -> tuple[QueueEntry[T], list[tuple[QueueEntry[T], BaseException]]]:
         """Admit one item, applying the full policy. Raises QueueFull when it is refused."""
-        dropped: list[tuple[QueueEntry[T], BaseException]] = []
-        if self._depth >= self.maxsize:
-            victim = self._choose_victim(priority)
-            if victim is None:
-                self._rejections += 1
-                raise QueueFull(
-                    f"queue is full ({self.maxsize} items, on_full={self.on_full!r}); raise "
-                    "maxsize, use on_full='block' to wait, or add serving capacity"
-                )
-            self._remove(victim, DROPPED)
-            self._drops += 1
-            dropped.append((victim, QueueFull(f"dropped from a full queue ({self.on_full}) to admit a newer item")))
+        dropped = self._admit(priority)
         deadline = None if deadline_ms is None else now + deadline_ms / 1e3
         self._seq += 1
         entry = QueueEntry(item, priority, self._seq, now, deadline, key, cost)
-        level = self._levels.get(priority)
-        if level is None:
-            level = self._levels[priority] = deque()
-        level.append(entry)
-        if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, entry.seq, entry))
-        counts = self._key_counts.get(key)
-        if counts is None:
-            self._key_counts[key] = [1, cost]
-        else:
-            counts[0] += 1
-            counts[1] += cost
-        self._depth += 1
-        self._arrivals += 1
-        if self._depth > self._peak:
-            self._peak = self._depth
-        if self._item_waiters:
-            self._item_waiters.popleft().wake()
+        self._push(entry)
         return entry, dropped
 
     def _choose_victim(self, priority: int) -> QueueEntry[T] | None:
@@ -225,14 +237,7 @@ class BoundedQueue(Generic[T]):
     def _remove(self, entry: QueueEntry[T], state: int) -> None:
         """Mark a waiting entry as gone (lazy deletion) and free its slot."""
         entry.state = state
-        self._depth -= 1
-        counts = self._key_counts[entry.key]
-        counts[0] -= 1
-        counts[1] -= entry.cost
-        if counts[0] == 0:
-            del self._key_counts[entry.key]
-        if self._space_waiters:
-            self._space_waiters.popleft().wake()
+        self._release([entry])
         dq = self._levels.get(entry.priority)
         if dq is not None and len(dq) > 2 * self.maxsize:
             # Many lazily deleted entries: compact so memory stays bounded by capacity.
@@ -292,6 +297,7 @@ class BoundedQueue(Generic[T]):
                         full = True
                         break
                     dq.popleft()
+                    e.state = TAKEN
                     out.append(e)
                     total += e.cost
             else:
@@ -306,18 +312,37 @@ class BoundedQueue(Generic[T]):
                         full = True
                         keep.append(e)
                     else:
+                        e.state = TAKEN
                         out.append(e)
                         total += e.cost
                 self._levels[p] = keep
-            if not dq and not self._levels[p]:
+            if not self._levels[p]:
                 del self._levels[p]
             if full or len(out) >= max_items:
                 break
-        for e in out:
-            self._remove(e, TAKEN)
-            self._wait.add(now - e.arrival)
-        self._served += len(out)
+        if out:
+            self._release(out)
+            self._wait.extend([now - e.arrival for e in out])
+            self._served += len(out)
         return out
+
+    def _release(self, gone: list[QueueEntry[T]]) -> None:
+        """Account for entries that just left (their state is already set): slots, loads, waiters."""
+        n = len(gone)
+        self._depth -= n
+        counts = self._key_counts
+        if len(counts) == 1 and (only := next(iter(counts))) == gone[0].key and counts[only][0] == n:
+            del counts[only]  # the common case: one group, all of it taken
+        else:
+            for e in gone:
+                c = counts[e.key]
+                c[0] -= 1
+                c[1] -= e.cost
+                if c[0] == 0:
+                    del counts[e.key]
+        waiters = self._space_waiters
+        if waiters:
+            wake_all([waiters.popleft() for _ in range(min(n, len(waiters)))])
 
     def _expire(self, now: float) -> list[tuple[QueueEntry[T], BaseException]]:
         """Remove every waiting entry whose deadline has passed."""
@@ -452,7 +477,7 @@ class BoundedQueue(Generic[T]):
                     self._space_waiters.append(waiter)
                 self._notify_drops(drops)
                 try:
-                    await waiter.wait()
+                    await waiter
                 except BaseException:
                     self._abandon(self._space_waiters, waiter)
                     raise
@@ -518,7 +543,7 @@ class BoundedQueue(Generic[T]):
             if taken:
                 return taken[0].item
             try:
-                await waiter.wait()
+                await waiter
             except BaseException:
                 self._abandon(self._item_waiters, waiter)
                 raise
@@ -547,7 +572,7 @@ class BoundedQueue(Generic[T]):
                 waiters.remove(waiter)
             except ValueError:  # it was woken (popped) already: hand the wake-up to the next
                 if waiters:
-                    waiters.popleft().wake()
+                    wake_all((waiters.popleft(),))
 
     def __len__(self) -> int:
         return self._depth
