@@ -56,7 +56,7 @@ class _Request(QueueEntry[Any]):
 
     __slots__ = ("error", "fallback", "phase", "sink", "value")
 
-    def __init__(self, item: Any, sink: Any, fallback: Any) -> None:  # noqa: D107
+    def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
         self.item = item
         self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
         self.fallback = fallback
