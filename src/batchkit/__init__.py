@@ -20,12 +20,23 @@ from ._errors import (
 )
 from .batcher import BatcherStatistics, BatchInfo, DynamicBatcher
 from .decorator import AsyncBatchedFunction, BatchedFunction, batched
+from .kv import (
+    AllocatorStatistics,
+    InvalidBlock,
+    KVPlan,
+    ModelShape,
+    PagedKVAllocator,
+    PagedKVCache,
+    UnknownSequence,
+    kv_cache_bytes,
+)
 from .metrics import LatencySummary
 from .queue import BoundedQueue, QueueEntry, QueueStatistics
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocatorStatistics",
     "AsyncBatchedFunction",
     "BatchInfo",
     "BatchSizeMismatch",
@@ -39,15 +50,22 @@ __all__ = [
     "Clock",
     "DeadlineExceeded",
     "DynamicBatcher",
+    "InvalidBlock",
     "KVCacheExhausted",
+    "KVPlan",
     "LatencySummary",
+    "ModelShape",
     "MonotonicClock",
+    "PagedKVAllocator",
+    "PagedKVCache",
     "QueueEmpty",
     "QueueEntry",
     "QueueFull",
     "QueueStatistics",
+    "UnknownSequence",
     "__version__",
     "batched",
     "collate",
+    "kv_cache_bytes",
     "testing",
 ]

@@ -1,4 +1,4 @@
-"""``batchkit`` command line: ``batchkit demo``."""
+"""``batchkit`` command line: ``batchkit demo`` and ``batchkit plan``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,40 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .kv.planner import PRESETS, ModelShape, plan
+
+    if args.config:
+        source: object = args.config
+    elif args.preset in PRESETS:
+        source = PRESETS[args.preset]
+    else:
+        print(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)} or pass --config", file=sys.stderr)
+        return 2
+    shape = ModelShape.from_hf_config(source)
+    gib = 1024**3
+    try:
+        p = plan(
+            shape,
+            device_bytes=int(args.device_gib * gib),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            weight_bytes=None if args.weights_gib is None else int(args.weights_gib * gib),
+            activation_bytes=int(args.activation_gib * gib),
+            block_size=args.block_size,
+            mean_seq_len=args.mean_len,
+        )
+    except ValueError as exc:
+        print(f"batchkit plan: {exc}", file=sys.stderr)
+        return 2
+    name = args.config or args.preset
+    print(
+        f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim}, "
+        f"{shape.dtype_bytes} bytes per value"
+    )
+    print(p.table())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchkit", description="batching for any model callable")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,5 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-batch", type=int, default=32)
     demo.add_argument("--max-wait-ms", type=float, default=5.0)
     demo.set_defaults(run=_demo)
+    pl = sub.add_parser("plan", help="print the KV-cache memory budget for a model on a device")
+    src = pl.add_mutually_exclusive_group()
+    src.add_argument("--config", help="path to a Hugging Face config.json")
+    src.add_argument("--preset", default="llama-2-7b", help="llama-2-7b, llama-3-8b or llama-2-70b")
+    pl.add_argument("--device-gib", type=float, default=80.0)
+    pl.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    pl.add_argument("--weights-gib", type=float, default=None, help="default: estimated from the config")
+    pl.add_argument("--activation-gib", type=float, default=2.0)
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--mean-len", type=int, default=1024)
+    pl.set_defaults(run=_plan)
     args = parser.parse_args(argv)
     return int(args.run(args))

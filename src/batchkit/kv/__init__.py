@@ -1,0 +1,19 @@
+"""Paged KV cache: block bookkeeping (allocator), tensors and ops (cache), memory planning."""
+
+from __future__ import annotations
+
+from .allocator import AllocatorStatistics, InvalidBlock, PagedKVAllocator, UnknownSequence
+from .cache import PagedKVCache
+from .planner import KVPlan, ModelShape, kv_cache_bytes, plan
+
+__all__ = [
+    "AllocatorStatistics",
+    "InvalidBlock",
+    "KVPlan",
+    "ModelShape",
+    "PagedKVAllocator",
+    "PagedKVCache",
+    "UnknownSequence",
+    "kv_cache_bytes",
+    "plan",
+]

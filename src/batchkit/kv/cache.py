@@ -1,0 +1,217 @@
+"""PagedKVCache: the K/V tensors of a paged cache and the operations on them.
+
+Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0
+of the second axis is K, 1 is V). A token's K (or V) for one layer is a contiguous row of
+``num_kv_heads * head_dim`` elements, so a scatter moves whole rows (16-byte vector copies on a
+GPU) and a block is one contiguous run of ``block_size`` rows, which is what block copies and
+swaps move. One allocation for all layers keeps swap and copy a single indexed operation.
+
+Each operation dispatches on the tensor's device: the CUDA kernels of :mod:`batchkit._cuda` for
+CUDA tensors when CuPy is installed, the torch reference (:mod:`batchkit.kv.ops`) otherwise.
+``backend="torch"`` or ``"cuda"`` forces one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from . import ops
+
+__all__ = ["Backend", "PagedKVCache", "choose_backend"]
+
+Backend = Literal["auto", "torch", "cuda"]
+Tensor = Any
+
+
+def choose_backend(backend: Backend, device_type: str, cuda_available: Callable[[], bool]) -> str:
+    """Which implementation serves a cache: ``"cuda"`` kernels or the ``"torch"`` reference.
+
+    Raises:
+        ValueError: ``backend="cuda"`` for a cache that is not on a CUDA device.
+    """
+    if backend == "cuda":
+        if device_type != "cuda":
+            raise ValueError("backend='cuda' needs the cache on a CUDA device")
+        return "cuda"
+    if backend == "torch" or device_type != "cuda":
+        return "torch"
+    return "cuda" if cuda_available() else "torch"
+
+
+class PagedKVCache:
+    """K/V tensors for ``num_blocks`` blocks of ``block_size`` tokens, for every layer.
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the shape.
+        dtype: any float torch dtype (default float16 on CUDA, float32 on CPU).
+        device: where the cache lives.
+        backend: ``"auto"`` (CUDA kernels for CUDA tensors when CuPy is importable), ``"torch"``
+            or ``"cuda"`` (fails at first use if the kernels cannot load).
+
+    Raises:
+        ValueError: non-positive sizes or an unknown backend.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: Any = None,
+        device: Any = "cpu",
+        backend: Backend = "auto",
+    ) -> None:
+        import torch
+
+        for name, v in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if backend not in ("auto", "torch", "cuda"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'cuda', got {backend!r}")
+        device = torch.device(device)
+        if dtype is None:
+            dtype = torch.float16 if device.type == "cuda" else torch.float32
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a float dtype, got {dtype}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.backend: Backend = backend
+        self.kv = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+
+    # ------------------------------------------------------------------ views
+
+    def key(self, layer: int) -> Tensor:
+        """Layer ``layer``'s K pages ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self.kv[layer, 0]
+
+    def value(self, layer: int) -> Tensor:
+        """Layer ``layer``'s V pages."""
+        return self.kv[layer, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kv.numel() * self.kv.element_size())
+
+    def _use_cuda(self) -> bool:
+        from .. import _cuda
+
+        return choose_backend(self.backend, self.device.type, _cuda.available) == "cuda"
+
+    # ------------------------------------------------------------------ operations
+
+    def scatter(self, layer: int, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
+        """Write new tokens' K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots.
+
+        Negative slots are padding and are skipped.
+
+        Raises:
+            ValueError: shapes that do not match the cache, or a slot outside it.
+        """
+        self._check_tokens(key, value, slot_mapping)
+        if self._use_cuda():
+            from .. import _cuda
+
+            _cuda.scatter_kv(self.key(layer), self.value(layer), key, value, slot_mapping)
+        else:
+            ops.scatter(self.key(layer), self.value(layer), key, value, slot_mapping)
+
+    def gather(self, layer: int, block_tables: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+        """Sequences' pages to contiguous K and V ``[sum(seq_lens), num_kv_heads, head_dim]``."""
+        if self._use_cuda():
+            from .. import _cuda
+
+            return (
+                _cuda.gather_kv(self.key(layer), block_tables, seq_lens),
+                _cuda.gather_kv(self.value(layer), block_tables, seq_lens),
+            )
+        return ops.gather(self.key(layer), block_tables, seq_lens), ops.gather(
+            self.value(layer), block_tables, seq_lens
+        )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy blocks ``src -> dst`` in every layer, K and V (copy-on-write)."""
+        if len(pairs) == 0:
+            return
+        self._check_blocks(pairs, self.num_blocks, self.num_blocks)
+        if self._use_cuda():
+            from .. import _cuda
+
+            _cuda.copy_blocks(self.kv.view(self.num_layers * 2, self.num_blocks, -1), pairs)
+        else:
+            flat = self.kv.view(self.num_layers * 2, self.num_blocks, -1)
+            ops.copy_blocks([flat[i] for i in range(flat.shape[0])], pairs)
+
+    def swap_blocks(self, other: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy blocks ``self[src] -> other[dst]`` for every layer (device <-> CPU swap pools)."""
+        if len(pairs) == 0:
+            return
+        if (other.num_layers, other.block_size, other.num_kv_heads, other.head_dim) != (
+            self.num_layers,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        ):
+            raise ValueError("swap_blocks needs two caches of the same layers, block size, heads and head_dim")
+        self._check_blocks(pairs, self.num_blocks, other.num_blocks)
+        src = self.kv.transpose(0, 2)  # [num_blocks, 2, num_layers, ...]
+        dst = other.kv.transpose(0, 2)
+        ops.swap_blocks(src, dst, pairs)
+
+    def paged_attention(
+        self,
+        layer: int,
+        query: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_lens: Tensor | None = None,
+        scale: float | None = None,
+    ) -> Tensor:
+        """Attention over this layer's pages (see :func:`batchkit.kv.ops.paged_attention`)."""
+        return ops.paged_attention(query, self.key(layer), self.value(layer), block_tables, seq_lens, query_lens, scale)
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_tokens(self, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
+        want = (self.num_kv_heads, self.head_dim)
+        if key.dim() != 3 or tuple(key.shape[1:]) != want or key.shape != value.shape:
+            raise ValueError(
+                f"key and value must both be [num_tokens, {want[0]}, {want[1]}], got {tuple(key.shape)} "
+                f"and {tuple(value.shape)}"
+            )
+        if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+            raise ValueError(
+                f"slot_mapping must be 1-D with one slot per token ({key.shape[0]}), got {tuple(slot_mapping.shape)}"
+            )
+        if slot_mapping.numel() and int(slot_mapping.max()) >= self.num_blocks * self.block_size:
+            raise ValueError(
+                f"slot {int(slot_mapping.max())} is outside the cache ({self.num_blocks * self.block_size} slots)"
+            )
+
+    @staticmethod
+    def _check_blocks(pairs: Sequence[tuple[int, int]], n_src: int, n_dst: int) -> None:
+        for s, d in pairs:
+            if not (0 <= s < n_src and 0 <= d < n_dst):
+                raise ValueError(f"block pair ({s}, {d}) is outside the pools ({n_src} and {n_dst} blocks)")
+
+    def __repr__(self) -> str:
+        return (
+            f"<PagedKVCache layers={self.num_layers} blocks={self.num_blocks}x{self.block_size} "
+            f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} {self.dtype} {self.device}>"
+        )

@@ -1,0 +1,140 @@
+"""Reference operations on paged KV tensors, in torch. They are the CPU path and the test oracle
+of the CUDA kernels in :mod:`batchkit._cuda`.
+
+Layout (per layer and per K or V): ``[num_blocks, block_size, num_kv_heads, head_dim]``, viewed
+flat as ``[num_blocks * block_size, num_kv_heads, head_dim]`` so that a slot indexes one token's
+row of ``num_kv_heads * head_dim`` contiguous elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "copy_blocks",
+    "gather",
+    "paged_attention",
+    "scatter",
+    "slots_for",
+    "swap_blocks",
+]
+
+Tensor = Any  # torch.Tensor; torch is imported lazily
+
+
+def _flat(cache: Tensor) -> Tensor:
+    return cache.view(-1, cache.shape[-2], cache.shape[-1])
+
+
+def scatter(key_cache: Tensor, value_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
+    """Write ``key``/``value`` ``[num_tokens, heads, head_dim]`` at ``slot_mapping`` (negative: skip)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    _flat(key_cache)[slots] = key[keep].to(key_cache.dtype)
+    _flat(value_cache)[slots] = value[keep].to(value_cache.dtype)
+
+
+def slots_for(block_tables: Tensor, seq_lens: Tensor, block_size: int) -> Tensor:
+    """Slots of every token of every sequence, concatenated in sequence order (int64)."""
+    import torch
+
+    lens = seq_lens.long()
+    total = int(lens.sum())
+    seq_idx = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(total, device=lens.device) - starts[seq_idx]
+    blocks = block_tables.long()[seq_idx, pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+def gather(cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> Tensor:
+    """Pages of the given sequences to contiguous ``[sum(seq_lens), heads, head_dim]``."""
+    slots = slots_for(block_tables.to(cache.device), seq_lens.to(cache.device), cache.shape[1])
+    return _flat(cache).index_select(0, slots)
+
+
+def copy_blocks(caches: Sequence[Tensor], pairs: Sequence[tuple[int, int]] | Tensor) -> None:
+    """Copy whole blocks ``src -> dst`` within each cache tensor (copy-on-write, compaction)."""
+    import torch
+
+    if len(pairs) == 0:
+        return
+    p = torch.as_tensor(pairs, dtype=torch.long, device=caches[0].device).view(-1, 2)
+    for c in caches:
+        c[p[:, 1]] = c[p[:, 0]]
+
+
+def swap_blocks(src: Tensor, dst: Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy blocks ``src[s] -> dst[d]`` between pools on different devices (device <-> CPU)."""
+    import torch
+
+    if len(pairs) == 0:
+        return
+    p = torch.as_tensor(pairs, dtype=torch.long)
+    s = p[:, 0].to(src.device)
+    d = p[:, 1].to(dst.device)
+    dst[d] = src[s].to(dst.device, non_blocking=True)
+
+
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_lens: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention of new tokens over paged K/V (reference, one sequence at a time).
+
+    Args:
+        query: ``[total_query_tokens, num_heads, head_dim]``, the sequences' new tokens in order.
+        key_cache, value_cache: one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks]``; seq_lens: context length of each sequence,
+            new tokens included (their K/V must already be scattered).
+        query_lens: new tokens per sequence (default: 1 each, i.e. decode). A sequence's queries
+            are its last ``query_lens[i]`` positions; each attends causally.
+        scale: softmax scale (default ``head_dim ** -0.5``).
+
+    Grouped-query attention: ``num_heads`` must be a multiple of ``num_kv_heads``.
+
+    Returns:
+        ``[total_query_tokens, num_heads, head_dim]`` in ``query``'s dtype.
+    """
+    import torch
+
+    n_seqs = int(seq_lens.numel())
+    if query_lens is None:
+        query_lens = torch.ones(n_seqs, dtype=torch.long)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv = key_cache.shape[2]
+    if num_heads % num_kv:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv})")
+    group = num_heads // num_kv
+    scale = head_dim**-0.5 if scale is None else scale
+    q_lens = [int(x) for x in query_lens.tolist()]
+    ctx = [int(x) for x in seq_lens.tolist()]
+    if sum(q_lens) != query.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} tokens but query_lens sum to {sum(q_lens)}")
+    out = torch.empty_like(query)
+    bs = key_cache.shape[1]
+    start = 0
+    for i in range(n_seqs):
+        ql, L = q_lens[i], ctx[i]
+        if ql > L:
+            raise ValueError(f"sequence {i}: {ql} new tokens but context length {L}")
+        slots = slots_for(block_tables[i : i + 1].to(key_cache.device), torch.tensor([L]), bs)
+        k = _flat(key_cache).index_select(0, slots.to(key_cache.device))
+        v = _flat(value_cache).index_select(0, slots.to(key_cache.device))
+        q = query[start : start + ql]
+        k = k.repeat_interleave(group, dim=1).to(torch.float32)  # [L, H, D]
+        v = v.repeat_interleave(group, dim=1).to(torch.float32)
+        scores = torch.einsum("qhd,khd->hqk", q.to(torch.float32), k) * scale
+        q_pos = torch.arange(L - ql, L).view(-1, 1)
+        k_pos = torch.arange(L).view(1, -1)
+        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[start : start + ql] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        start += ql
+    return out

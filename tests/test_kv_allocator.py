@@ -1,0 +1,342 @@
+"""PagedKVAllocator: block accounting, slot mapping, sharing, prefix caching, quotas and swap."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from batchkit import BatchkitError, KVCacheExhausted, PagedKVAllocator, UnknownSequence
+
+
+def check_invariants(a: PagedKVAllocator) -> None:
+    """The accounting identities every operation must preserve."""
+    s = a.statistics()
+    assert s.free_blocks + s.used_blocks + s.cached_blocks == s.total_blocks
+    ref = a._ref
+    assert (ref >= 0).all()
+    assert ref[0] == 0, "the null block is never handed out"
+    free = a._free[: a._num_free].tolist()
+    assert len(set(free)) == len(free), "a block is on the free list twice"
+    assert all(ref[b] == 0 for b in free)
+    assert all(ref[b] == 0 for b in a._evictable)
+    assert not set(free) & set(a._evictable)
+    # Reference counts equal the number of resident block tables holding each block.
+    held: Counter[int] = Counter()
+    for sid, info in a._seqs.items():
+        if info.cpu_blocks is None:
+            table = a.block_table(sid).tolist()
+            assert len(table) == a.blocks_needed(a.num_tokens(sid))
+            held.update(table)
+            slots = a.slot_mapping(sid)
+            assert set((slots // a.block_size).tolist()) <= set(table)
+    for b in range(1, a.num_blocks):
+        assert ref[b] == held[b], f"block {b}: refcount {ref[b]}, held by {held[b]} tables"
+    # Cache index is consistent both ways.
+    for h, b in a._hash_to_block.items():
+        assert a._block_key[b][0] == h
+
+
+def test_bad_arguments_are_refused() -> None:
+    """Sizes and fractions are validated with messages that name the argument."""
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 2"):
+        PagedKVAllocator(1)
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVAllocator(8, 0)
+    with pytest.raises(ValueError, match="watermark"):
+        PagedKVAllocator(8, watermark=1.0)
+
+
+def test_slots_follow_the_block_table_and_null_block_is_reserved() -> None:
+    """Token p lives at block_table[p // bs] * bs + p % bs; block 0 is never used."""
+    a = PagedKVAllocator(16, block_size=4)
+    a.allocate("s", 6)
+    table = a.block_table("s")
+    assert 0 not in table.tolist()
+    assert a.slot_mapping("s").tolist() == [table[p // 4] * 4 + p % 4 for p in range(6)]
+    slots = a.append_slots("s", 3)
+    assert slots.tolist() == [a.block_table("s")[p // 4] * 4 + p % 4 for p in range(6, 9)]
+    check_invariants(a)
+
+
+def test_append_allocates_a_block_only_when_one_fills() -> None:
+    """Appending within the last block takes no new block."""
+    a = PagedKVAllocator(16, block_size=4)
+    a.allocate("s", 5)
+    before = a.num_free_blocks
+    a.append_slots("s", 3)  # positions 5..7 fill block 2
+    assert a.num_free_blocks == before
+    a.append_slots("s", 1)
+    assert a.num_free_blocks == before - 1
+
+
+def test_batch_append_equals_one_by_one() -> None:
+    """append_slots_batch gives the same slots as appending to each sequence alone."""
+    a, b = PagedKVAllocator(64, 4), PagedKVAllocator(64, 4)
+    for alloc in (a, b):
+        for i, n in enumerate([3, 4, 1, 8]):
+            alloc.allocate(i, n)
+    for _ in range(6):
+        got = a.append_slots_batch([0, 1, 2, 3])
+        want = np.concatenate([b.append_slots(i) for i in range(4)])
+        assert got.tolist() == want.tolist()
+    check_invariants(a)
+
+
+def test_exhaustion_is_an_error_that_changes_nothing() -> None:
+    """Asking for more than exists raises KVCacheExhausted and leaves the pool as it was."""
+    a = PagedKVAllocator(5, block_size=4)  # 4 usable blocks
+    a.allocate("x", 12)
+    before = a.statistics()
+    with pytest.raises(KVCacheExhausted, match="need 2 KV blocks"):
+        a.allocate("y", 5)
+    assert "y" not in a
+    a.append_slots("x", 4)  # the last free block
+    with pytest.raises(KVCacheExhausted):
+        a.append_slots_batch(["x"])
+    assert a.num_tokens("x") == 16
+    assert before.num_seqs == a.statistics().num_seqs
+    check_invariants(a)
+
+
+def test_watermark_holds_back_admission_but_not_growth() -> None:
+    """Admission leaves the watermark free; running sequences may still grow into it."""
+    a = PagedKVAllocator(11, block_size=1, watermark=0.2)  # 10 blocks, 2 held back
+    assert a.can_allocate(8)
+    assert not a.can_allocate(9)
+    a.allocate("s", 8)
+    a.append_slots("s", 2)  # into the watermark: allowed
+    assert a.num_free_blocks == 0
+
+
+def test_unknown_and_double_free_are_clear_errors() -> None:
+    """Freeing twice or naming an unknown sequence raises UnknownSequence."""
+    a = PagedKVAllocator(8)
+    a.allocate("s", 3)
+    a.free("s")
+    with pytest.raises(UnknownSequence, match="not allocated"):
+        a.free("s")
+    with pytest.raises(UnknownSequence):
+        a.append_slots("nope")
+    a.allocate("t", 1)
+    with pytest.raises(ValueError, match="already allocated"):
+        a.allocate("t", 1)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one_on_write() -> None:
+    """After fork, a write to the shared partial block copies it first (copy-on-write)."""
+    a = PagedKVAllocator(32, block_size=4)
+    a.allocate("p", 6)  # blocks: full, partial
+    a.fork("p", "c")
+    full, partial = a.block_table("p").tolist()
+    assert a.ref_count(full) == 2
+    assert a.ref_count(partial) == 2
+    a.append_slots("c", 1)
+    copies = a.take_copies()
+    assert len(copies) == 1
+    assert copies[0][0] == partial
+    new = copies[0][1]
+    assert a.block_table("c").tolist() == [full, new]
+    assert a.ref_count(partial) == 1
+    assert a.take_copies() == []
+    check_invariants(a)
+
+
+def test_prefix_cache_reuses_blocks_and_verifies_tokens() -> None:
+    """A prompt sharing full blocks with a cached one reuses them; different tokens never hit."""
+    a = PagedKVAllocator(64, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(100, 111))  # 11 tokens: 2 full blocks + 3
+    assert a.allocate("a", prompt) == 0
+    a.free("a")
+    assert a.statistics().cached_blocks == 2
+    assert a.allocate("b", [*prompt[:8], 7, 7]) == 8
+    assert a.allocate("c", [1, 2, 3, 4, 5]) == 0
+    # A forged collision: the index says this hash is ours, but the tokens differ.
+    h = next(iter(a._hash_to_block))
+    b = a._hash_to_block[h]
+    a._block_key[b] = (h, (0, 0, 0, 0))
+    assert a.allocate("d", prompt) == 0
+    check_invariants(a)
+
+
+def test_prefix_cache_salts_by_tenant() -> None:
+    """Tenants never share cached blocks, even for identical prompts."""
+    a = PagedKVAllocator(64, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(9))
+    a.allocate("a", prompt, tenant="t1")
+    assert a.allocate("b", prompt, tenant="t2") == 0
+    assert a.allocate("c", prompt, tenant="t1") == 8
+
+
+def test_cached_blocks_are_evicted_lru_when_needed() -> None:
+    """Freed cached blocks are reused for new work, least recently used first."""
+    a = PagedKVAllocator(5, block_size=2, enable_prefix_caching=True)  # 4 blocks
+    a.allocate("a", [1, 2, 3])  # 1 full block cached
+    a.free("a")
+    a.allocate("b", 8)  # needs all 4: evicts the cached one
+    assert a.statistics().evictions == 1
+    assert a.statistics().cached_blocks == 0
+    check_invariants(a)
+
+
+def test_tenant_quota_limits_only_that_tenant() -> None:
+    """A tenant over its quota gets KVCacheExhausted; others still allocate."""
+    a = PagedKVAllocator(33, block_size=1, tenant_quotas={"small": 4, "half": 0.5})
+    a.allocate("s1", 4, tenant="small")
+    with pytest.raises(KVCacheExhausted, match="quota"):
+        a.allocate("s2", 1, tenant="small")
+    with pytest.raises(KVCacheExhausted, match="quota"):
+        a.append_slots("s1")
+    a.allocate("h", 16, tenant="half")
+    a.allocate("free-for-all", 10)
+    assert a.statistics().tenant_usage == {"small": 4, "half": 16, None: 10}
+
+
+def test_swap_out_and_in_round_trip() -> None:
+    """swap_out frees device blocks and returns the copies; swap_in restores the sequence."""
+    a = PagedKVAllocator(16, block_size=4, num_cpu_blocks=8)
+    a.allocate("s", 10)
+    table = a.block_table("s").tolist()
+    moves = a.swap_out("s")
+    assert [g for g, _ in moves] == table
+    assert a.is_swapped("s")
+    assert a.statistics().used_blocks == 0
+    with pytest.raises(BatchkitError, match="swapped out"):
+        a.append_slots("s")
+    back = a.swap_in("s")
+    assert [c for c, _ in back] == [c for _, c in moves]
+    assert a.block_table("s").tolist() == [g for _, g in back]
+    assert a.num_tokens("s") == 10
+    check_invariants(a)
+
+
+def test_swap_out_without_cpu_room_changes_nothing() -> None:
+    """A swap_out the CPU pool cannot hold is refused before anything moves."""
+    a = PagedKVAllocator(16, block_size=4, num_cpu_blocks=1)
+    a.allocate("s", 10)
+    with pytest.raises(KVCacheExhausted, match="CPU blocks"):
+        a.swap_out("s")
+    assert not a.is_swapped("s")
+    check_invariants(a)
+
+
+def test_fragmentation_counts_unused_tail_slots() -> None:
+    """Fragmentation is the share of allocated slots holding no token."""
+    a = PagedKVAllocator(16, block_size=4)
+    a.allocate("s", 5)  # 2 blocks, 8 slots, 3 empty
+    assert a.statistics().fragmentation == pytest.approx(3 / 8)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random sequences of allocate/append/fork/free/swap with prefix caching and eviction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = PagedKVAllocator(40, block_size=4, enable_prefix_caching=True, num_cpu_blocks=24)
+        self.tokens: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    def _resident(self) -> list[int]:
+        return [s for s in self.tokens if not self.a.is_swapped(s)]
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=24))
+    def allocate(self, prompt: list[int]) -> None:
+        sid = self.next_id
+        self.next_id += 1
+        try:
+            cached = self.a.allocate(sid, prompt)
+        except KVCacheExhausted:
+            assert sid not in self.a
+            return
+        assert cached % 4 == 0
+        assert cached < len(prompt)
+        self.tokens[sid] = list(prompt)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def append(self, data: st.DataObject, n: int) -> None:
+        resident = self._resident()
+        if not resident:
+            return
+        sid = data.draw(st.sampled_from(resident))
+        ids = [7] * n
+        try:
+            slots = self.a.append_slots(sid, n, ids)
+        except KVCacheExhausted:
+            return
+        self.tokens[sid] += ids
+        self.a.take_copies()
+        table = self.a.block_table(sid).tolist()
+        assert set((slots // 4).tolist()) <= set(table)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def append_batch(self, data: st.DataObject) -> None:
+        resident = self._resident()
+        if not resident:
+            return
+        sids = data.draw(st.lists(st.sampled_from(resident), min_size=1, unique=True))
+        if not self.a.can_append_slots(sids):
+            with pytest.raises(KVCacheExhausted):
+                self.a.append_slots_batch(sids, [5] * len(sids))
+            return
+        self.a.append_slots_batch(sids, [5] * len(sids))
+        for s in sids:
+            self.tokens[s].append(5)
+        self.a.take_copies()
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        resident = self._resident()
+        if not resident:
+            return
+        parent = data.draw(st.sampled_from(resident))
+        child = self.next_id
+        self.next_id += 1
+        self.a.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.a.free(sid)
+        del self.tokens[sid]
+        with pytest.raises(UnknownSequence):
+            self.a.free(sid)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        try:
+            if self.a.is_swapped(sid):
+                self.a.swap_in(sid)
+            else:
+                self.a.swap_out(sid)
+        except KVCacheExhausted:
+            pass
+
+    @invariant()
+    def accounting_holds(self) -> None:
+        check_invariants(self.a)
+        for sid, toks in self.tokens.items():
+            assert self.a.num_tokens(sid) == len(toks)
+
+    def teardown(self) -> None:
+        for sid in list(self.tokens):
+            self.a.free(sid)
+        s = self.a.statistics()
+        assert s.used_blocks == 0, "blocks leaked"
+        assert s.free_blocks + s.cached_blocks == s.total_blocks
+        assert s.cpu_free_blocks == s.cpu_total_blocks
+        assert s.tenant_usage == {}
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,0 +1,130 @@
+"""PagedKVCache and the torch reference ops: scatter, gather, copy, swap, paged attention."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchkit import PagedKVAllocator, PagedKVCache
+from batchkit.kv import ops
+
+torch = pytest.importorskip("torch")
+
+
+def make_cache(**kw: object) -> PagedKVCache:
+    args = {"num_layers": 2, "num_blocks": 32, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
+    args.update(kw)
+    return PagedKVCache(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scatter_then_gather_returns_exactly_what_was_written(dtype: torch.dtype, seed: int) -> None:
+    """Random sequences written through their slot mappings read back bit-exactly; padding is skipped."""
+    g = torch.Generator().manual_seed(seed)
+    cache = make_cache(dtype=dtype)
+    alloc = PagedKVAllocator(32, block_size=4)
+    lens = [int(x) for x in torch.randint(1, 20, (4,), generator=g)]
+    for i, n in enumerate(lens):
+        alloc.allocate(i, n)
+    slots = torch.cat([torch.from_numpy(alloc.slot_mapping(i)) for i in range(4)])
+    n_tok = slots.numel()
+    k = torch.randn(n_tok, 2, 8, generator=g).to(dtype)
+    v = torch.randn(n_tok, 2, 8, generator=g).to(dtype)
+    # Interleave padding tokens (slot -1) whose values must never land anywhere.
+    pad_k = torch.full((3, 2, 8), 99.0, dtype=dtype)
+    all_k = torch.cat([k, pad_k])
+    all_v = torch.cat([v, pad_k])
+    all_slots = torch.cat([slots, torch.full((3,), -1, dtype=torch.long)])
+    cache.scatter(1, all_k, all_v, all_slots)
+    tables = torch.from_numpy(alloc.block_tables(list(range(4))))
+    gk, gv = cache.gather(1, tables, torch.tensor(lens))
+    assert torch.equal(gk, k)
+    assert torch.equal(gv, v)
+    assert not (cache.key(1) == 99).any()
+    assert not cache.key(0).any(), "other layers untouched"
+    assert not cache.key(1)[0].any(), "the null block is never written"
+
+
+def test_scatter_validates_shapes_and_slots() -> None:
+    """Shape and range errors are caught before anything is written."""
+    cache = make_cache()
+    k = torch.zeros(2, 2, 8)
+    with pytest.raises(ValueError, match="key and value must both be"):
+        cache.scatter(0, torch.zeros(2, 3, 8), k, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="one slot per token"):
+        cache.scatter(0, k, k, torch.tensor([1]))
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.scatter(0, k, k, torch.tensor([1, 32 * 4]))
+
+
+def test_copy_blocks_copies_every_layer_k_and_v() -> None:
+    """copy_blocks duplicates whole blocks in all layers (copy-on-write)."""
+    cache = make_cache()
+    cache.kv.normal_()
+    before = cache.kv.clone()
+    cache.copy_blocks([(3, 7), (5, 9)])
+    assert torch.equal(cache.kv[:, :, 7], before[:, :, 3])
+    assert torch.equal(cache.kv[:, :, 9], before[:, :, 5])
+    assert torch.equal(cache.kv[:, :, 3], before[:, :, 3])
+    with pytest.raises(ValueError, match="outside the pools"):
+        cache.copy_blocks([(0, 32)])
+
+
+def test_swap_blocks_round_trips_through_a_cpu_pool() -> None:
+    """Blocks swapped out to another pool and back are unchanged."""
+    dev = make_cache()
+    cpu = make_cache(num_blocks=8)
+    dev.kv.normal_()
+    saved = dev.kv[:, :, [4, 6]].clone()
+    dev.swap_blocks(cpu, [(4, 0), (6, 1)])
+    dev.kv[:, :, [4, 6]] = 0
+    cpu.swap_blocks(dev, [(0, 10), (1, 11)])
+    assert torch.equal(dev.kv[:, :, [10, 11]], saved)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv"), [(4, 4), (4, 2), (8, 1)])
+def test_paged_attention_matches_sdpa(num_heads: int, num_kv: int) -> None:
+    """Prefill (causal) and decode over paged K/V equal SDPA on the same contiguous data."""
+    g = torch.Generator().manual_seed(num_heads * 10 + num_kv)
+    d, bs = 16, 4
+    cache = PagedKVCache(1, 64, bs, num_kv, d)
+    alloc = PagedKVAllocator(64, block_size=bs)
+    ctx = [9, 5, 13]
+    q_lens = [9, 1, 3]  # a full prefill, a decode, a chunk at the end of a context
+    ks, vs = [], []
+    for i, n in enumerate(ctx):
+        alloc.allocate(i, n)
+        k = torch.randn(n, num_kv, d, generator=g)
+        v = torch.randn(n, num_kv, d, generator=g)
+        cache.scatter(0, k, v, torch.from_numpy(alloc.slot_mapping(i)))
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(sum(q_lens), num_heads, d, generator=g)
+    out = cache.paged_attention(
+        0, q, torch.from_numpy(alloc.block_tables([0, 1, 2])), torch.tensor(ctx), torch.tensor(q_lens)
+    )
+    start = 0
+    for i, (n, ql) in enumerate(zip(ctx, q_lens, strict=True)):
+        qi = q[start : start + ql].transpose(0, 1)  # [H, ql, D]
+        k = ks[i].repeat_interleave(num_heads // num_kv, dim=1).transpose(0, 1)
+        v = vs[i].repeat_interleave(num_heads // num_kv, dim=1).transpose(0, 1)
+        mask = torch.arange(n).view(1, -1) <= torch.arange(n - ql, n).view(-1, 1)
+        want = torch.nn.functional.scaled_dot_product_attention(qi, k, v, attn_mask=mask).transpose(0, 1)
+        torch.testing.assert_close(out[start : start + ql], want, rtol=1e-5, atol=1e-5)
+        start += ql
+
+
+def test_paged_attention_refuses_bad_head_counts() -> None:
+    """num_heads must be a multiple of num_kv_heads."""
+    cache = PagedKVCache(1, 8, 4, 3, 8)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ops.paged_attention(torch.zeros(1, 4, 8), cache.key(0), cache.value(0), torch.ones(1, 1), torch.tensor([1]))
+
+
+def test_backend_choice_is_validated() -> None:
+    """An unknown backend, or forcing CUDA on a CPU cache, is a clear error."""
+    with pytest.raises(ValueError, match="backend must be"):
+        make_cache(backend="tpu")
+    cache = make_cache(backend="cuda")
+    with pytest.raises(ValueError, match="needs the cache on a CUDA device"):
+        cache.scatter(0, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.tensor([4]))
