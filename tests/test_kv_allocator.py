@@ -36,6 +36,7 @@ def check_invariants(a: PagedKVAllocator) -> None:
             assert set((slots // a.block_size).tolist()) <= set(table)
     for b in range(1, a.num_blocks):
         assert ref[b] == held[b], f"block {b}: refcount {ref[b]}, held by {held[b]} tables"
+    assert a._shared == int(np.maximum(ref - 1, 0).sum()), "the shared-reference counter drifted"
     # Cache index is consistent both ways.
     for h, b in a._hash_to_block.items():
         assert a._block_key[b][0] == h
@@ -84,6 +85,25 @@ def test_batch_append_equals_one_by_one() -> None:
         got = a.append_slots_batch([0, 1, 2, 3])
         want = np.concatenate([b.append_slots(i) for i in range(4)])
         assert got.tolist() == want.tolist()
+    check_invariants(a)
+
+
+def test_batch_handle_survives_frees_and_row_reuse() -> None:
+    """A SeqBatch handle stays correct after other sequences are freed and their rows reused."""
+    a, b = PagedKVAllocator(64, 4), PagedKVAllocator(64, 4)
+    for alloc in (a, b):
+        for i in range(4):
+            alloc.allocate(i, i + 1)
+    handle = a.batch([1, 3])
+    a.append_slots_batch(handle)
+    b.append_slots_batch([1, 3])
+    for alloc in (a, b):
+        alloc.free(0)
+        alloc.free(2)
+        alloc.allocate(9, 5)  # takes a freed row
+    assert a.append_slots_batch(handle).tolist() == b.append_slots_batch([1, 3]).tolist()
+    with pytest.raises(ValueError, match="once"):
+        a.batch([1, 1])
     check_invariants(a)
 
 
@@ -284,7 +304,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             with pytest.raises(KVCacheExhausted):
                 self.a.append_slots_batch(sids, [5] * len(sids))
             return
-        self.a.append_slots_batch(sids, [5] * len(sids))
+        handle = self.a.batch(sids)
+        self.a.append_slots_batch(handle, [5] * len(sids))
         for s in sids:
             self.tokens[s].append(5)
         self.a.take_copies()

@@ -26,6 +26,7 @@ __all__ = [
     "AllocatorStatistics",
     "InvalidBlock",
     "PagedKVAllocator",
+    "SeqBatch",
     "UnknownSequence",
 ]
 
@@ -68,6 +69,20 @@ class AllocatorStatistics:
     copies: int
     evictions: int
     tenant_usage: dict[Hashable, int] = field(default_factory=dict)
+
+
+class SeqBatch:
+    """A handle on a fixed set of sequences (see :meth:`PagedKVAllocator.batch`)."""
+
+    __slots__ = ("epoch", "rows", "seq_ids")
+
+    def __init__(self, seq_ids: tuple[Hashable, ...], rows: np.ndarray, epoch: int) -> None:
+        self.seq_ids = seq_ids
+        self.rows = rows
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
 
 class _SeqInfo:
@@ -149,6 +164,9 @@ class PagedKVAllocator:
             self._quotas[tenant] = blocks
         self._tenant_blocks: dict[Hashable, int] = {}
         self._copies: list[tuple[int, int]] = []
+        self._num_swapped = 0
+        self._shared = 0  # references beyond the first, over all blocks: 0 means nothing is shared
+        self._epoch = 0  # bumped whenever a row may change owner (free, swap): SeqBatch handles check it
         # Statistics.
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -188,12 +206,31 @@ class PagedKVAllocator:
         """Drop one reference; a block nobody holds goes back to the pool (or the LRU, if cached)."""
         r = self._ref[block] - 1
         self._ref[block] = r
-        if r == 0:
+        if r > 0:
+            self._shared -= 1
+        elif r == 0:
             if block in self._block_key:
                 self._evictable[block] = None
             else:
                 self._free[self._num_free] = block
                 self._num_free += 1
+
+    def _release_blocks(self, blocks: np.ndarray) -> None:
+        """:meth:`_release_block` for one sequence's (distinct) blocks, vectorised."""
+        if not blocks.size:
+            return
+        r = self._ref[blocks] - 1
+        self._ref[blocks] = r
+        self._shared -= int(np.count_nonzero(r > 0))
+        zero = blocks[r == 0]
+        if self._block_key and zero.size:
+            cached = np.fromiter((b in self._block_key for b in zero.tolist()), dtype=bool, count=zero.size)
+            for b in zero[cached].tolist():
+                self._evictable[b] = None
+            zero = zero[~cached]
+        k = zero.size
+        self._free[self._num_free : self._num_free + k] = zero[::-1]
+        self._num_free += k
 
     def _check_room(self, n: int, tenant: Hashable, *, admission: bool) -> None:
         avail = self.num_free_blocks - (self._watermark_blocks if admission else 0)
@@ -347,6 +384,8 @@ class PagedKVAllocator:
         for b in hit_blocks:
             if self._ref[b] == 0:
                 del self._evictable[b]
+            else:
+                self._shared += 1
             self._ref[b] += 1
         new = self._take_blocks(fresh)
         row = self._new_row()
@@ -444,50 +483,90 @@ class PagedKVAllocator:
                 self._register_full_blocks(info, info.tenant)
         return slots
 
-    def append_slots_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | None = None) -> np.ndarray:
-        """One new token for each listed sequence (a decode step); return the slot mapping (int64).
+    def batch(self, seq_ids: Sequence[Hashable]) -> SeqBatch:
+        """A reusable handle on a set of running sequences for :meth:`append_slots_batch`.
 
-        Vectorised over the sequences; all-or-nothing: if the step does not fit, raises
+        A decode loop whose running set does not change between steps keeps the handle and skips
+        the per-sequence lookups; the handle revalidates itself after any free or swap.
+
+        Raises:
+            UnknownSequence, BatchkitError (a sequence is swapped out), ValueError (repeats).
+        """
+        seq_ids = tuple(seq_ids)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("a batch lists each sequence once")
+        if self._num_swapped:
+            infos = [self._resident(s) for s in seq_ids]
+        else:
+            seqs = self._seqs
+            try:
+                infos = [seqs[s] for s in seq_ids]
+            except KeyError as exc:
+                raise UnknownSequence(f"sequence {exc.args[0]!r} is not allocated") from None
+        rows = np.array([i.row for i in infos], dtype=np.int64)
+        return SeqBatch(seq_ids, rows, self._epoch)
+
+    def append_slots_batch(
+        self, seqs: Sequence[Hashable] | SeqBatch, token_ids: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """One new token for each sequence (a decode step); return the slot mapping (int64).
+
+        ``seqs`` is a list of sequence ids or a :meth:`batch` handle (faster). Vectorised over
+        the sequences; all-or-nothing: if the step does not fit, raises
         :class:`KVCacheExhausted` and changes nothing (check with :meth:`can_append_slots`).
         """
-        infos = [self._resident(s) for s in seq_ids]
-        if token_ids is not None and len(token_ids) != len(infos):
-            raise ValueError(f"token_ids has {len(token_ids)} ids for {len(infos)} sequences")
-        if not infos:
+        if not isinstance(seqs, SeqBatch):
+            seqs = self.batch(seqs)
+        elif seqs.epoch != self._epoch:  # rows may have changed owner: revalidate in place
+            fresh = self.batch(seqs.seq_ids)
+            seqs.rows, seqs.epoch = fresh.rows, fresh.epoch
+        rows = seqs.rows
+        if token_ids is not None and len(token_ids) != rows.size:
+            raise ValueError(f"token_ids has {len(token_ids)} ids for {rows.size} sequences")
+        if not rows.size:
             return np.empty(0, dtype=np.int64)
-        if len({id(i) for i in infos}) != len(infos):
-            raise ValueError("append_slots_batch got the same sequence twice; use append_slots(seq, n)")
         bs = self.block_size
-        rows = np.fromiter((i.row for i in infos), dtype=np.int64, count=len(infos))
         lens = self._lens[rows]
         offs = lens % bs
         needs_block = offs == 0
-        last = self._tables[rows, np.maximum(self._nblk[rows] - 1, 0)]
-        shared_partial = (~needs_block) & (self._ref[last] > 1)
-        n_new = int(needs_block.sum()) + int(shared_partial.sum())
-        if n_new:
-            per_tenant: dict[Hashable, int] = {}
-            for idx in np.flatnonzero(needs_block | shared_partial):
-                t = infos[idx].tenant
-                per_tenant[t] = per_tenant.get(t, 0) + 1
-            if n_new > self.num_free_blocks:
-                self._check_room(n_new, None, admission=False)
-            for t, k in per_tenant.items():
-                self._check_room(k, t, admission=False)
-            for idx in np.flatnonzero(shared_partial):
-                self._cow_last_block(infos[idx])
+        if self._shared:
+            last = self._tables[rows, np.maximum(self._nblk[rows] - 1, 0)]
+            shared_partial = (~needs_block) & (self._ref[last] > 1)
+            grows = np.flatnonzero(needs_block | shared_partial)
+        else:
+            shared_partial = None
+            grows = np.flatnonzero(needs_block)
+        if grows.size:
+            infos = [self._seqs[seqs.seq_ids[i]] for i in grows]
+            if grows.size > self.num_free_blocks:
+                self._check_room(int(grows.size), None, admission=False)
+            grow_flags = needs_block[grows].tolist()
+            per_tenant: dict[Hashable, int] = {}  # blocks each tenant takes this step
+            charge: dict[Hashable, int] = {}  # of which new blocks (copy-on-write swaps one for one)
+            for info, new_block in zip(infos, grow_flags, strict=True):
+                per_tenant[info.tenant] = per_tenant.get(info.tenant, 0) + 1
+                if new_block:
+                    charge[info.tenant] = charge.get(info.tenant, 0) + 1
+            if self._quotas:
+                for t, k in per_tenant.items():
+                    self._check_room(k, t, admission=False)
+            if shared_partial is not None:
+                for info, new_block in zip(infos, grow_flags, strict=True):
+                    if not new_block:
+                        self._cow_last_block(info)
             grow_rows = rows[needs_block]
             if grow_rows.size:
                 cols = self._nblk[grow_rows]
                 self._ensure_cols(int(cols.max()) + 1)
                 self._tables[grow_rows, cols] = self._take_blocks(int(grow_rows.size))
                 self._nblk[grow_rows] = cols + 1
-                for idx in np.flatnonzero(needs_block):
-                    self._charge(infos[idx].tenant, 1)
+                for t, k in charge.items():
+                    self._charge(t, k)
         self._lens[rows] = lens + 1
         slots: np.ndarray = self._tables[rows, lens // bs].astype(np.int64) * bs + offs
         if self.enable_prefix_caching:
-            for j, info in enumerate(infos):
+            for j, sid in enumerate(seqs.seq_ids):
+                info = self._seqs[sid]
                 if info.tokens is None:
                     continue
                 if token_ids is None:
@@ -495,7 +574,8 @@ class PagedKVAllocator:
                     continue
                 info.tokens.append(int(token_ids[j]))
             for idx in np.flatnonzero(offs == bs - 1):
-                self._register_full_blocks(infos[idx], infos[idx].tenant)
+                info = self._seqs[seqs.seq_ids[idx]]
+                self._register_full_blocks(info, info.tenant)
         return slots
 
     # ------------------------------------------------------------------ sharing and freeing
@@ -523,6 +603,7 @@ class PagedKVAllocator:
         self._lens[row] = self._lens[info.row]
         self._nblk[row] = nb
         np.add.at(self._ref, blocks, 1)
+        self._shared += nb
         new = _SeqInfo(row, info.tenant)
         if info.tokens is not None:
             new.tokens = list(info.tokens)
@@ -542,9 +623,9 @@ class PagedKVAllocator:
         nb = int(self._nblk[row])
         if info.cpu_blocks is not None:
             self._cpu_free.extend(info.cpu_blocks)
+            self._num_swapped -= 1
         else:
-            for b in self._tables[row, :nb].tolist():
-                self._release_block(b)
+            self._release_blocks(self._tables[row, :nb].copy())
         self._tenant_blocks[info.tenant] = self._tenant_blocks.get(info.tenant, 0) - nb
         if not self._tenant_blocks[info.tenant]:
             del self._tenant_blocks[info.tenant]
@@ -552,6 +633,7 @@ class PagedKVAllocator:
         self._lens[row] = 0
         self._nblk[row] = 0
         self._free_rows.append(row)
+        self._epoch += 1
 
     # ------------------------------------------------------------------ swap
 
@@ -570,9 +652,10 @@ class PagedKVAllocator:
             raise KVCacheExhausted(f"swap_out needs {nb} CPU blocks, {len(self._cpu_free)} free; add num_cpu_blocks")
         gpu = self._tables[row, :nb].tolist()
         cpu = [self._cpu_free.pop() for _ in range(nb)]
-        for b in gpu:
-            self._release_block(b)
+        self._release_blocks(self._tables[row, :nb].copy())
         info.cpu_blocks = cpu
+        self._num_swapped += 1
+        self._epoch += 1
         self._tables[row, :nb] = NULL_BLOCK
         self._swaps_out += 1
         return list(zip(gpu, cpu, strict=True))
@@ -593,6 +676,7 @@ class PagedKVAllocator:
         self._tables[info.row, :nb] = new
         cpu = info.cpu_blocks
         info.cpu_blocks = None
+        self._num_swapped -= 1
         self._cpu_free.extend(cpu)
         # Blocks rewritten from CPU get fresh ids, so this sequence's cache index restarts.
         info.hashes = info.hashes[:0]
