@@ -19,6 +19,7 @@ from ._errors import (
     QueueFull,
 )
 from .batcher import BatcherStatistics, BatchInfo, DynamicBatcher
+from .continuous import ContinuousDecodeLoop, SamplingParams, Scheduler, StepBatch
 from .decorator import AsyncBatchedFunction, BatchedFunction, batched
 from .kv import (
     AllocatorStatistics,
@@ -48,6 +49,7 @@ __all__ = [
     "BoundedQueue",
     "CircuitOpen",
     "Clock",
+    "ContinuousDecodeLoop",
     "DeadlineExceeded",
     "DynamicBatcher",
     "InvalidBlock",
@@ -62,6 +64,9 @@ __all__ = [
     "QueueEntry",
     "QueueFull",
     "QueueStatistics",
+    "SamplingParams",
+    "Scheduler",
+    "StepBatch",
     "UnknownSequence",
     "__version__",
     "batched",

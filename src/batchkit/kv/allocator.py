@@ -332,6 +332,15 @@ class PagedKVAllocator:
         """Blocks that ``num_tokens`` tokens occupy."""
         return -(-num_tokens // self.block_size)
 
+    def quota_of(self, tenant: Hashable) -> int | None:
+        """The tenant's block quota (None: unlimited)."""
+        return self._quotas.get(tenant)
+
+    def within_quota(self, num_tokens: int, tenant: Hashable) -> bool:
+        """Whether the tenant may take ``num_tokens`` more tokens' blocks under its quota."""
+        quota = self._quotas.get(tenant)
+        return quota is None or self._tenant_blocks.get(tenant, 0) + self.blocks_needed(num_tokens) <= quota
+
     def can_allocate(self, num_tokens: int, *, tenant: Hashable = None) -> bool:
         """Whether a whole prompt of ``num_tokens`` fits now, above the watermark and within quota.
 

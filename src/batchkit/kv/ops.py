@@ -128,9 +128,10 @@ def paged_attention(
         k = _flat(key_cache).index_select(0, slots.to(key_cache.device))
         v = _flat(value_cache).index_select(0, slots.to(key_cache.device))
         q = query[start : start + ql]
-        k = k.repeat_interleave(group, dim=1).to(torch.float32)  # [L, H, D]
-        v = v.repeat_interleave(group, dim=1).to(torch.float32)
-        scores = torch.einsum("qhd,khd->hqk", q.to(torch.float32), k) * scale
+        acc = torch.promote_types(query.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+        k = k.repeat_interleave(group, dim=1).to(acc)  # [L, H, D]
+        v = v.repeat_interleave(group, dim=1).to(acc)
+        scores = torch.einsum("qhd,khd->hqk", q.to(acc), k) * scale
         q_pos = torch.arange(L - ql, L).view(-1, 1)
         k_pos = torch.arange(L).view(1, -1)
         scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))

@@ -1,0 +1,23 @@
+"""Continuous (iteration-level) batching for autoregressive decoding."""
+
+from __future__ import annotations
+
+from .loop import ContinuousDecodeLoop, LoopStatistics
+from .sampling import SamplingParams, sample
+from .scheduler import Request, RequestStatus, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
+from .step import StepBatch, check_logits
+
+__all__ = [
+    "ContinuousDecodeLoop",
+    "LoopStatistics",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "ScheduledStep",
+    "Scheduler",
+    "SchedulerStatistics",
+    "StepBatch",
+    "TokenEvent",
+    "check_logits",
+    "sample",
+]

@@ -1,0 +1,423 @@
+"""ContinuousDecodeLoop: iteration-level batching around a user's torch decode step.
+
+One engine thread owns the scheduler and the KV cache and runs, while there is work:
+``schedule()`` -> block moves -> ``step_fn(batch, kv)`` -> sample -> ``update()`` -> stream the
+new tokens to their callers. Callers (threads, asyncio or trio tasks) only touch an inbox and
+their own token stream, so the step never waits on them and they never wait on each other.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._clock import Clock, MonotonicClock
+from .._errors import BatcherClosed
+from .._waiters import ThreadWaiter, new_async_waiter, wake_all
+from ..kv.allocator import PagedKVAllocator
+from ..kv.cache import PagedKVCache
+from ..metrics import LatencySummary, SampleWindow
+from .sampling import SamplingParams, sample
+from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
+from .step import StepBatch, check_logits
+
+__all__ = ["ContinuousDecodeLoop", "LoopStatistics"]
+
+StepFn = Callable[[StepBatch, PagedKVCache], Any]
+
+
+class _Stream:
+    """The tokens of one request, produced by the engine thread and consumed by its caller."""
+
+    __slots__ = ("done", "error", "future", "lock", "output", "tokens", "waiter")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tokens: deque[int] = deque()
+        self.output: list[int] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self.waiter: Any = None
+        self.future: concurrent.futures.Future[list[int]] | None = None
+
+    def push(self, event: TokenEvent) -> Any:
+        """Record an event (engine thread); return the waiter to wake, if any."""
+        with self.lock:
+            if event.token is not None:
+                self.tokens.append(event.token)
+                self.output.append(event.token)
+            if event.finished:
+                self.done = True
+                self.error = event.error
+            w, self.waiter = self.waiter, None
+        if event.finished and self.future is not None and not self.future.done():
+            if event.error is not None:
+                self.future.set_exception(event.error)
+            else:
+                self.future.set_result(list(self.output))
+        return w
+
+    def _next_or_park(self, make_waiter: Callable[[], Any]) -> tuple[bool, int | None, Any]:
+        with self.lock:
+            if self.tokens:
+                return True, self.tokens.popleft(), None
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return True, None, None
+            self.waiter = make_waiter()
+            return False, None, self.waiter
+
+
+@dataclass(frozen=True)
+class LoopStatistics:
+    """Scheduler counters and latencies, plus the loop's throughput and step times."""
+
+    scheduler: SchedulerStatistics
+    steps: int
+    tokens_per_s: float
+    step_time: LatencySummary
+
+
+class ContinuousDecodeLoop:
+    """Serve many generation requests through one decode step function, continuously batched.
+
+    Args:
+        step_fn: ``step_fn(batch: StepBatch, kv: PagedKVCache) -> logits`` (see
+            :mod:`batchkit.continuous.step` for the contract), e.g. a :class:`batchkit.models.LlamaModel`.
+        kv_cache: the :class:`PagedKVCache` the step reads and writes.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget per step (prefill chunks and decodes share it).
+        enable_prefix_caching: reuse cached blocks of identical prompt prefixes (and of a
+            preempted request's own tokens).
+        watermark: fraction of blocks admission leaves free for running requests.
+        preemption_mode: ``"recompute"`` or ``"swap"`` (then ``num_cpu_blocks`` > 0).
+        num_cpu_blocks: size of the CPU swap pool.
+        eos_token_id: default end-of-sequence token for requests that give none.
+        detokenize: ``detokenize(token_ids) -> str``, for stop strings.
+        clock: time source for the metrics.
+    """
+
+    def __init__(
+        self,
+        step_fn: StepFn,
+        kv_cache: PagedKVCache,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = False,
+        watermark: float = 0.01,
+        preemption_mode: PreemptionMode = "recompute",
+        num_cpu_blocks: int = 0,
+        eos_token_id: int | None = None,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable as step_fn(batch, kv), got {step_fn!r}")
+        self.step_fn = step_fn
+        self.kv = kv_cache
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.allocator = PagedKVAllocator(
+            kv_cache.num_blocks,
+            kv_cache.block_size,
+            watermark=watermark,
+            enable_prefix_caching=enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+        self.scheduler = Scheduler(
+            self.allocator,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode,
+            clock=self.clock,
+            detokenize=detokenize,
+        )
+        self.cpu_cache: PagedKVCache | None = None
+        if num_cpu_blocks:
+            self.cpu_cache = PagedKVCache(
+                kv_cache.num_layers,
+                num_cpu_blocks,
+                kv_cache.block_size,
+                kv_cache.num_kv_heads,
+                kv_cache.head_dim,
+                dtype=kv_cache.dtype,
+                device="cpu",
+            )
+        self.eos_token_id = eos_token_id
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._inbox: list[tuple[Request, _Stream]] = []
+        self._aborts: list[Hashable] = []
+        self._streams: dict[Hashable, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._next_id = 0
+        self._steps = 0
+        self._step_time = SampleWindow()
+        self._t_first: float | None = None
+        self._t_last = 0.0
+        self._generated = 0
+
+    # ------------------------------------------------------------------ submitting
+
+    def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
+        if "eos_token_id" not in kwargs and self.eos_token_id is not None:
+            kwargs["eos_token_id"] = self.eos_token_id
+        return SamplingParams(**kwargs)
+
+    def _submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        tenant: Hashable,
+        stream: _Stream | None = None,
+    ) -> tuple[Hashable, _Stream]:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids needs at least one token")
+        stream = stream or _Stream()
+        with self._cond:
+            if self._closing:
+                raise BatcherClosed("the decode loop is closed")
+            self._next_id += 1
+            req = Request(self._next_id, prompt, params, priority=priority, tenant=tenant)
+            self._inbox.append((req, stream))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._engine, name="batchkit-decode-loop", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return req.request_id, stream
+
+    async def generate(
+        self, prompt_ids: Sequence[int], *, priority: int = 0, tenant: Hashable = None, **sampling: Any
+    ) -> AsyncIterator[int]:
+        """Stream a request's new tokens (asyncio or trio). Keyword arguments are
+        :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``seed``, ``stop_token_ids``, ``eos_token_id``, ``stop``...).
+
+        Leaving the iteration early (``break``, cancellation, ``aclose()``) aborts the request
+        and frees its KV blocks.
+        """
+        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant)
+        try:
+            while True:
+                ready, token, waiter = stream._next_or_park(new_async_waiter)
+                if not ready:
+                    await waiter
+                    continue
+                if token is None:
+                    return
+                yield token
+        finally:
+            if not stream.done:
+                self.abort(rid)
+
+    def generate_sync(
+        self, prompt_ids: Sequence[int], *, priority: int = 0, tenant: Hashable = None, **sampling: Any
+    ) -> Iterator[int]:
+        """The blocking twin of :meth:`generate`, for threads."""
+        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant)
+        try:
+            while True:
+                ready, token, waiter = stream._next_or_park(ThreadWaiter)
+                if not ready:
+                    waiter.wait()
+                    continue
+                if token is None:
+                    return
+                yield token
+        finally:
+            if not stream.done:
+                self.abort(rid)
+
+    def submit(
+        self, prompt_ids: Sequence[int], *, priority: int = 0, tenant: Hashable = None, **sampling: Any
+    ) -> concurrent.futures.Future[list[int]]:
+        """Queue a request; the future resolves to its complete list of new tokens.
+
+        Cancelling the future aborts the request.
+        """
+        fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        stream = _Stream()
+        stream.future = fut
+        rid, _ = self._submit(prompt_ids, self._params(sampling), priority, tenant, stream)
+        fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
+        return fut
+
+    async def agenerate_all(self, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:
+        """Await a request's complete output (async twin of :meth:`submit`)."""
+        return [t async for t in self.generate(prompt_ids, **kwargs)]
+
+    def abort(self, request_id: Hashable) -> None:
+        """Stop a request and free its blocks (at the next step boundary)."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ the engine
+
+    def _engine(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
+                    self._cond.wait()
+                if self._closing:
+                    pending = list(self._streams.items()) + [(r.request_id, s) for r, s in self._inbox]
+                    self._inbox.clear()
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            wake: list[Any] = []
+            for req, stream in inbox:
+                try:
+                    self.scheduler.add(req)
+                except Exception as exc:  # noqa: BLE001 - the caller gets it on its stream
+                    wake.append(stream.push(TokenEvent(req.request_id, None, True, "error", exc)))
+                    continue
+                self._streams[req.request_id] = stream
+            for rid in aborts:
+                if self.scheduler.abort(rid):
+                    aborted = self._streams.pop(rid, None)
+                    if aborted is not None:
+                        wake.append(aborted.push(TokenEvent(rid, None, True, "abort")))
+            step, events = self.step_once()
+            for ev in events:
+                target = self._streams.get(ev.request_id)
+                if target is None:
+                    continue
+                if ev.finished:
+                    del self._streams[ev.request_id]
+                wake.append(target.push(ev))
+            wake_all(w for w in wake if w is not None)
+            if not step.requests and not inbox and not aborts:
+                with self._cond:  # nothing could run (e.g. waiting on room): wait for news
+                    self._cond.wait(0.01)
+        closed = BatcherClosed("the decode loop was closed")
+        wake_all(w for rid, s in pending if (w := s.push(TokenEvent(rid, None, True, "abort", closed))) is not None)
+
+    def step_once(self) -> tuple[ScheduledStep, list[TokenEvent]]:
+        """Run one iteration in the calling thread: schedule, run the step, sample, update.
+
+        The engine thread calls this in a loop; tests and simulators may drive a loop whose
+        threaded API is unused the same way (with ``scheduler.add``), never both at once.
+        A step function that raises fails that step's requests, not the loop.
+        """
+        import torch
+
+        step = self.scheduler.schedule()
+        events = self.scheduler.take_events()
+        if step.requests:
+            try:
+                with torch.inference_mode():
+                    events += self._run_step(step)
+            except Exception as exc:  # noqa: BLE001 - a failing step fails its requests, not the loop
+                for req in step.requests:
+                    if self.scheduler.abort(req.request_id):
+                        events.append(TokenEvent(req.request_id, None, True, "error", exc))
+        return step, events
+
+    def _run_step(self, step: ScheduledStep) -> list[TokenEvent]:
+        kv = self.kv
+        if step.swap_out:
+            assert self.cpu_cache is not None
+            kv.swap_blocks(self.cpu_cache, step.swap_out)
+        if step.swap_in:
+            assert self.cpu_cache is not None
+            self.cpu_cache.swap_blocks(kv, step.swap_in)
+        if step.copies:
+            kv.copy_blocks(step.copies)
+        batch = self._build_batch(step, kv.device)
+        t0 = self.clock.now()
+        logits = check_logits(self.step_fn(batch, kv), batch)
+        sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
+        tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        now = self.clock.now()
+        self._step_time.add(now - t0)
+        self._steps += 1
+        self._generated += len(tokens)
+        if self._t_first is None:
+            self._t_first = t0
+        self._t_last = now
+        return self.scheduler.update(step, tokens)
+
+    def _build_batch(self, step: ScheduledStep, device: Any) -> StepBatch:
+        import numpy as np
+        import torch
+
+        a = self.allocator
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[np.ndarray] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_idx: list[int] = []
+        for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
+            start = req.num_computed
+            ids.extend(req.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.append(a.slot_mapping(req.request_id, start, start + n))
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            if samples:
+                sample_idx.append(len(ids) - 1)
+        rids = [r.request_id for r in step.requests]
+        tables = a.block_tables(rids)
+        q = torch.tensor(q_lens, dtype=torch.int64)
+        qs = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=qs[1:])
+        return StepBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            query_start=qs.to(device),
+            query_lens=q.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
+            sample_indices=torch.tensor(sample_idx, dtype=torch.int64, device=device),
+            seq_ids=tuple(rids),
+            sampling=step.samples,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the engine: requests still running end with :class:`BatcherClosed`. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    async def aclose(self) -> None:
+        import anyio
+
+        await anyio.to_thread.run_sync(self.close)
+
+    def __enter__(self) -> ContinuousDecodeLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def statistics(self) -> LoopStatistics:
+        span = self._t_last - self._t_first if self._t_first is not None else 0.0
+        return LoopStatistics(
+            scheduler=self.scheduler.statistics(),
+            steps=self._steps,
+            tokens_per_s=self._generated / span if span > 0 else 0.0,
+            step_time=self._step_time.summary(),
+        )
+
+    def __repr__(self) -> str:
+        s = self.scheduler
+        return (
+            f"<ContinuousDecodeLoop running={len(s.running)} waiting={len(s.waiting)} "
+            f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={s.max_num_batched_tokens}>"
+        )

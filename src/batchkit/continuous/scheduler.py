@@ -1,0 +1,486 @@
+"""The continuous-batching scheduler: a sans-I/O core, ``schedule()`` -> user step -> ``update()``.
+
+Every step, each running sequence gets its next tokens (one for a decode, a chunk for a prompt
+still being prefilled) within one token budget, ``max_num_batched_tokens``; waiting requests are
+admitted into what is left, up to ``max_num_seqs`` running. Admission reserves KV room for the
+whole prompt (above the allocator's watermark), so that a long prompt is not admitted only to
+be preempted. When decoding runs out of blocks, the worst running request (highest priority
+value, then most recent arrival) is preempted: by recompute (its blocks are freed and it re-enters
+the waiting queue with its generated tokens as part of its prompt; with prefix caching it reuses
+its own cached blocks) or by swap (its blocks move to the CPU pool). A waiting request of better
+priority may preempt a worse running one. Finished sequences free their blocks in the same step.
+
+Nothing here calls the model, sleeps or takes a lock: the runtime (``ContinuousDecodeLoop``) does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .._clock import Clock, MonotonicClock
+from .._errors import KVCacheExhausted
+from ..kv.allocator import PagedKVAllocator
+from ..metrics import LatencySummary, SampleWindow
+from .sampling import SamplingParams
+
+__all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "SchedulerStatistics", "TokenEvent"]
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class Request:
+    """One generation request and its progress."""
+
+    __slots__ = (
+        "arrival",
+        "finish_reason",
+        "generator",
+        "num_computed",
+        "num_preemptions",
+        "order",
+        "output",
+        "params",
+        "priority",
+        "prompt_len",
+        "request_id",
+        "status",
+        "t_first_scheduled",
+        "t_last_token",
+        "tenant",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: Hashable,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        arrival: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = [int(t) for t in prompt]  # prompt + output
+        self.prompt_len = len(self.tokens)
+        self.output: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.tenant = tenant
+        self.arrival = arrival
+        self.order = 0
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.t_first_scheduled: float | None = None
+        self.t_last_token: float | None = None
+        self.num_preemptions = 0
+        self.generator: Any = None
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.order)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Request {self.request_id!r} {self.status.value} prompt={self.prompt_len} "
+            f"out={len(self.output)} computed={self.num_computed}>"
+        )
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """What one step runs: for each scheduled request, how many new tokens and whether it samples.
+
+    Block moves the KV cache must perform before the step runs, in this order: ``swap_out``
+    (device -> CPU), ``swap_in`` (CPU -> device), ``copies`` (copy-on-write, device).
+    """
+
+    requests: tuple[Request, ...]
+    num_new_tokens: tuple[int, ...]
+    samples: tuple[bool, ...]
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token produced for a request (or its end: ``token`` None when it ended without one)."""
+
+    request_id: Hashable
+    token: int | None
+    finished: bool
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerStatistics:
+    """A snapshot of the scheduler (latencies in ms)."""
+
+    waiting: int
+    running: int
+    swapped: int
+    finished: int
+    aborted: int
+    steps: int
+    preemptions: int
+    generated_tokens: int
+    prompt_tokens_computed: int
+    kv_usage: float
+    mean_batch_tokens: float
+    ttft: LatencySummary
+    tpot: LatencySummary
+    queue_wait: LatencySummary
+
+
+class Scheduler:
+    """Iteration-level scheduling over a :class:`PagedKVAllocator`.
+
+    Args:
+        allocator: the block bookkeeping (its watermark applies to admission).
+        max_num_seqs: at most this many requests run (>= 1).
+        max_num_batched_tokens: token budget per step, shared by prefill chunks and decodes.
+        preemption_mode: ``"recompute"`` (default) or ``"swap"`` (needs ``num_cpu_blocks``).
+        clock: time for the metrics.
+        detokenize: ``detokenize(token_ids) -> str``, needed for stop strings.
+
+    Raises:
+        ValueError: non-positive limits or an unknown preemption mode.
+    """
+
+    def __init__(
+        self,
+        allocator: PagedKVAllocator,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        preemption_mode: PreemptionMode = "recompute",
+        clock: Clock | None = None,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if preemption_mode == "swap" and allocator.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs an allocator with num_cpu_blocks > 0")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode: PreemptionMode = preemption_mode
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.detokenize = detokenize
+        self.waiting: list[Request] = []  # sorted by (priority, arrival order)
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self._requests: dict[Hashable, Request] = {}
+        self._order = 0
+        self._steps = 0
+        self._preemptions = 0
+        self._generated = 0
+        self._prompt_computed = 0
+        self._batch_tokens = 0
+        self._finished = 0
+        self._aborted = 0
+        self._ttft = SampleWindow()
+        self._tpot = SampleWindow()
+        self._queue_wait = SampleWindow()
+        self._pending_events: list[TokenEvent] = []
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: a duplicate id or an empty prompt.
+            KVCacheExhausted: the prompt can never be admitted (cache or tenant quota too small).
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.tokens:
+            raise ValueError("a prompt needs at least one token")
+        a = self.allocator
+        # The prompt must fit the cache above the watermark; a request that later outgrows the
+        # whole cache on its own ends with KVCacheExhausted then.
+        room = a.total_blocks - a._watermark_blocks
+        most = a.blocks_needed(request.prompt_len + 1)
+        if most > room:
+            raise KVCacheExhausted(
+                f"request {request.request_id!r}: a prompt of {request.prompt_len} tokens needs {most} KV blocks "
+                f"but admission has {room}; shorten the prompt or give the cache more blocks"
+            )
+        quota = a.quota_of(request.tenant)
+        if quota is not None and most > quota:
+            raise KVCacheExhausted(
+                f"request {request.request_id!r} needs {most} KV blocks, over tenant "
+                f"{request.tenant!r}'s quota of {quota}"
+            )
+        request.arrival = self.clock.now()
+        self._order += 1
+        request.order = self._order
+        request.status = RequestStatus.WAITING
+        if request.params.seed is not None:
+            import torch
+
+            request.generator = torch.Generator().manual_seed(request.params.seed)
+        self._requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Drop a request wherever it is and free its blocks. False if it is not known (done)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.allocator.free(req.request_id)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.allocator.free(req.request_id)
+        req.status = RequestStatus.ABORTED
+        req.finish_reason = "abort"
+        self._aborted += 1
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get(self, request_id: Hashable) -> Request | None:
+        return self._requests.get(request_id)
+
+    def take_events(self) -> list[TokenEvent]:
+        """Events produced outside ``update`` (requests failed while scheduling)."""
+        out, self._pending_events = self._pending_events, []
+        return out
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _victim(self, exclude: set[int]) -> Request | None:
+        """The running request to preempt: worst priority, then most recent arrival."""
+        best: Request | None = None
+        for r in self.running:
+            if id(r) in exclude:
+                continue
+            if best is None or (r.priority, r.order) > (best.priority, best.order):
+                best = r
+        return best
+
+    def _preempt(self, req: Request, swap_out: list[tuple[int, int]], *, allow_swap: bool = True) -> None:
+        self.running.remove(req)
+        self._preemptions += 1
+        req.num_preemptions += 1
+        if self.preemption_mode == "swap" and allow_swap:
+            try:
+                swap_out.extend(self.allocator.swap_out(req.request_id))
+            except KVCacheExhausted:
+                pass  # no CPU room: recompute instead
+            else:
+                req.status = RequestStatus.SWAPPED
+                self.swapped.append(req)
+                return
+        self.allocator.free(req.request_id)
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        """End a request with an error; the caller has taken it off its list and freed its blocks."""
+        self._requests.pop(req.request_id, None)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "error"
+        self._finished += 1
+        self._pending_events.append(TokenEvent(req.request_id, None, True, "error", error))
+
+    def schedule(self) -> ScheduledStep:
+        """Decide this step's work (may preempt, swap and admit). Empty when nothing can run."""
+        a = self.allocator
+        now = self.clock.now()
+        budget = self.max_num_batched_tokens
+        chosen: list[Request] = []
+        counts: list[int] = []
+        scheduled: set[int] = set()
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted = False
+
+        # A better-priority waiting request may push out a worse running one.
+        if self.waiting and self.running:
+            head = self.waiting[0]
+            while not a.can_allocate(len(head.tokens), tenant=head.tenant):
+                worst = self._victim(set())
+                if worst is None or worst.priority <= head.priority:
+                    break
+                self._preempt(worst, swap_out, allow_swap=False)
+
+        # 1. Running requests, best first.
+        self.running.sort(key=Request.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.tokens) - req.num_computed, budget)
+            need = req.num_computed + n - a.num_tokens(req.request_id)
+            if need > 0 and not a.can_append_slots([req.request_id], need):
+                victim = self._victim(scheduled | {id(req)}) or req
+                if victim is req and len(self.running) == 1 and not chosen:
+                    self.running.remove(req)
+                    a.free(req.request_id)
+                    self._fail(req, KVCacheExhausted(f"request {req.request_id!r} alone no longer fits the KV cache"))
+                    continue
+                self._preempt(victim, swap_out)
+                preempted = True
+                continue  # the list changed: look at position i again
+            if need > 0:
+                start = a.num_tokens(req.request_id)
+                ids = req.tokens[start : start + need] if a.enable_prefix_caching else None
+                a.append_slots(req.request_id, need, ids)
+            chosen.append(req)
+            counts.append(n)
+            scheduled.add(id(req))
+            budget -= n
+            i += 1
+
+        # 2. Swapped requests come back first, if nothing was preempted this step.
+        if not preempted:
+            while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.swapped[0]
+                if len(req.tokens) > 0 and a.num_free_blocks < a.blocks_needed(len(req.tokens)) + 1:
+                    break
+                swap_in.extend(a.swap_in(req.request_id))
+                self.swapped.pop(0)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                n = min(len(req.tokens) - req.num_computed, budget)
+                need = req.num_computed + n - a.num_tokens(req.request_id)
+                if need > 0:
+                    a.append_slots(req.request_id, need)
+                chosen.append(req)
+                counts.append(n)
+                budget -= n
+
+        # 3. Waiting requests, admitted with room for their whole prompt. A request whose tenant
+        #    is at its quota waits without holding up other tenants' requests behind it.
+        if not preempted and not self.swapped:
+            j = 0
+            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[j]
+                total = len(req.tokens)
+                if not a.within_quota(total, req.tenant):
+                    j += 1
+                    continue
+                if not a.can_allocate(total, tenant=req.tenant):
+                    break
+                cached = a.allocate(req.request_id, req.tokens, tenant=req.tenant)
+                self.waiting.pop(j)
+                req.num_computed = cached
+                req.status = RequestStatus.RUNNING
+                if req.t_first_scheduled is None:
+                    req.t_first_scheduled = now
+                    self._queue_wait.add(now - req.arrival)
+                self.running.append(req)
+                n = min(total - cached, budget)
+                chosen.append(req)
+                counts.append(n)
+                budget -= n
+
+        samples = tuple(r.num_computed + n == len(r.tokens) for r, n in zip(chosen, counts, strict=True))
+        copies = tuple(a.take_copies())
+        if chosen:
+            self._steps += 1
+            self._batch_tokens += sum(counts)
+        return ScheduledStep(tuple(chosen), tuple(counts), samples, tuple(swap_out), tuple(swap_in), copies)
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, step: ScheduledStep, sampled: Sequence[int]) -> list[TokenEvent]:
+        """Apply a step's results: one sampled token per sequence that sampled, in order.
+
+        Finished sequences leave at once and free their blocks.
+        """
+        now = self.clock.now()
+        events = self.take_events()
+        it = iter(sampled)
+        for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
+            if req.status != RequestStatus.RUNNING:
+                if samples:
+                    next(it, None)  # aborted mid-step: drop its token
+                continue
+            was_prompt = req.num_computed < req.prompt_len
+            req.num_computed += n
+            if was_prompt:
+                self._prompt_computed += min(n, req.prompt_len)
+            if not samples:
+                continue
+            token = next(it)
+            req.tokens.append(token)
+            req.output.append(token)
+            self._generated += 1
+            if req.t_last_token is None:
+                self._ttft.add(now - req.arrival)
+            else:
+                self._tpot.add(now - req.t_last_token)
+            req.t_last_token = now
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self.allocator.free(req.request_id)
+                self._requests.pop(req.request_id, None)
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = reason
+                self._finished += 1
+            events.append(TokenEvent(req.request_id, token, reason is not None, reason))
+        return events
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.eos_token_id is not None and token == p.eos_token_id and not p.ignore_eos:
+            return "eos"
+        if p.stop and self.detokenize is not None:
+            text = self.detokenize(req.output)
+            if any(s in text for s in p.stop):
+                return "stop"
+        if len(req.output) >= p.max_new_tokens:
+            return "length"
+        return None
+
+    def statistics(self) -> SchedulerStatistics:
+        s = self.allocator.statistics()
+        return SchedulerStatistics(
+            waiting=len(self.waiting),
+            running=len(self.running),
+            swapped=len(self.swapped),
+            finished=self._finished,
+            aborted=self._aborted,
+            steps=self._steps,
+            preemptions=self._preemptions,
+            generated_tokens=self._generated,
+            prompt_tokens_computed=self._prompt_computed,
+            kv_usage=s.usage,
+            mean_batch_tokens=self._batch_tokens / self._steps if self._steps else 0.0,
+            ttft=self._ttft.summary(),
+            tpot=self._tpot.summary(),
+            queue_wait=self._queue_wait.summary(),
+        )

@@ -1,0 +1,74 @@
+"""The step contract: what the loop hands the user's decode step, and what comes back.
+
+``step_fn(batch: StepBatch, kv: PagedKVCache) -> logits``
+
+The batch flattens this step's new tokens of every scheduled sequence, side by side: prefill
+chunks (many tokens of one prompt) and decodes (one token each). For sequence ``i``, its tokens
+are ``input_ids[query_start[i]:query_start[i + 1]]`` at ``positions`` of the same range; their
+K/V go to ``slot_mapping`` of the same range (write them with ``kv.scatter`` before attending);
+the sequence's context after this step is ``seq_lens[i]`` tokens addressed by
+``block_tables[i]``. The step returns logits ``[len(sample_indices), vocab]``: one row per
+sequence that samples this step, taken at its last token (``sample_indices`` index into the
+flattened tokens). A sequence still mid-prefill (a chunk that does not end its prompt) does not
+sample.
+
+Worked example: sequences A (prompt of 5, first chunk of 3) and B (decoding at position 9)::
+
+    input_ids      = [a0, a1, a2, b9]
+    positions      = [0, 1, 2, 9]
+    query_start    = [0, 3, 4]        query_lens = [3, 1]
+    seq_lens       = [3, 10]
+    sample_indices = [3]              # only B samples; A's prompt is not done
+    logits.shape   = (1, vocab)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["StepBatch", "check_logits"]
+
+Tensor = Any
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's work for the user's step function (all tensors on the cache's device)."""
+
+    input_ids: Tensor  # [num_tokens] int64
+    positions: Tensor  # [num_tokens] int64
+    query_start: Tensor  # [num_seqs + 1] int64, prefix sums of query_lens
+    query_lens: Tensor  # [num_seqs] int64
+    seq_lens: Tensor  # [num_seqs] int64, context length after this step
+    slot_mapping: Tensor  # [num_tokens] int64
+    block_tables: Tensor  # [num_seqs, max_blocks] int32, padded with block 0
+    sample_indices: Tensor  # [num_sampling] int64, rows of the flattened tokens to sample at
+    seq_ids: tuple[Hashable, ...]  # the scheduled sequences, in order
+    sampling: tuple[bool, ...]  # whether each scheduled sequence samples this step
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+
+def check_logits(logits: Any, batch: StepBatch) -> Tensor:
+    """Validate what a step function returned; raise a clear TypeError/ValueError otherwise."""
+    import torch
+
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the step function must return a torch.Tensor of logits, got {type(logits).__name__}")
+    n = int(batch.sample_indices.shape[0])
+    if logits.dim() != 2 or logits.shape[0] != n:
+        raise ValueError(
+            f"the step function must return logits [num_sampling={n}, vocab] (one row per sequence in "
+            f"batch.sample_indices), got shape {tuple(logits.shape)}"
+        )
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+    return logits

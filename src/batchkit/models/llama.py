@@ -1,0 +1,211 @@
+"""A small Llama-style decoder on :class:`~batchkit.PagedKVCache`: the reference step function.
+
+RMSNorm, rotary position embeddings, grouped-query attention through ``paged_attention`` and a
+SwiGLU MLP, with Hugging Face ``LlamaForCausalLM`` parameter names, so that a Llama state dict
+loads as it is. It proves the step contract (``model(batch, kv) -> logits``) and serves the demo;
+it is written for clarity on a CPU, not for speed on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..continuous.step import StepBatch
+from ..kv.cache import PagedKVCache
+
+__all__ = ["LlamaConfig", "LlamaModel"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a Llama-style model (Hugging Face field names)."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: Any) -> LlamaConfig:
+        """From a ``transformers.LlamaConfig`` (default RoPE only)."""
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in ("default", None):
+            raise ValueError(f"only default RoPE is supported, the config uses {rope_type!r}")
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None),
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta or getattr(config, "rope_theta", None) or 10000.0),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.promote_types(dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        d, h, kv = cfg.dim_per_head, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = _Attention(cfg)
+        self.mlp = _MLP(cfg)
+        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, batch: StepBatch, kv: PagedKVCache
+    ) -> torch.Tensor:
+        attn = self.self_attn
+        n = x.shape[0]
+        h = self.input_layernorm(x)
+        q = attn.q_proj(h).view(n, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(h).view(n, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(h).view(n, attn.num_kv_heads, attn.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kv.scatter(index, k, v, batch.slot_mapping)
+        o = kv.paged_attention(index, q, batch.block_tables, batch.seq_lens, batch.query_lens)
+        x = x + attn.o_proj(o.reshape(n, attn.num_heads * attn.head_dim))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class _Decoder(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel(nn.Module):
+    """A Llama decoder whose forward is a batchkit step: ``model(batch, kv) -> logits``.
+
+    >>> model = LlamaModel(LlamaConfig(), dtype=torch.float32)
+    >>> kv = model.make_cache(num_blocks=256, block_size=16)
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        d = config.dim_per_head
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.to(device=device, dtype=dtype)
+        self.inv_freq = inv_freq.to(device)
+        self.eval()
+        self.requires_grad_(False)
+
+    @classmethod
+    def from_hf(cls, hf_model: Any, *, dtype: torch.dtype | None = None) -> LlamaModel:
+        """Build from a ``transformers.LlamaForCausalLM`` (its config and weights)."""
+        cfg = LlamaConfig.from_hf(hf_model.config)
+        p = next(hf_model.parameters())
+        model = cls(cfg, dtype=dtype or p.dtype, device=p.device)
+        model.load_hf_state_dict(hf_model.state_dict())
+        return model
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face Llama state dict (same names; rotary buffers ignored).
+
+        Raises:
+            ValueError: missing or unexpected weights, or shapes that do not match the config.
+        """
+        sd = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
+        if self.config.tie_word_embeddings:
+            sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+        try:
+            result = self.load_state_dict(sd, strict=False)
+        except RuntimeError as exc:
+            raise ValueError(f"state dict does not fit this config: {exc}") from None
+        missing = [k for k in result.missing_keys if k != "inv_freq"]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"state dict mismatch: missing {missing}, unexpected {result.unexpected_keys}")
+
+    def make_cache(self, num_blocks: int, block_size: int = 16, **kwargs: Any) -> PagedKVCache:
+        """A :class:`PagedKVCache` shaped for this model (same dtype and device by default)."""
+        p = next(self.parameters())
+        kwargs.setdefault("dtype", p.dtype)
+        kwargs.setdefault("device", p.device)
+        return PagedKVCache(
+            self.config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            self.config.num_key_value_heads,
+            self.config.dim_per_head,
+            **kwargs,
+        )
+
+    def forward(self, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(x.dtype)[:, None, :]
+        sin = emb.sin().to(x.dtype)[:, None, :]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, batch, kv)
+        last = self.model.norm(x.index_select(0, batch.sample_indices))
+        logits: torch.Tensor = self.lm_head(last)
+        return logits

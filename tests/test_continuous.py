@@ -1,0 +1,412 @@
+"""ContinuousDecodeLoop and its scheduler: the step contract, budgets, admission, preemption,
+stop conditions, streaming, abort, and token equality with Hugging Face transformers."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from batchkit import BatcherClosed, ContinuousDecodeLoop, KVCacheExhausted, PagedKVAllocator, SamplingParams
+from batchkit.continuous import Request, Scheduler, StepBatch, sample
+
+torch = pytest.importorskip("torch")
+
+WAIT = 30
+VOCAB = 50
+
+
+class EchoStep:
+    """A fake model: the next token is (last input token + 1) % VOCAB; records every batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[StepBatch] = []
+
+    def __call__(self, batch: StepBatch, kv: Any) -> torch.Tensor:
+        self.batches.append(batch)
+        last = batch.input_ids[batch.sample_indices]
+        return torch.nn.functional.one_hot((last + 1) % VOCAB, VOCAB).to(torch.float32)
+
+
+def make_loop(step: Any = None, num_blocks: int = 64, block_size: int = 4, **kw: Any) -> ContinuousDecodeLoop:
+    from batchkit import PagedKVCache
+
+    kv = PagedKVCache(1, num_blocks, block_size, 1, 4)
+    return ContinuousDecodeLoop(step or EchoStep(), kv, **kw)
+
+
+def drive(
+    loop: ContinuousDecodeLoop, arrivals: dict[int, list[Request]], max_steps: int = 10_000
+) -> dict[Any, list[int]]:
+    """Run the loop's steps in this thread, adding requests at the given step numbers."""
+    out: dict[Any, list[int]] = {}
+    for step_no in range(max_steps):
+        for req in arrivals.get(step_no, []):
+            loop.scheduler.add(req)
+        if step_no > max(arrivals) and not loop.scheduler.has_work():
+            return out
+        _, events = loop.step_once()
+        for ev in events:
+            assert ev.error is None, ev.error
+            if ev.token is not None:
+                out.setdefault(ev.request_id, []).append(ev.token)
+    raise AssertionError("the loop did not finish")
+
+
+# --------------------------------------------------------------------------- the step contract
+
+
+def test_step_batch_follows_the_contract() -> None:
+    """A prefill chunk and a decode share a step; only sequences at the end of their tokens sample."""
+    step = EchoStep()
+    loop = make_loop(step, max_num_batched_tokens=4)
+    loop.scheduler.add(Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=2)))
+    loop.step_once()  # a: first 4 prompt tokens, no sample
+    b0 = step.batches[0]
+    assert b0.input_ids.tolist() == [1, 2, 3, 4]
+    assert b0.positions.tolist() == [0, 1, 2, 3]
+    assert b0.sample_indices.tolist() == []
+    loop.scheduler.add(Request("b", [9], SamplingParams(max_new_tokens=3)))
+    loop.step_once()  # a: last 2 prompt tokens (samples); b: its 1-token prompt (samples)
+    b1 = step.batches[1]
+    assert b1.input_ids.tolist() == [5, 6, 9]
+    assert b1.positions.tolist() == [4, 5, 0]
+    assert b1.query_start.tolist() == [0, 2, 3]
+    assert b1.seq_lens.tolist() == [6, 1]
+    assert b1.sample_indices.tolist() == [1, 2]
+    assert b1.slot_mapping.tolist() == (
+        loop.allocator.slot_mapping("a", 4, 6).tolist() + loop.allocator.slot_mapping("b", 0, 1).tolist()
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (lambda b: torch.zeros(b.sample_indices.shape[0] + 1, VOCAB), "one row per sequence"),
+        (lambda b: [0.0], "must return a torch.Tensor"),
+        (lambda b: torch.zeros(b.sample_indices.shape[0], VOCAB, dtype=torch.int64), "float tensor"),
+    ],
+)
+def test_bad_step_output_fails_its_requests_and_the_loop_keeps_serving(bad: Any, message: str) -> None:
+    """A step returning the wrong thing fails that step's callers with a clear error; later work runs."""
+    calls = {"n": 0}
+    echo = EchoStep()
+
+    def step(batch: StepBatch, kv: Any) -> Any:
+        calls["n"] += 1
+        return bad(batch) if calls["n"] == 1 else echo(batch, kv)
+
+    with make_loop(step) as loop:
+        fut = loop.submit([1, 2], max_new_tokens=2)
+        with pytest.raises((TypeError, ValueError), match=message):
+            fut.result(WAIT)
+        assert loop.submit([1], max_new_tokens=2).result(WAIT) == [2, 3]
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+def test_token_budget_is_shared_and_long_prompts_are_chunked() -> None:
+    """A long prompt is prefilled in chunks while running decodes keep getting their token."""
+    step = EchoStep()
+    loop = make_loop(step, num_blocks=128, max_num_batched_tokens=8)
+    drive(
+        loop,
+        {
+            0: [Request("short", [1], SamplingParams(max_new_tokens=20))],
+            2: [Request("long", list(range(40)), SamplingParams(max_new_tokens=1))],
+        },
+    )
+    for b in step.batches:
+        assert b.num_tokens <= 8
+    # While the long prompt was being prefilled, the short request decoded every step.
+    prefill_steps = [b for b in step.batches if len(b.seq_ids) == 2]
+    assert len(prefill_steps) >= 40 // 8
+    assert all("short" in b.seq_ids for b in prefill_steps)
+
+
+def test_admission_reserves_the_whole_prompt() -> None:
+    """A prompt is admitted only when blocks for all of it are free (no admit-then-preempt)."""
+    loop = make_loop(num_blocks=9, block_size=4, watermark=0.0)  # 8 usable blocks
+    sched = loop.scheduler
+    sched.add(Request("a", list(range(20)), SamplingParams(max_new_tokens=8)))  # 5 blocks
+    sched.add(Request("b", list(range(16)), SamplingParams(max_new_tokens=4)))  # 4 blocks: must wait
+    step = sched.schedule()
+    assert [r.request_id for r in step.requests] == ["a"]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+
+
+def test_requests_that_can_never_fit_are_refused() -> None:
+    """A prompt larger than the whole cache fails at once; one that outgrows it alone fails later."""
+    loop = make_loop(num_blocks=5, block_size=4, watermark=0.0)
+    with pytest.raises(KVCacheExhausted, match="shorten the prompt"):
+        loop.scheduler.add(Request("x", list(range(20)), SamplingParams(max_new_tokens=2)))
+    loop.scheduler.add(Request("y", [1], SamplingParams(max_new_tokens=40)))
+    errors = []
+    for _ in range(40):
+        _, events = loop.step_once()
+        errors += [e.error for e in events if e.error is not None]
+    assert len(errors) == 1
+    assert isinstance(errors[0], KVCacheExhausted)
+    assert loop.allocator.statistics().used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_when_blocks_run_out_loses_nothing(mode: str) -> None:
+    """Decodes that outgrow the cache preempt the newest request; every request still finishes right."""
+    loop = make_loop(num_blocks=13, block_size=4, watermark=0.0, preemption_mode=mode, num_cpu_blocks=32)
+    reqs = {i: Request(i, [i], SamplingParams(max_new_tokens=20)) for i in range(4)}
+    out = drive(loop, {0: list(reqs.values())})
+    assert loop.scheduler.statistics().preemptions > 0
+    for i in range(4):
+        assert out[i] == [(i + k) % VOCAB for k in range(1, 21)]
+    s = loop.allocator.statistics()
+    assert (s.used_blocks, s.num_seqs, s.cpu_free_blocks) == (0, 0, 32)
+
+
+def test_higher_priority_waiting_request_preempts_a_lower_running_one() -> None:
+    """Priority: an urgent request pushes out the worst running one when there is no room."""
+    loop = make_loop(num_blocks=9, block_size=4, watermark=0.0)
+    sched = loop.scheduler
+    sched.add(Request("low", list(range(28)), SamplingParams(max_new_tokens=4), priority=5))
+    loop.step_once()
+    sched.add(Request("urgent", list(range(12)), SamplingParams(max_new_tokens=1), priority=0))
+    step, _ = loop.step_once()
+    assert [r.request_id for r in step.requests] == ["urgent"]
+    assert sched.statistics().preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["low"]
+
+
+def test_prefix_caching_lets_a_preempted_request_reuse_its_blocks() -> None:
+    """With prefix caching, a recomputed request skips the tokens still cached."""
+    loop = make_loop(num_blocks=64, block_size=4, enable_prefix_caching=True)
+    first = Request("a", list(range(1, 13)), SamplingParams(max_new_tokens=1))
+    drive(loop, {0: [first]})
+    loop.scheduler.add(Request("b", list(range(1, 13)), SamplingParams(max_new_tokens=1)))
+    step, _ = loop.step_once()
+    assert step.num_new_tokens == (4,)  # 8 of 12 prompt tokens came from the cache
+    assert loop.allocator.statistics().prefix_hits == 8
+
+
+@pytest.mark.parametrize(
+    ("params", "expected", "reason"),
+    [
+        ({"max_new_tokens": 3}, [2, 3, 4], "length"),
+        ({"max_new_tokens": 10, "stop_token_ids": (4,)}, [2, 3, 4], "stop"),
+        ({"max_new_tokens": 10, "eos_token_id": 3}, [2, 3], "eos"),
+        ({"max_new_tokens": 4, "eos_token_id": 3, "ignore_eos": True}, [2, 3, 4, 5], "length"),
+        ({"max_new_tokens": 10, "stop": ("45",)}, [2, 3, 4, 5], "stop"),
+    ],
+)
+def test_stop_conditions(params: dict, expected: list[int], reason: str) -> None:
+    """max_new_tokens, stop ids, EOS (unless ignored) and stop strings end a request at once."""
+    loop = make_loop(detokenize=lambda ids: "".join(str(t) for t in ids))
+    req = Request("r", [1], SamplingParams(**params))
+    out = drive(loop, {0: [req]})
+    assert out["r"] == expected
+    assert req.finish_reason == reason
+    assert loop.allocator.statistics().used_blocks == 0
+
+
+def test_abort_frees_everything() -> None:
+    """Aborting running and waiting requests frees their blocks."""
+    loop = make_loop()
+    loop.scheduler.add(Request("a", [1, 2, 3], SamplingParams(max_new_tokens=50)))
+    loop.scheduler.add(Request("b", [1], SamplingParams(max_new_tokens=50)))
+    loop.step_once()
+    assert loop.scheduler.abort("a")
+    assert loop.scheduler.abort("b")
+    assert not loop.scheduler.abort("b")
+    assert loop.allocator.statistics().used_blocks == 0
+    assert not loop.scheduler.has_work()
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_sampling_is_reproducible_under_a_seed_and_respects_top_k_top_p() -> None:
+    """Same seed, same tokens; top_k=1 and a tiny top_p are greedy."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 100, generator=g)
+    p = SamplingParams(temperature=1.0, seed=3)
+
+    def draw(params: SamplingParams) -> list[int]:
+        gens = [torch.Generator().manual_seed(params.seed or 0) for _ in range(4)]
+        return sample(logits, [params] * 4, gens)
+
+    assert draw(p) == draw(p)
+    greedy = logits.argmax(-1).tolist()
+    assert draw(SamplingParams(temperature=0.7, top_k=1, seed=1)) == greedy
+    assert draw(SamplingParams(temperature=0.7, top_p=1e-6, seed=1)) == greedy
+    for bad in ({"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+@pytest.mark.anyio
+async def test_generate_streams_tokens_to_many_tasks() -> None:
+    """Concurrent async callers each receive their own stream, in order."""
+    with make_loop() as loop:
+        results: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            results[i] = [t async for t in loop.generate([i], max_new_tokens=5)]
+
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as tg:
+                for i in range(10):
+                    tg.start_soon(one, i)
+        assert results == {i: [(i + k) % VOCAB for k in range(1, 6)] for i in range(10)}
+
+
+@pytest.mark.anyio
+async def test_leaving_the_stream_early_aborts_and_frees() -> None:
+    """Breaking out of generate() aborts the request and its blocks return to the pool."""
+    with make_loop() as loop:
+        gen = loop.generate([1], max_new_tokens=1000)
+        got = []
+        with anyio.fail_after(WAIT):
+            async for t in gen:
+                got.append(t)
+                if len(got) == 3:
+                    break
+            await gen.aclose()
+            while loop.scheduler.has_work():
+                await anyio.sleep(0.001)
+        assert got == [2, 3, 4]
+        assert loop.allocator.statistics().used_blocks == 0
+        assert loop.scheduler.statistics().aborted == 1
+
+
+def test_sync_generate_submit_and_close() -> None:
+    """The sync iterator, futures from threads, and close() refusing new work."""
+    loop = make_loop()
+    assert list(loop.generate_sync([5], max_new_tokens=3)) == [6, 7, 8]
+    futs = []
+    ts = [threading.Thread(target=lambda i=i: futs.append(loop.submit([i], max_new_tokens=2))) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(WAIT)
+    assert sorted(f.result(WAIT)[0] for f in futs) == list(range(1, 9))
+    stats = loop.statistics()
+    assert stats.scheduler.finished == 9
+    assert stats.steps > 0
+    loop.close()
+    with pytest.raises(BatcherClosed):
+        loop.submit([1])
+
+
+# --------------------------------------------------------------------------- the whole stack against transformers
+
+
+def _hf_pair(dtype: torch.dtype) -> tuple[Any, Any]:
+    transformers = pytest.importorskip("transformers")
+    from batchkit.models import LlamaModel
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
+    return hf, LlamaModel.from_hf(hf)
+
+
+def _hf_greedy(hf: Any, prompt: Sequence[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False)
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.mark.parametrize(("mode", "prefix"), [("recompute", False), ("recompute", True), ("swap", False)])
+def test_greedy_tokens_equal_transformers_under_preemption(mode: str, prefix: bool) -> None:
+    """32 requests of mixed lengths, arriving at random steps into a KV pool too small for them
+    all (preemption forced): every request's greedy tokens equal transformers' generate(),
+    run one request at a time. Float64 keeps near-ties out of the argmax."""
+    hf, model = _hf_pair(torch.float64)
+    rng = random.Random(42)
+    shared = [rng.randrange(96) for _ in range(8)]  # some prompts share a prefix
+    prompts = [
+        (shared if i % 3 == 0 else []) + [rng.randrange(96) for _ in range(rng.randint(1, 24))] for i in range(32)
+    ]
+    lengths = [rng.randint(1, 40) for _ in prompts]
+    kv = model.make_cache(num_blocks=40, block_size=4)
+    loop = ContinuousDecodeLoop(
+        model,
+        kv,
+        max_num_seqs=12,
+        max_num_batched_tokens=48,
+        watermark=0.0,
+        preemption_mode=mode,  # type: ignore[arg-type]
+        num_cpu_blocks=64 if mode == "swap" else 0,
+        enable_prefix_caching=prefix,
+    )
+    arrivals: dict[int, list[Request]] = {}
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        arrivals.setdefault(rng.randint(0, 60), []).append(Request(i, p, SamplingParams(max_new_tokens=n)))
+    out = drive(loop, arrivals)
+    assert loop.scheduler.statistics().preemptions > 0, "the pool was meant to force preemption"
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        assert out[i] == _hf_greedy(hf, p, n), f"request {i} diverged"
+    assert loop.allocator.statistics().used_blocks == 0
+
+
+def test_threaded_loop_matches_transformers() -> None:
+    """The same equality through the threaded runtime, with requests submitted from threads."""
+    hf, model = _hf_pair(torch.float64)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 16))] for _ in range(12)]
+    lengths = [rng.randint(1, 24) for _ in prompts]
+    with ContinuousDecodeLoop(model, model.make_cache(num_blocks=48, block_size=4), max_num_seqs=6) as loop:
+        futs = [loop.submit(p, max_new_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+        for f, p, n in zip(futs, prompts, lengths, strict=True):
+            assert f.result(WAIT) == _hf_greedy(hf, p, n)
+
+
+def test_llama_refuses_a_mismatched_state_dict() -> None:
+    """Loading weights of the wrong shape is a clear ValueError."""
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    model = LlamaModel(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    sd = model.state_dict()
+    sd["model.embed_tokens.weight"] = torch.zeros(5, 5)
+    with pytest.raises(ValueError, match="does not fit"):
+        model.load_hf_state_dict(sd)
+    del sd["lm_head.weight"]
+    sd["model.embed_tokens.weight"] = torch.zeros(32, 16)
+    with pytest.raises(ValueError, match="missing"):
+        model.load_hf_state_dict(sd)
+
+
+def test_allocator_and_scheduler_validate_configuration() -> None:
+    """Bad limits and a swap mode without a CPU pool are refused."""
+    a = PagedKVAllocator(8, 4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(a, max_num_seqs=0)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        Scheduler(a, preemption_mode="swap")
