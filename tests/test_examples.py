@@ -27,11 +27,12 @@ def test_example_runs(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_demo_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
-    """`batchkit demo` (short run) prints both rows of its comparison table."""
+    """`batchkit demo` (short run) prints every row of its two comparison tables."""
     pytest.importorskip("torch")
     from batchkit.cli import main
 
-    assert main(["demo", "--seconds", "0.3", "--callers", "8"]) == 0
+    args = ["demo", "--seconds", "0.3", "--callers", "8", "--llm-requests", "4", "--llm-max-out", "12"]
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "one request at a time" in out
-    assert "batchkit" in out
+    for row in ("one request at a time", "batchkit (max_batch_size", "one at a time", "static batches", "continuous"):
+        assert row in out

@@ -89,8 +89,8 @@ def test_paged_attention_matches_sdpa(num_heads: int, num_kv: int) -> None:
     d, bs = 16, 4
     cache = PagedKVCache(1, 64, bs, num_kv, d)
     alloc = PagedKVAllocator(64, block_size=bs)
-    ctx = [9, 5, 13]
-    q_lens = [9, 1, 3]  # a full prefill, a decode, a chunk at the end of a context
+    ctx = [9, 5, 13, 7]
+    q_lens = [9, 1, 3, 1]  # a full prefill, two decodes, a chunk at the end of a context
     ks, vs = [], []
     for i, n in enumerate(ctx):
         alloc.allocate(i, n)
@@ -101,7 +101,7 @@ def test_paged_attention_matches_sdpa(num_heads: int, num_kv: int) -> None:
         vs.append(v)
     q = torch.randn(sum(q_lens), num_heads, d, generator=g)
     out = cache.paged_attention(
-        0, q, torch.from_numpy(alloc.block_tables([0, 1, 2])), torch.tensor(ctx), torch.tensor(q_lens)
+        0, q, torch.from_numpy(alloc.block_tables([0, 1, 2, 3])), torch.tensor(ctx), torch.tensor(q_lens)
     )
     start = 0
     for i, (n, ql) in enumerate(zip(ctx, q_lens, strict=True)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -15,14 +16,24 @@ def _demo(args: argparse.Namespace) -> int:
     except ImportError:
         print("batchkit demo needs torch: pip install 'batchkit[torch]'", file=sys.stderr)
         return 1
+    if args.part in ("all", "dynamic"):
+        _demo_dynamic(args, torch)
+    if args.part in ("all", "llm"):
+        if args.part == "all":
+            print()
+        _demo_llm(args)
+    return 0
+
+
+def _demo_dynamic(args: argparse.Namespace, torch: Any) -> None:
     from . import _demo
 
     model = _demo.make_mlp(threads=args.threads)
     torch.manual_seed(1)
     inputs = [torch.randn(1024) for _ in range(args.callers)]
     print(
-        f"A 1024->4096->1024 torch MLP on CPU ({args.threads} threads), {args.callers} concurrent callers, "
-        f"{args.seconds:g} s per row.\n"
+        f"Dynamic batching: a 1024->4096->1024 torch MLP on CPU ({args.threads} threads), {args.callers} "
+        f"concurrent callers, {args.seconds:g} s per row."
     )
     rows = [
         _demo.serve_one_by_one(model, inputs, args.callers, args.seconds),
@@ -32,7 +43,29 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"{'serving':44} {'req/s':>9} {'speed-up':>9} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6}")
     for r in rows:
         print(f"{r.name:44} {r.rps:9,.0f} {r.rps / base:8.1f}x {r.p50_ms:8.2f} {r.p99_ms:8.2f} {r.mean_batch:6.1f}")
-    return 0
+
+
+def _demo_llm(args: argparse.Namespace) -> None:
+    from . import _llm_demo
+
+    model = _llm_demo.make_model(threads=args.threads)
+    reqs = _llm_demo.make_requests(args.llm_requests, 8, args.llm_max_out, seed=0)
+    print(
+        f"Continuous batching: a random Llama-style model (4 layers, hidden 256, GQA 8/4 heads) on CPU, "
+        f"{len(reqs)} requests arriving together, outputs of 8..{args.llm_max_out} tokens, batch {args.llm_batch}."
+    )
+    rows = [
+        _llm_demo.serve(model, reqs, "single"),
+        _llm_demo.serve(model, reqs, "static", batch=args.llm_batch),
+        _llm_demo.serve(model, reqs, "continuous", batch=args.llm_batch),
+    ]
+    base = rows[0].tokens_per_s
+    print(f"{'serving':30} {'tok/s':>7} {'speed-up':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'util':>5}")
+    for r in rows:
+        print(
+            f"{r.name:30} {r.tokens_per_s:7.0f} {r.tokens_per_s / base:8.1f}x {r.ttft_p50:7.0f}/{r.ttft_p99:<8.0f}"
+            f" {r.tpot_p50:7.1f}/{r.tpot_p99:<8.1f} {r.utilisation:5.2f}"
+        )
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -78,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--threads", type=int, default=2)
     demo.add_argument("--max-batch", type=int, default=32)
     demo.add_argument("--max-wait-ms", type=float, default=5.0)
+    demo.add_argument("--part", choices=["all", "dynamic", "llm"], default="all")
+    demo.add_argument("--llm-requests", type=int, default=24)
+    demo.add_argument("--llm-max-out", type=int, default=128)
+    demo.add_argument("--llm-batch", type=int, default=8)
     demo.set_defaults(run=_demo)
     pl = sub.add_parser("plan", help="print the KV-cache memory budget for a model on a device")
     src = pl.add_mutually_exclusive_group()

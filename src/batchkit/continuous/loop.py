@@ -351,35 +351,37 @@ class ContinuousDecodeLoop:
         import torch
 
         a = self.allocator
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[np.ndarray] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_idx: list[int] = []
-        for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
-            start = req.num_computed
-            ids.extend(req.tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.append(a.slot_mapping(req.request_id, start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-            if samples:
-                sample_idx.append(len(ids) - 1)
-        rids = [r.request_id for r in step.requests]
+        reqs = step.requests
+        counts = step.num_new_tokens
+        starts = [r.num_computed for r in reqs]
+        if all(n == 1 for n in counts):  # a pure decode step
+            ids = [r.tokens[s] for r, s in zip(reqs, starts, strict=True)]
+            positions = starts
+        else:
+            ids, positions = [], []
+            for r, s, n in zip(reqs, starts, counts, strict=True):
+                ids.extend(r.tokens[s : s + n])
+                positions.extend(range(s, s + n))
+        rids = [r.request_id for r in reqs]
         tables = a.block_tables(rids)
-        q = torch.tensor(q_lens, dtype=torch.int64)
-        qs = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q, 0, out=qs[1:])
+        q_lens = np.asarray(counts, dtype=np.int64)
+        pos = np.asarray(positions, dtype=np.int64)
+        seq_idx = np.repeat(np.arange(len(reqs)), q_lens)
+        bs = a.block_size
+        slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        ends = np.cumsum(q_lens)
+        query_start = np.concatenate(([0], ends))
+        sample_idx = (ends - 1)[np.asarray(step.samples, dtype=bool)]
+        seq_lens = np.asarray(starts, dtype=np.int64) + q_lens
         return StepBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            query_start=qs.to(device),
-            query_lens=q.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+            positions=torch.from_numpy(pos).to(device),
+            query_start=torch.from_numpy(query_start).to(device),
+            query_lens=torch.from_numpy(q_lens).to(device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
             block_tables=torch.from_numpy(tables).to(device),
-            sample_indices=torch.tensor(sample_idx, dtype=torch.int64, device=device),
+            sample_indices=torch.from_numpy(sample_idx).to(device),
             seq_ids=tuple(rids),
             sampling=step.samples,
         )

@@ -334,9 +334,20 @@ class Scheduler:
                     break
                 self._preempt(worst, swap_out, allow_swap=False)
 
-        # 1. Running requests, best first.
+        # 1. Running requests, best first. The common case, every running request decoding one
+        #    token with room for all, is one vectorised allocator call.
         self.running.sort(key=Request.sort_key)
-        i = 0
+        decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1]
+        if decoding and len(decoding) == len(self.running) and len(decoding) <= budget and not a._quotas:
+            handle = a.batch([r.request_id for r in decoding])
+            if a.blocks_needed_batch(handle) <= a.num_free_blocks:
+                ids = [r.tokens[-1] for r in decoding] if a.enable_prefix_caching else None
+                a.append_slots_batch(handle, ids)
+                chosen.extend(decoding)
+                counts.extend([1] * len(decoding))
+                scheduled.update(id(r) for r in decoding)
+                budget -= len(decoding)
+        i = len(chosen)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(len(req.tokens) - req.num_computed, budget)

@@ -515,6 +515,20 @@ class PagedKVAllocator:
         rows = np.array([i.row for i in infos], dtype=np.int64)
         return SeqBatch(seq_ids, rows, self._epoch)
 
+    def blocks_needed_batch(self, seqs: SeqBatch) -> int:
+        """Blocks one more token for each sequence of the handle would take (copy-on-write included)."""
+        if seqs.epoch != self._epoch:
+            fresh = self.batch(seqs.seq_ids)
+            seqs.rows, seqs.epoch = fresh.rows, fresh.epoch
+        rows = seqs.rows
+        offs = self._lens[rows] % self.block_size
+        needs_block = offs == 0
+        n = int(np.count_nonzero(needs_block))
+        if self._shared:
+            last = self._tables[rows, np.maximum(self._nblk[rows] - 1, 0)]
+            n += int(np.count_nonzero((~needs_block) & (self._ref[last] > 1)))
+        return n
+
     def append_slots_batch(
         self, seqs: Sequence[Hashable] | SeqBatch, token_ids: Sequence[int] | None = None
     ) -> np.ndarray:
@@ -716,7 +730,11 @@ class PagedKVAllocator:
 
     def block_tables(self, seq_ids: Sequence[Hashable], width: int | None = None) -> np.ndarray:
         """Block tables of several sequences as one ``[n, width]`` int32 array, padded with block 0."""
-        rows = np.fromiter((self._resident(s).row for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        rows = (
+            self.batch(seq_ids).rows
+            if len(set(seq_ids)) == len(seq_ids)
+            else np.fromiter((self._resident(s).row for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        )
         need = int(self._nblk[rows].max()) if rows.size else 0
         width = need if width is None else width
         if width < need:

@@ -86,7 +86,10 @@ def paged_attention(
     query_lens: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
-    """Attention of new tokens over paged K/V (reference, one sequence at a time).
+    """Attention of new tokens over paged K/V (the torch reference).
+
+    Single-token queries (decodes) are computed together over contexts padded to the longest;
+    longer queries (prefill chunks) one sequence at a time.
 
     Args:
         query: ``[total_query_tokens, num_heads, head_dim]``, the sequences' new tokens in order.
@@ -119,16 +122,41 @@ def paged_attention(
         raise ValueError(f"query has {query.shape[0]} tokens but query_lens sum to {sum(q_lens)}")
     out = torch.empty_like(query)
     bs = key_cache.shape[1]
-    start = 0
-    for i in range(n_seqs):
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+    starts = [0]
+    for ql in q_lens:
+        starts.append(starts[-1] + ql)
+    decode = [i for i in range(n_seqs) if q_lens[i] == 1]
+    if len(decode) > 1:
+        # Single-token queries (decodes) are attended together: pad every context to the longest.
+        idx = torch.tensor(decode)
+        lens = torch.tensor([ctx[i] for i in decode])
+        if (lens < 1).any():
+            raise ValueError("a decoding sequence has context length 0")
+        lmax = int(lens.max())
+        pos = torch.arange(lmax)
+        tables = block_tables.index_select(0, idx.to(block_tables.device)).long().cpu()
+        blk = tables[:, (pos // bs).clamp(max=tables.shape[1] - 1)]
+        slots = (blk * bs + pos % bs).to(key_cache.device)  # [S, Lmax]
+        k = _flat(key_cache)[slots].to(acc).transpose(1, 2)  # [S, Hkv, Lmax, D]
+        v = _flat(value_cache)[slots].to(acc).transpose(1, 2)
+        rows = torch.tensor([starts[i] for i in decode], device=query.device)
+        q = query.index_select(0, rows).to(acc).unsqueeze(2)  # [S, H, 1, D]
+        keep = (pos[None, :] < lens[:, None]).to(query.device)[:, None, None, :]  # [S, 1, 1, Lmax]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=group > 1)
+        out[rows] = o.squeeze(2).to(query.dtype)
+        rest = [i for i in range(n_seqs) if q_lens[i] != 1]
+    else:
+        rest = list(range(n_seqs))
+    for i in rest:
         ql, L = q_lens[i], ctx[i]
+        start = starts[i]
         if ql > L:
             raise ValueError(f"sequence {i}: {ql} new tokens but context length {L}")
         slots = slots_for(block_tables[i : i + 1].to(key_cache.device), torch.tensor([L]), bs)
         k = _flat(key_cache).index_select(0, slots.to(key_cache.device))
         v = _flat(value_cache).index_select(0, slots.to(key_cache.device))
         q = query[start : start + ql]
-        acc = torch.promote_types(query.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
         k = k.repeat_interleave(group, dim=1).to(acc)  # [L, H, D]
         v = v.repeat_interleave(group, dim=1).to(acc)
         scores = torch.einsum("qhd,khd->hqk", q.to(acc), k) * scale
@@ -137,5 +165,4 @@ def paged_attention(
         scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start : start + ql] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
-        start += ql
     return out
