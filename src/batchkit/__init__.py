@@ -5,7 +5,7 @@ Importing batchkit starts no thread and imports neither torch nor cupy.
 
 from __future__ import annotations
 
-from . import collate, testing
+from . import collate, sim, testing
 from ._clock import Clock, MonotonicClock
 from ._errors import (
     BatcherClosed,
@@ -18,6 +18,7 @@ from ._errors import (
     QueueEmpty,
     QueueFull,
 )
+from .adaptive import AdaptiveBatchController, AdaptiveTuner, CircuitBreaker, Decision
 from .batcher import BatcherStatistics, BatchInfo, DynamicBatcher
 from .continuous import ContinuousDecodeLoop, SamplingParams, Scheduler, StepBatch
 from .decorator import AsyncBatchedFunction, BatchedFunction, batched
@@ -37,6 +38,8 @@ from .queue import BoundedQueue, QueueEntry, QueueStatistics
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveBatchController",
+    "AdaptiveTuner",
     "AllocatorStatistics",
     "AsyncBatchedFunction",
     "BatchInfo",
@@ -47,10 +50,12 @@ __all__ = [
     "BatcherStatistics",
     "BatchkitError",
     "BoundedQueue",
+    "CircuitBreaker",
     "CircuitOpen",
     "Clock",
     "ContinuousDecodeLoop",
     "DeadlineExceeded",
+    "Decision",
     "DynamicBatcher",
     "InvalidBlock",
     "KVCacheExhausted",
@@ -72,5 +77,6 @@ __all__ = [
     "batched",
     "collate",
     "kv_cache_bytes",
+    "sim",
     "testing",
 ]

@@ -31,8 +31,9 @@ from typing import Any, Generic, TypeVar
 import anyio
 
 from ._clock import Clock
-from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, QueueFull
+from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
 from ._waiters import ThreadWaiter, new_async_waiter, wake_all
+from .adaptive import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from .metrics import LatencySummary, SampleWindow
 from .queue import _ANY, WAITING, BoundedQueue, OnFull, QueueEntry, _check_put_args
 
@@ -139,6 +140,14 @@ class DynamicBatcher(Generic[T, R]):
             that only the failing items' callers see the error.
         batch_timeout_s: fail a batch's callers with :class:`BatchTimeout` if the function runs
             longer than this (the stuck call is abandoned, its slot replaced).
+        controller: an :class:`~batchkit.AdaptiveBatchController` that sets ``max_batch_size``
+            before each batch from the queue depth and the callers' latencies, and lowers its
+            ceiling when the batch function runs out of memory.
+        circuit_breaker: a :class:`~batchkit.CircuitBreaker`: after repeated failing batches,
+            submits fail fast with :class:`~batchkit.CircuitOpen` until one probe batch succeeds.
+
+        A batch function that runs out of memory (``MemoryError``, ``torch.cuda.OutOfMemoryError``)
+        has its batch split in halves and retried, down to single items.
         clock: time source (tests pass :class:`batchkit.testing.MockClock`).
         name: shown in ``repr`` and thread names.
 
@@ -162,6 +171,8 @@ class DynamicBatcher(Generic[T, R]):
         group_by: Callable[[T], Hashable] | None = None,
         isolate_errors: bool = False,
         batch_timeout_s: float | None = None,
+        controller: AdaptiveBatchController | None = None,
+        circuit_breaker: CircuitBreaker | None = None,
         clock: Clock | None = None,
         name: str | None = None,
     ) -> None:
@@ -190,6 +201,11 @@ class DynamicBatcher(Generic[T, R]):
         self.max_batch_cost = max_batch_cost
         self.group_by = group_by
         self.isolate_errors = isolate_errors
+        self.controller = controller
+        self.circuit_breaker = circuit_breaker
+        if controller is not None:
+            self.max_batch_size = controller.batch_size
+        self._manual = False  # set by batchkit.sim: the cores are driven without threads
         self.batch_timeout_s = batch_timeout_s
         self.clock: Clock = clock if clock is not None else queue.clock
         self._now = self.clock.now
@@ -327,6 +343,12 @@ class DynamicBatcher(Generic[T, R]):
         with self._mutex:
             if self._closing:
                 raise BatcherClosed(f"{self.name}: the batcher is closed; create a new one to submit")
+            if self.circuit_breaker is not None:
+                try:
+                    self.circuit_breaker.check()
+                except CircuitOpen:
+                    self._rejected += 1
+                    raise
             drops: list[tuple[QueueEntry[Any], BaseException]] = []
             if q._depth >= q.maxsize:
                 try:
@@ -348,7 +370,9 @@ class DynamicBatcher(Generic[T, R]):
             self._submitted += 1
             if self._t_first is None:
                 self._t_first = now
-            if self._dispatcher is None:
+            if self._manual:
+                pass
+            elif self._dispatcher is None:
                 self._start()
             elif self._dispatcher_idle:
                 # Wake the dispatcher only when this arrival changes its plan: a first item starts
@@ -575,6 +599,12 @@ class DynamicBatcher(Generic[T, R]):
             wake_at = first_timeout if wake_at is None else min(wake_at, first_timeout)
         if q._depth == 0 or len(self._running) >= self.max_concurrent_batches:
             return None, wake_at
+        breaker = self.circuit_breaker
+        if breaker is not None and breaker.state != "closed" and not breaker.allow_dispatch():
+            if breaker.state == "open":  # look again when it turns half-open
+                reopen = breaker._opened_at + breaker.reset_timeout_s
+                wake_at = reopen if wake_at is None else min(wake_at, reopen)
+            return None, wake_at
         reason = None
         key: Hashable = _ANY
         for k, (count, cost) in q._key_counts.items():
@@ -599,6 +629,11 @@ class DynamicBatcher(Generic[T, R]):
                 reason = "timeout"
         if self.group_by is None:
             key = _ANY
+        if self.controller is not None:
+            # The controller sees the backlog a batch of the current size would leave behind:
+            # none means batches have room to spare (step down), some means they fall behind.
+            backlog = max(0, q._depth - self.max_batch_size)
+            self.max_batch_size = self.controller.update(backlog, now).batch_size
         reqs: list[_Request] = q._take(self.max_batch_size, now, self.max_batch_cost, key)  # type: ignore[assignment]
         for r in reqs:
             r.phase = _DISPATCHED
@@ -659,9 +694,14 @@ class DynamicBatcher(Generic[T, R]):
         if not live:
             return
         t0 = self.clock.now()
-        self._call_and_deliver(batch, live)
+        ok = self._call_and_deliver(batch, live)
         with self._mutex:
-            self._batch_time.add(self.clock.now() - t0)
+            now = self.clock.now()
+            self._batch_time.add(now - t0)
+            if self.controller is not None:
+                self.controller.observe_batch(len(live), now - t0, now)
+            if self.circuit_breaker is not None:
+                self.circuit_breaker.record(ok)
 
     def _call(self, items: list[Any]) -> Any:
         if self._is_async:
@@ -673,18 +713,23 @@ class DynamicBatcher(Generic[T, R]):
             return self._portal.call(self.fn, items)
         return self.fn(items)
 
-    def _call_and_deliver(self, batch: _Batch, reqs: list[_Request]) -> None:
+    def _call_and_deliver(self, batch: _Batch, reqs: list[_Request]) -> bool:
+        """Run the batch function and answer the callers; False if the function raised."""
         items = [r.item for r in reqs]
         try:
             results = self._call(items)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
-            if self.isolate_errors and len(reqs) > 1 and isinstance(exc, Exception):
+            oom = is_out_of_memory(exc)
+            if oom and self.controller is not None:
+                with self._mutex:
+                    self.controller.on_oom(len(reqs), self._now())
+                    self.max_batch_size = min(self.max_batch_size, self.controller.batch_size)
+            if (oom or self.isolate_errors) and len(reqs) > 1 and isinstance(exc, Exception):
                 mid = len(reqs) // 2
-                self._call_and_deliver(batch, reqs[:mid])
-                self._call_and_deliver(batch, reqs[mid:])
-                return
+                first = self._call_and_deliver(batch, reqs[:mid])
+                return self._call_and_deliver(batch, reqs[mid:]) and first
             self._deliver(batch, None, exc, reqs)
-            return
+            return False
         if isinstance(results, (str, bytes)) or (not isinstance(results, Sequence) and not _is_array(results)):
             self._deliver(
                 batch,
@@ -695,7 +740,7 @@ class DynamicBatcher(Generic[T, R]):
                 ),
                 reqs,
             )
-            return
+            return True
         if len(results) != len(reqs):
             self._deliver(
                 batch,
@@ -706,8 +751,9 @@ class DynamicBatcher(Generic[T, R]):
                 ),
                 reqs,
             )
-            return
+            return True
         self._deliver(batch, results, None, reqs)
+        return True
 
     def _deliver(
         self,
@@ -742,7 +788,10 @@ class DynamicBatcher(Generic[T, R]):
                 claimed.append(r)
             self._failed += failed
             self._succeeded += len(claimed) - failed
-            self._latency.extend([now - r.arrival for r in claimed])
+            lat = [now - r.arrival for r in claimed]
+            self._latency.extend(lat)
+            if self.controller is not None:
+                self.controller.observe_latencies(lat, now)
             self._t_last = now
         self._wake(claimed)
 

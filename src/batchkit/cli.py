@@ -1,4 +1,4 @@
-"""``batchkit`` command line: ``batchkit demo`` and ``batchkit plan``."""
+"""``batchkit`` command line: ``batchkit demo``, ``batchkit plan`` and ``batchkit bench``."""
 
 from __future__ import annotations
 
@@ -102,6 +102,50 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    if args.target == "demo":
+        import torch
+
+        from . import _demo
+
+        model = _demo.make_mlp(threads=args.threads)
+        fn = _demo.batch_fn_for(model)
+        gen = torch.Generator().manual_seed(0)
+
+        def make_item(i: int) -> object:
+            return torch.randn(1024, generator=gen)
+
+    else:
+        fn = bench.load_callable(args.target)
+        make_item = bench.load_callable(args.make_item) if args.make_item else (lambda i: i)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    report = bench.sweep(
+        fn,
+        make_item,
+        sizes,
+        max_wait_ms=args.max_wait_ms,
+        concurrency=None if args.rate else args.concurrency,
+        rate=args.rate,
+        duration_s=args.duration,
+        sla_ms=args.sla_ms,
+        price_per_hour=args.price_per_hour,
+        tokens_per_item=args.tokens_per_item,
+        progress=not args.no_progress,
+    )
+    load = f"open loop, Poisson {args.rate:g}/s" if args.rate else f"closed loop, {args.concurrency} callers"
+    print(f"{args.target}: {load}, max_wait_ms={args.max_wait_ms:g}, {args.duration:g} s per point")
+    print(report.table())
+    if args.json:
+        report.to_json(args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchkit", description="batching for any model callable")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,5 +171,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--block-size", type=int, default=16)
     pl.add_argument("--mean-len", type=int, default=1024)
     pl.set_defaults(run=_plan)
+    be = sub.add_parser("bench", help="load-test a batch function and find B_opt under a P99 SLA")
+    be.add_argument("target", nargs="?", default="demo", help="module:function (a batch function), or 'demo'")
+    be.add_argument("--make-item", help="module:function(i) -> one request's input (default: i)")
+    be.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    be.add_argument("--max-wait-ms", type=float, default=5.0)
+    be.add_argument("--concurrency", type=int, default=64)
+    be.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    be.add_argument("--duration", type=float, default=2.0, help="seconds per batch size")
+    be.add_argument("--sla-ms", type=float, default=None, help="P99 latency SLA")
+    be.add_argument("--price-per-hour", type=float, default=None, help="accelerator price, for cost per token")
+    be.add_argument("--tokens-per-item", type=float, default=1.0)
+    be.add_argument("--threads", type=int, default=2)
+    be.add_argument("--json", help="write the report as JSON")
+    be.add_argument("--plot", help="write throughput and P99 vs batch size as a PNG (needs matplotlib)")
+    be.add_argument("--no-progress", action="store_true")
+    be.set_defaults(run=_bench)
     args = parser.parse_args(argv)
     return int(args.run(args))

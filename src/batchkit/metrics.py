@@ -43,18 +43,28 @@ class SampleWindow:
     so it belongs in ``statistics()``, never on a per-request path.
     """
 
-    __slots__ = ("_samples",)
+    __slots__ = ("_samples", "total")
 
     def __init__(self, size: int = 10_000) -> None:
         if size <= 0:
             raise ValueError(f"size must be positive, got {size!r}")
         self._samples: deque[float] = deque(maxlen=size)
+        self.total = 0  # samples ever added
 
     def add(self, seconds: float) -> None:
         self._samples.append(seconds)
+        self.total += 1
 
-    def extend(self, seconds: Iterable[float]) -> None:
+    def extend(self, seconds: Sequence[float]) -> None:
         self._samples.extend(seconds)
+        self.total += len(seconds)
+
+    def since(self, seen: int) -> tuple[list[float], int]:
+        """The samples added after the first ``seen`` (those still in the window), and the new total."""
+        new = min(self.total - seen, len(self._samples))
+        if new <= 0:
+            return [], self.total
+        return list(self._samples)[-new:], self.total
 
     def __len__(self) -> int:
         return len(self._samples)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["MockClock"]
+__all__ = ["MockClock", "echo_batch"]
 
 
 class MockClock:
@@ -49,3 +49,9 @@ class MockClock:
 
     def __repr__(self) -> str:
         return f"<MockClock now={self._now:.6f}>"
+
+
+def echo_batch(items: list[object]) -> list[object]:
+    """A batch function that returns its inputs: the smallest thing to serve or bench
+    (``batchkit bench batchkit.testing:echo_batch``)."""
+    return list(items)

@@ -1,0 +1,337 @@
+"""Self-tuning batch size: the adaptive controller, the circuit breaker, and the tuner that
+applies a policy's decisions to a live batcher or decode loop.
+
+The controller is the clipped sign rule over the queue depth ``Q_t`` and its target ``Q*``::
+
+    B_{t+1} = clip(B_t + eta * sign(Q_t - Q*), B_min, B_max)
+
+with guards that step down instead: memory headroom (a user callback) running low; the batch
+time itself nearing half the SLO (a request may wait one batch and then ride the next, so
+``2 * t_batch(B)`` must stay inside it); and the latency percentile over a sliding window nearing
+the SLO while there is no backlog. (With a backlog, high latency is queueing, and the cure is a
+larger batch, not a smaller one: stepping down then would shrink capacity into a spiral.) A deadband around ``Q*`` and a
+cooldown between changes keep it from oscillating; an out-of-memory error halves the ceiling.
+All three objects are sans-I/O: they are told the time (or read an injected clock) and never
+sleep or start threads, except :meth:`AdaptiveTuner.start`, which runs ``step()`` on a timer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ._clock import Clock, MonotonicClock
+from ._errors import CircuitOpen
+
+__all__ = [
+    "AdaptiveBatchController",
+    "AdaptiveTuner",
+    "BatchSizePolicy",
+    "CircuitBreaker",
+    "Decision",
+    "is_out_of_memory",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One controller update: the batch size it chose, why, and what it saw."""
+
+    time: float
+    batch_size: int
+    reason: str  # "queue_up", "queue_down", "deadband", "cooldown", "latency", "memory", "oom", "hold"
+    queue_depth: float
+    latency_ms: float
+
+
+class AdaptiveBatchController:
+    """The clipped sign rule with latency and memory guards, a deadband and a cooldown.
+
+    Args:
+        target_queue: ``Q*``, the queue depth to hold (requests waiting).
+        eta: step size in batch-size units (>= 1).
+        min_batch, max_batch: the clip range.
+        initial: starting batch size (default ``min_batch``).
+        latency_slo_ms: the latency SLO; with it, the controller steps down while the recent
+            batch time exceeds ``slo_margin * SLO / 2``, or while the ``slo_quantile`` latency of the
+            last ``window_s`` seconds exceeds ``slo_margin * SLO`` and the queue is at its target.
+        memory_headroom: ``() -> float`` in [0, 1] (free KV blocks, free device memory...); below
+            ``min_headroom`` the controller steps down.
+        deadband: no change while ``|Q - Q*| <= deadband``.
+        cooldown_s: at least this long between two changes.
+        clock: time source.
+
+    Raises:
+        ValueError: inconsistent limits.
+    """
+
+    def __init__(
+        self,
+        *,
+        target_queue: float,
+        eta: int = 1,
+        min_batch: int = 1,
+        max_batch: int = 64,
+        initial: int | None = None,
+        latency_slo_ms: float | None = None,
+        slo_quantile: float = 99.0,
+        slo_margin: float = 0.8,
+        window_s: float = 5.0,
+        memory_headroom: Callable[[], float] | None = None,
+        min_headroom: float = 0.1,
+        deadband: float = 0.0,
+        cooldown_s: float = 0.0,
+        clock: Clock | None = None,
+    ) -> None:
+        if not 1 <= min_batch <= max_batch:
+            raise ValueError(f"need 1 <= min_batch <= max_batch, got {min_batch} and {max_batch}")
+        if eta < 1:
+            raise ValueError(f"eta must be >= 1, got {eta}")
+        if target_queue < 0 or deadband < 0 or cooldown_s < 0 or window_s <= 0:
+            raise ValueError("target_queue, deadband and cooldown_s must be >= 0 and window_s > 0")
+        if latency_slo_ms is not None and latency_slo_ms <= 0:
+            raise ValueError(f"latency_slo_ms must be > 0, got {latency_slo_ms}")
+        if not 0 < slo_margin <= 1:
+            raise ValueError(f"slo_margin must be in (0, 1], got {slo_margin}")
+        start = min_batch if initial is None else initial
+        if not min_batch <= start <= max_batch:
+            raise ValueError(f"initial must be within [{min_batch}, {max_batch}], got {initial}")
+        self.target_queue = target_queue
+        self.eta = eta
+        self.min_batch = min_batch
+        self.max_batch = max_batch
+        self.ceiling = max_batch
+        self.latency_slo_ms = latency_slo_ms
+        self.slo_quantile = slo_quantile
+        self.slo_margin = slo_margin
+        self.window_s = window_s
+        self.memory_headroom = memory_headroom
+        self.min_headroom = min_headroom
+        self.deadband = deadband
+        self.cooldown_s = cooldown_s
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.batch_size = start
+        self._last_change = float("-inf")
+        self._latencies: deque[tuple[float, float]] = deque()
+        self._batch_times: deque[tuple[float, int, float]] = deque(maxlen=16)
+        self.decisions: deque[Decision] = deque(maxlen=1000)
+
+    def observe_latency(self, seconds: float, now: float | None = None) -> None:
+        """Record one request's latency (end to end) for the SLO guard."""
+        self._latencies.append((self.clock.now() if now is None else now, seconds))
+
+    def observe_latencies(self, seconds: list[float] | np.ndarray, now: float | None = None) -> None:
+        t = self.clock.now() if now is None else now
+        self._latencies.extend((t, s) for s in seconds)
+
+    def observe_batch(self, size: int, seconds: float, now: float | None = None) -> None:
+        """Record how long a batch of ``size`` took (for the batch-time guard)."""
+        self._batch_times.append((self.clock.now() if now is None else now, size, seconds))
+
+    def _batch_time_ms(self) -> float:
+        """The longest recent batch time at or above the current batch size, in ms."""
+        times = [s for _, b, s in self._batch_times if b >= self.batch_size]
+        return max(times) * 1e3 if times else 0.0
+
+    def latency_ms(self, now: float | None = None) -> float:
+        """The ``slo_quantile`` latency over the sliding window, in ms (``nan`` if no samples)."""
+        now = self.clock.now() if now is None else now
+        lat = self._latencies
+        while lat and lat[0][0] < now - self.window_s:
+            lat.popleft()
+        if not lat:
+            return float("nan")
+        return (
+            float(np.percentile(np.fromiter((s for _, s in lat), dtype=np.float64, count=len(lat)), self.slo_quantile))
+            * 1e3
+        )
+
+    def _set(self, size: int, now: float) -> None:
+        size = max(self.min_batch, min(size, self.ceiling))
+        if size != self.batch_size:
+            self.batch_size = size
+            self._last_change = now
+
+    def update(self, queue_depth: float, now: float | None = None) -> Decision:
+        """Decide the batch size for the next period from the queue depth seen now."""
+        now = self.clock.now() if now is None else now
+        slo = self.latency_slo_ms
+        lat = self.latency_ms(now) if slo is not None else float("nan")
+        backlog = queue_depth > self.target_queue + self.deadband
+        slow_batches = slo is not None and self._batch_time_ms() >= self.slo_margin * slo / 2
+        near_slo = slo is not None and lat == lat and lat >= self.slo_margin * slo and not backlog
+        if now - self._last_change < self.cooldown_s:
+            reason = "cooldown"
+        elif self.memory_headroom is not None and self.memory_headroom() < self.min_headroom:
+            reason = "memory"
+            self._set(self.batch_size - self.eta, now)
+        elif slow_batches or near_slo:
+            reason = "latency"
+            self._set(self.batch_size - self.eta, now)
+        elif abs(queue_depth - self.target_queue) <= self.deadband:
+            reason = "deadband"
+        elif queue_depth > self.target_queue:
+            reason = "queue_up"
+            self._set(self.batch_size + self.eta, now)
+        else:
+            reason = "queue_down"
+            self._set(self.batch_size - self.eta, now)
+        d = Decision(now, self.batch_size, reason, float(queue_depth), lat)
+        self.decisions.append(d)
+        return d
+
+    def on_oom(self, failed_batch: int, now: float | None = None) -> None:
+        """A batch of ``failed_batch`` items ran out of memory: halve the ceiling below it."""
+        now = self.clock.now() if now is None else now
+        self.ceiling = max(self.min_batch, min(self.ceiling, failed_batch // 2))
+        self._set(min(self.batch_size, self.ceiling), now)
+        self.decisions.append(Decision(now, self.batch_size, "oom", float("nan"), float("nan")))
+
+    def __repr__(self) -> str:
+        return f"<AdaptiveBatchController batch_size={self.batch_size} range=[{self.min_batch}, {self.ceiling}]>"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``MemoryError``, ``torch.cuda.OutOfMemoryError`` and the like (recognised by name, so
+    that torch need not be imported)."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ in ("OutOfMemoryError", "OutOfMemory")
+
+
+class CircuitBreaker:
+    """Fail fast after repeated failures; probe again after a cool-down.
+
+    closed -> (``failure_threshold`` consecutive failures) -> open: :meth:`check` raises
+    :class:`CircuitOpen` -> (``reset_timeout_s`` later) -> half-open: one probe may run ->
+    success closes, failure opens again.
+    """
+
+    def __init__(self, failure_threshold: int = 5, reset_timeout_s: float = 10.0, clock: Clock | None = None) -> None:
+        if failure_threshold < 1 or reset_timeout_s <= 0:
+            raise ValueError("failure_threshold must be >= 1 and reset_timeout_s > 0")
+        self.failure_threshold = failure_threshold
+        self.reset_timeout_s = reset_timeout_s
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.state = "closed"
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probe_out = False
+        self.opens = 0
+
+    def _refresh(self) -> None:
+        if self.state == "open" and self.clock.now() - self._opened_at >= self.reset_timeout_s:
+            self.state = "half_open"
+            self._probe_out = False
+
+    def check(self) -> None:
+        """Raise :class:`CircuitOpen` if new work must fail fast now."""
+        self._refresh()
+        if self.state == "open":
+            left = self.reset_timeout_s - (self.clock.now() - self._opened_at)
+            raise CircuitOpen(
+                f"{self._failures} consecutive batch failures opened the circuit; new work fails fast for "
+                f"another {left:.1f} s, then one probe batch is let through"
+            )
+
+    def allow_dispatch(self) -> bool:
+        """Whether a batch may be dispatched now (half-open: only the one probe)."""
+        self._refresh()
+        if self.state == "closed":
+            return True
+        if self.state == "half_open" and not self._probe_out:
+            self._probe_out = True
+            return True
+        return False
+
+    def record(self, success: bool) -> None:
+        """Report a dispatched batch's outcome."""
+        if success:
+            self._failures = 0
+            self.state = "closed"
+            return
+        self._failures += 1
+        if self.state == "half_open" or self._failures >= self.failure_threshold:
+            if self.state != "open":
+                self.opens += 1
+            self.state = "open"
+            self._opened_at = self.clock.now()
+
+    def __repr__(self) -> str:
+        return f"<CircuitBreaker {self.state} failures={self._failures}>"
+
+
+class BatchSizePolicy(Protocol):
+    """What :class:`AdaptiveTuner` drives: anything that turns a snapshot into a batch size."""
+
+    def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int: ...
+
+
+class _ControllerPolicy:
+    def __init__(self, controller: AdaptiveBatchController) -> None:
+        self.controller = controller
+
+    def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int:
+        self.controller.observe_latencies(latencies_s, now)
+        return self.controller.update(queue_depth, now).batch_size
+
+
+class AdaptiveTuner:
+    """Applies a policy to a live :class:`~batchkit.DynamicBatcher` (``max_batch_size``) or
+    :class:`~batchkit.ContinuousDecodeLoop` (``max_num_seqs``), from their own statistics.
+
+    Call :meth:`step` periodically (or :meth:`start` a timer thread). ``policy`` is an
+    :class:`AdaptiveBatchController` or any object with ``decide(queue_depth, latencies_s, now)``.
+    """
+
+    def __init__(
+        self, target: Any, policy: AdaptiveBatchController | BatchSizePolicy, *, clock: Clock | None = None
+    ) -> None:
+        self.target = target
+        self.policy: BatchSizePolicy = (
+            _ControllerPolicy(policy) if isinstance(policy, AdaptiveBatchController) else policy
+        )
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self._seen = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _snapshot(self) -> tuple[float, list[float]]:
+        t = self.target
+        if hasattr(t, "scheduler"):  # a ContinuousDecodeLoop: queue = waiting requests, latency = TPOT
+            s = t.scheduler
+            new, self._seen = s._tpot.since(self._seen)
+            return float(len(s.waiting)), new
+        new, self._seen = t._latency.since(self._seen)
+        return float(t.queue._depth), new
+
+    def step(self) -> int:
+        """Read the target, ask the policy, apply its batch size; return it."""
+        depth, lat = self._snapshot()
+        size = int(self.policy.decide(depth, lat, self.clock.now()))
+        if hasattr(self.target, "scheduler"):
+            self.target.scheduler.max_num_seqs = size
+        else:
+            self.target.max_batch_size = size
+        return size
+
+    def start(self, interval_s: float = 0.1) -> None:
+        """Run :meth:`step` every ``interval_s`` seconds on a daemon thread until :meth:`stop`."""
+        if self._thread is not None:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                self.step()
+
+        self._thread = threading.Thread(target=run, name="batchkit-tuner", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

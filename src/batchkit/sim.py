@@ -1,0 +1,338 @@
+"""A discrete-event simulator of dynamic batching on virtual time.
+
+It drives batchkit's own cores (the :class:`~batchkit.BoundedQueue` admission and the
+:class:`~batchkit.DynamicBatcher` flush decisions, with an optional
+:class:`~batchkit.AdaptiveBatchController`) with a model of the batch cost ``t_batch(B)`` and an
+arrival process, so that what it predicts is what the batcher would do, thousands of simulated
+seconds per real second, deterministically under a seed.
+
+::
+
+    from batchkit import sim
+
+    cost = sim.linear_cost(fixed_ms=15, per_item_ms=5)   # t(1) = 20 ms, t(8) = 55 ms
+    r = sim.simulate(cost, sim.poisson(rate=500, duration_s=60, seed=1), max_batch_size=8, max_wait_ms=10)
+    r.throughput, r.latency.p99_ms, r.mean_batch_size
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._errors import QueueFull
+from .adaptive import AdaptiveBatchController
+from .batcher import _NO_FALLBACK, DynamicBatcher, _Request
+from .metrics import LatencySummary, SampleWindow
+
+__all__ = [
+    "ClosedLoop",
+    "PhaseResult",
+    "SimResult",
+    "bursty",
+    "linear_cost",
+    "poisson",
+    "simulate",
+    "steps",
+    "table_cost",
+    "trace",
+]
+
+CostFn = Callable[[int], float]
+
+
+def linear_cost(fixed_ms: float, per_item_ms: float) -> CostFn:
+    """``t(B) = fixed + per_item * B`` (ms in, seconds out): weights read once, compute per item."""
+    return lambda b: (fixed_ms + per_item_ms * b) / 1e3
+
+
+def table_cost(table: dict[int, float]) -> CostFn:
+    """``t(B)`` interpolated linearly from measured ``{B: seconds}`` (e.g. from ``batchkit bench``)."""
+    if not table:
+        raise ValueError("the cost table is empty")
+    xs = sorted(table)
+    ys = [table[x] for x in xs]
+
+    def cost(b: int) -> float:
+        if b <= xs[0]:
+            return ys[0] * b / xs[0] if xs[0] > 1 else ys[0]
+        if b >= xs[-1]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
+            return ys[-1] + slope * (b - xs[-1])
+        i = bisect.bisect_left(xs, b)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+    return cost
+
+
+def poisson(rate: float, duration_s: float, seed: int = 0, start: float = 0.0) -> Iterator[float]:
+    """Arrival times of a Poisson process of ``rate`` per second."""
+    if rate <= 0:
+        return
+    rng = random.Random(seed)
+    t = start
+    while True:
+        t += rng.expovariate(rate)
+        if t >= start + duration_s:
+            return
+        yield t
+
+
+def steps(phases: Sequence[tuple[float, float]], seed: int = 0) -> Iterator[float]:
+    """Poisson arrivals whose rate steps through ``[(duration_s, rate), ...]``."""
+    t = 0.0
+    for i, (duration, rate) in enumerate(phases):
+        yield from poisson(rate, duration, seed + i, start=t)
+        t += duration
+
+
+def bursty(
+    base_rate: float, burst_rate: float, period_s: float, burst_s: float, duration_s: float, seed: int = 0
+) -> Iterator[float]:
+    """``base_rate`` arrivals with bursts of ``burst_rate`` for ``burst_s`` every ``period_s``."""
+    phases = []
+    t = 0.0
+    while t < duration_s:
+        phases += [
+            (min(burst_s, duration_s - t), burst_rate),
+            (max(0.0, min(period_s - burst_s, duration_s - t - burst_s)), base_rate),
+        ]
+        t += period_s
+    return steps([p for p in phases if p[0] > 0], seed)
+
+
+def trace(source: str | Path | Iterable[float]) -> Iterator[float]:
+    """Arrival times from a file (one time in seconds per line) or any iterable of times."""
+    if isinstance(source, (str, Path)):
+        values = [float(line) for line in Path(source).read_text().split() if line.strip()]
+    else:
+        values = [float(x) for x in source]
+    yield from sorted(values)
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """``concurrency`` callers that each send their next request as soon as the last one returns,
+    for ``duration_s`` seconds."""
+
+    concurrency: int
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """What happened to the requests that arrived within one time window."""
+
+    start: float
+    end: float
+    arrivals: int
+    completed: int  # requests that arrived in the window and were served (whenever)
+    throughput: float  # requests completed within the window, per second
+    latency: LatencySummary
+    mean_batch_size: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The outcome of a simulation (times in seconds unless named ``_ms``)."""
+
+    duration: float
+    arrivals: int
+    completed: int
+    rejected: int
+    expired: int
+    throughput: float
+    latency: LatencySummary
+    mean_batch_size: float
+    batches: int
+    utilisation: float  # share of the time the model was busy
+    mean_in_system: float  # L, time-averaged
+    phases: list[PhaseResult] = field(default_factory=list)
+    batch_sizes: list[tuple[float, int]] = field(default_factory=list)  # (time, size) of each batch
+
+    @property
+    def littles_law_ratio(self) -> float:
+        """``L / (lambda * W)``: 1.0 when the measurements are consistent."""
+        w = self.latency.mean_ms / 1e3
+        lam = self.completed / self.duration if self.duration else 0.0
+        return self.mean_in_system / (lam * w) if lam * w > 0 else float("nan")
+
+
+class _SimClock:
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def _noop(items: list[Any]) -> list[Any]:  # the simulator never calls the batch function
+    return items
+
+
+def simulate(
+    cost: CostFn,
+    arrivals: Iterable[float] | ClosedLoop,
+    *,
+    max_batch_size: int = 32,
+    max_wait_ms: float = 5.0,
+    max_concurrent_batches: int = 1,
+    max_queue: int = 1_000_000,
+    deadline_ms: float | None = None,
+    controller: AdaptiveBatchController | None = None,
+    phases: Sequence[tuple[float, float]] | None = None,
+) -> SimResult:
+    """Run the batcher's cores on virtual time.
+
+    Args:
+        cost: ``t_batch(B)`` in seconds.
+        arrivals: arrival times (e.g. :func:`poisson`, :func:`steps`, :func:`trace`) or a
+            :class:`ClosedLoop`.
+        max_batch_size, max_wait_ms, max_concurrent_batches, max_queue: the batcher's settings.
+        deadline_ms: each request's deadline (expired ones are counted, not served).
+        controller: an :class:`AdaptiveBatchController` to drive the batch size (its clock is
+            replaced by the simulation's).
+        phases: ``[(start, end), ...]`` windows to report separately (by arrival time).
+    """
+    clock = _SimClock()
+    if controller is not None:
+        controller.clock = clock
+    b: DynamicBatcher[Any, Any] = DynamicBatcher(
+        _noop,
+        max_batch_size=max_batch_size,
+        max_wait_ms=max_wait_ms,
+        max_queue=max_queue,
+        max_concurrent_batches=max_concurrent_batches,
+        clock=clock,
+        controller=controller,
+    )
+    b._manual = True
+    q = b.queue
+    closed = arrivals if isinstance(arrivals, ClosedLoop) else None
+    events: list[
+        tuple[float, int, int, Any]
+    ] = []  # (time, kind, tiebreak, payload); kind 0 = done, 1 = arrival, 2 = timer
+    counter = 0
+
+    def push(t: float, kind: int, payload: Any = None) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(events, (t, kind, counter, payload))
+
+    arrival_iter: Iterator[float] | None = None
+    if closed is not None:
+        for _ in range(closed.concurrency):
+            push(0.0, 1)
+        end_time = closed.duration_s
+    else:
+        arrival_iter = iter(arrivals)  # type: ignore[arg-type]
+        first = next(arrival_iter, None)
+        if first is not None:
+            push(first, 1)
+        end_time = float("inf")
+    latencies = SampleWindow(size=10_000_000)
+    records: list[tuple[float, float, int]] = []  # (arrival, latency, batch size)
+    arrival_times: list[float] = []
+    batch_sizes: list[tuple[float, int]] = []
+    n_arrivals = rejected = expired = 0
+    busy = 0.0
+    in_system_area = 0.0
+    in_system = 0
+    last_t = 0.0
+    timers: set[float] = set()
+    while events:
+        t, kind, _, payload = heapq.heappop(events)
+        in_system_area += in_system * (t - last_t)
+        last_t = t
+        clock.t = t
+        if kind == 0:  # a batch finished
+            batch, size = payload
+            b._running.remove(batch)
+            lat = [t - r.arrival for r in batch.requests]
+            latencies.extend(lat)
+            for r, x in zip(batch.requests, lat, strict=True):
+                records.append((r.arrival, x, size))
+            if controller is not None:
+                controller.observe_latencies(lat, t)
+                controller.observe_batch(size, cost(size), t)
+            in_system -= size
+            if closed is not None and t < end_time:
+                for _ in range(size):
+                    push(t, 1)
+        elif kind == 1:  # an arrival
+            if closed is not None and t >= end_time:
+                continue
+            n_arrivals += 1
+            arrival_times.append(t)
+            req = _Request(None, None, _NO_FALLBACK)
+            try:
+                b._enqueue(req, 0, deadline_ms)
+                in_system += 1
+            except QueueFull:
+                rejected += 1
+            if arrival_iter is not None:
+                nxt = next(arrival_iter, None)
+                if nxt is not None:
+                    push(nxt, 1)
+        else:
+            timers.discard(t)
+        drops = q._expire(t)
+        expired += len(drops)
+        in_system -= len(drops)
+        while True:
+            batch, wake_at = b._next_batch(t)
+            if batch is None:
+                break
+            size = len(batch.requests)
+            dt = cost(size)
+            busy += dt
+            batch_sizes.append((t, size))
+            push(t + dt, 0, (batch, size))
+        if wake_at is not None and wake_at > t and wake_at not in timers:
+            timers.add(wake_at)
+            push(wake_at, 2)
+    duration = last_t
+    done = [x for x in records]
+    summary = latencies.summary()
+    phase_results = []
+    for start, end in phases or []:
+        sel = [(lat, size) for arr, lat, size in done if start <= arr < end]
+        finished_in = sum(1 for arr, lat, _ in done if start <= arr + lat < end)
+        w = SampleWindow(size=max(1, len(sel)))
+        w.extend([lat for lat, _ in sel])
+        n_arr = sum(1 for a in arrival_times if start <= a < end)
+        phase_results.append(
+            PhaseResult(
+                start=start,
+                end=end,
+                arrivals=n_arr,
+                completed=len(sel),
+                throughput=finished_in / (end - start) if end > start else 0.0,
+                latency=w.summary(),
+                mean_batch_size=sum(s for _, s in sel) / len(sel) if sel else 0.0,
+            )
+        )
+    n_batches = len(batch_sizes)
+    return SimResult(
+        duration=duration,
+        arrivals=n_arrivals,
+        completed=len(done),
+        rejected=rejected,
+        expired=expired,
+        throughput=len(done) / duration if duration else 0.0,
+        latency=summary,
+        mean_batch_size=sum(s for _, s in batch_sizes) / n_batches if n_batches else 0.0,
+        batches=n_batches,
+        utilisation=busy / duration if duration else 0.0,
+        mean_in_system=in_system_area / duration if duration else 0.0,
+        phases=phase_results,
+        batch_sizes=batch_sizes,
+    )

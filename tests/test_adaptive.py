@@ -1,0 +1,176 @@
+"""AdaptiveBatchController, CircuitBreaker, out-of-memory backoff and the AdaptiveTuner."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+import batchkit
+from batchkit import AdaptiveBatchController, AdaptiveTuner, CircuitBreaker, CircuitOpen, DynamicBatcher
+from batchkit.testing import MockClock
+
+WAIT = 10
+
+
+def ctl(**kw: object) -> AdaptiveBatchController:
+    args: dict[str, object] = {"target_queue": 4, "min_batch": 1, "max_batch": 8, "initial": 4, "clock": MockClock()}
+    args.update(kw)
+    return AdaptiveBatchController(**args)  # type: ignore[arg-type]
+
+
+def test_clipped_sign_rule() -> None:
+    """B moves by eta towards the queue target, clipped to [min, max]; each decision has a reason."""
+    c = ctl(eta=2)
+    assert c.update(10).batch_size == 6
+    assert c.update(10).batch_size == 8
+    assert c.update(10).batch_size == 8  # clipped
+    d = c.update(0)
+    assert (d.batch_size, d.reason) == (6, "queue_down")
+    for _ in range(5):
+        c.update(0)
+    assert c.batch_size == 1
+    assert [d.reason for d in list(c.decisions)[:2]] == ["queue_up", "queue_up"]
+
+
+def test_deadband_and_cooldown_prevent_oscillation() -> None:
+    """Inside the deadband nothing changes; after a change, the cooldown holds the size."""
+    clock = MockClock()
+    c = ctl(deadband=1, cooldown_s=1.0, clock=clock)
+    assert c.update(5).reason == "deadband"
+    assert c.update(9).batch_size == 5
+    assert c.update(9).reason == "cooldown"
+    clock.advance(1.0)
+    assert c.update(9).batch_size == 6
+
+
+def test_latency_guard_steps_down_near_the_slo() -> None:
+    """High recent latency without a backlog, or slow batches, step the size down."""
+    clock = MockClock()
+    c = ctl(latency_slo_ms=100, clock=clock)
+    c.observe_latencies([0.09] * 50)
+    assert c.update(4).reason == "latency"
+    assert c.batch_size == 3
+    clock.advance(10)  # the window forgets old samples
+    assert c.update(10).reason == "queue_up"
+    c.observe_batch(4, 0.045)  # 2 * 45 ms >= 0.8 * 100 ms
+    assert c.update(10).reason == "latency"
+
+
+def test_memory_guard_and_oom_ceiling() -> None:
+    """Low memory headroom steps down; an OOM halves the ceiling below the failed batch."""
+    headroom = {"free": 0.5}
+    c = ctl(memory_headroom=lambda: headroom["free"], min_headroom=0.2)
+    assert c.update(10).reason == "queue_up"
+    headroom["free"] = 0.1
+    assert c.update(10).reason == "memory"
+    c.on_oom(4)
+    assert c.ceiling == 2
+    assert c.batch_size <= 2
+    assert c.update(100).batch_size <= 2 or c.decisions[-1].reason == "memory"
+
+
+def test_controller_validates_its_limits() -> None:
+    """Inconsistent limits are ValueErrors."""
+    with pytest.raises(ValueError, match="min_batch <= max_batch"):
+        AdaptiveBatchController(target_queue=1, min_batch=4, max_batch=2)
+    with pytest.raises(ValueError, match="initial"):
+        AdaptiveBatchController(target_queue=1, max_batch=2, initial=3)
+
+
+def test_circuit_breaker_opens_probes_and_closes() -> None:
+    """closed -> open after N failures -> half-open after the cool-down -> closed on success."""
+    clock = MockClock()
+    br = CircuitBreaker(failure_threshold=2, reset_timeout_s=5, clock=clock)
+    br.record(False)
+    br.check()
+    br.record(False)
+    with pytest.raises(CircuitOpen, match="fails fast"):
+        br.check()
+    assert not br.allow_dispatch()
+    clock.advance(5)
+    br.check()
+    assert br.allow_dispatch()
+    assert not br.allow_dispatch(), "one probe at a time"
+    br.record(False)
+    assert br.state == "open"
+    clock.advance(5)
+    assert br.allow_dispatch()
+    br.record(True)
+    assert br.state == "closed"
+
+
+def test_out_of_memory_splits_the_batch_and_lowers_the_ceiling() -> None:
+    """A batch function that runs out of memory above 2 items still answers everyone."""
+
+    def fn(xs: list[int]) -> list[int]:
+        if len(xs) > 2:
+            raise MemoryError("too big")
+        return [x * 2 for x in xs]
+
+    c = AdaptiveBatchController(target_queue=0, max_batch=8, initial=8, clock=MockClock())
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_ms=1e6, controller=c, clock=MockClock()) as b:
+        futs = [b.submit(i) for i in range(8)]
+        assert [f.result(WAIT) for f in futs] == [2 * i for i in range(8)]
+        assert c.ceiling <= 4
+        assert b.max_batch_size <= 4
+
+
+def test_circuit_breaker_in_a_batcher_fails_fast_then_recovers() -> None:
+    """After repeated failing batches new submits raise CircuitOpen; a probe after the
+    cool-down closes the circuit again."""
+    clock = MockClock()
+    healthy = {"ok": False}
+
+    def fn(xs: list[int]) -> list[int]:
+        if not healthy["ok"]:
+            raise RuntimeError("backend down")
+        return xs
+
+    br = CircuitBreaker(failure_threshold=2, reset_timeout_s=30, clock=clock)
+    with DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, circuit_breaker=br, clock=clock) as b:
+        for _ in range(2):
+            with pytest.raises(RuntimeError):
+                b.submit(1).result(WAIT)
+        with pytest.raises(CircuitOpen):
+            b.submit(1)
+        healthy["ok"] = True
+        clock.advance(30)
+        assert b.submit(7).result(WAIT) == 7
+        assert br.state == "closed"
+        assert b.statistics().rejected == 1
+
+
+def test_controller_grows_the_batch_under_backlog_in_a_batcher() -> None:
+    """Plugged into a batcher, the controller raises max_batch_size while a backlog remains."""
+    c = AdaptiveBatchController(target_queue=0, max_batch=16, initial=1, clock=MockClock())
+    with DynamicBatcher(lambda xs: xs, max_wait_ms=1e6, controller=c, clock=MockClock()) as b:
+        futs = [b.submit(i) for i in range(40)]
+        b.flush()
+        concurrent.futures.wait(futs, timeout=WAIT)
+        assert max(x.size for x in b.recent_batches()) > 1
+        assert [f.result() for f in futs] == list(range(40))
+
+
+def test_tuner_applies_a_policy_to_a_batcher_and_a_decode_loop() -> None:
+    """AdaptiveTuner reads the target's statistics and sets its live limit; any policy object works."""
+    b = DynamicBatcher(lambda xs: xs, max_batch_size=4, max_wait_ms=1e6, clock=MockClock())
+    for i in range(10):
+        b.submit(i)
+    seen = []
+
+    class Policy:
+        def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int:
+            seen.append(queue_depth)
+            return 16
+
+    assert AdaptiveTuner(b, Policy()).step() == 16
+    assert b.max_batch_size == 16
+    assert seen == [10.0]
+    b.close()
+    torch = pytest.importorskip("torch")
+    kv = batchkit.PagedKVCache(1, 16, 4, 1, 4)
+    loop = batchkit.ContinuousDecodeLoop(lambda batch, kv: torch.zeros(len(batch.sample_indices), 8), kv)
+    tuner = AdaptiveTuner(loop, AdaptiveBatchController(target_queue=1, max_batch=64, initial=32))
+    assert tuner.step() == 31  # nothing waiting: step down
+    assert loop.scheduler.max_num_seqs == 31

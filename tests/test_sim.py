@@ -1,0 +1,134 @@
+"""The discrete-event simulator: the worked example, determinism, Little's law, the adaptive
+scenario (low -> high -> low traffic), and agreement with a real run."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import batchkit
+from batchkit import AdaptiveBatchController, sim
+
+COST = sim.linear_cost(fixed_ms=15, per_item_ms=5)  # t(1) = 20 ms, t(8) = 55 ms
+
+
+def test_worked_example_50_vs_145_per_second() -> None:
+    """A step of 20 ms at B=1 and 55 ms at B=8 serves 50 vs about 145 per second at saturation."""
+    one = sim.simulate(COST, sim.poisson(1000, 20, seed=1), max_batch_size=1, max_wait_ms=10)
+    eight = sim.simulate(COST, sim.poisson(1000, 20, seed=1), max_batch_size=8, max_wait_ms=10)
+    assert one.throughput == pytest.approx(50, rel=0.01)
+    assert eight.throughput == pytest.approx(8 / 0.055, rel=0.01)
+    assert eight.mean_batch_size == pytest.approx(8, rel=0.01)
+    assert eight.utilisation == pytest.approx(1.0, abs=0.01)
+
+
+def test_deterministic_under_a_seed_and_consistent_with_littles_law() -> None:
+    """Same seed, same result; L = lambda * W holds on the simulated system."""
+    a = sim.simulate(COST, sim.poisson(100, 200, seed=7), max_batch_size=8, max_wait_ms=10)
+    b = sim.simulate(COST, sim.poisson(100, 200, seed=7), max_batch_size=8, max_wait_ms=10)
+    assert a == b
+    assert a.littles_law_ratio == pytest.approx(1.0, rel=0.02)
+    assert a.latency.p99_ms < 10 + 2 * 55 + 1  # max_wait plus two batch times
+
+
+def test_cost_table_trace_and_bursty_arrivals(tmp_path: Path) -> None:
+    """A measured cost table interpolates; arrivals can come from a trace file or bursts."""
+    cost = sim.table_cost({1: 0.020, 8: 0.055})
+    assert cost(4) == pytest.approx(0.035)
+    assert cost(16) == pytest.approx(0.055 + 8 * 0.005)
+    path = tmp_path / "trace.txt"
+    path.write_text("0.0\n0.001\n0.002\n1.0\n")
+    r = sim.simulate(cost, sim.trace(path), max_batch_size=8, max_wait_ms=5)
+    assert (r.arrivals, r.completed, r.batches) == (4, 4, 2)
+    arrivals = list(sim.bursty(base_rate=10, burst_rate=1000, period_s=1, burst_s=0.1, duration_s=3, seed=0))
+    in_bursts = sum(1 for t in arrivals if t % 1 < 0.1)
+    assert in_bursts > 0.8 * len(arrivals)
+    with pytest.raises(ValueError, match="empty"):
+        sim.table_cost({})
+
+
+def test_queue_bound_and_deadlines_are_simulated() -> None:
+    """Admission and expiry run through the real queue core."""
+    r = sim.simulate(COST, sim.poisson(500, 5, seed=2), max_batch_size=1, max_queue=10, deadline_ms=100)
+    assert r.rejected > 0
+    assert r.expired > 0
+    assert r.completed + r.rejected + r.expired == r.arrivals
+
+
+# --------------------------------------------------------------------------- the adaptive scenario
+
+MLP_COST = sim.linear_cost(fixed_ms=1.8, per_item_ms=0.24)  # the CPU MLP of benchmarks/model.py
+PHASES = [(4.0, 400.0), (4.0, 2500.0), (4.0, 400.0)]  # low -> high (near saturation) -> low
+WINDOWS = [(0.0, 4.0), (4.0, 8.0), (8.0, 12.0)]
+SLO_MS = 50.0
+
+
+def run_fixed(b: int) -> sim.SimResult:
+    return sim.simulate(MLP_COST, sim.steps(PHASES, seed=3), max_batch_size=b, max_wait_ms=40, phases=WINDOWS)
+
+
+def run_adaptive() -> sim.SimResult:
+    ctl = AdaptiveBatchController(target_queue=1, min_batch=1, max_batch=128, latency_slo_ms=SLO_MS)
+    return sim.simulate(
+        MLP_COST, sim.steps(PHASES, seed=3), max_batch_size=1, max_wait_ms=40, controller=ctl, phases=WINDOWS
+    )
+
+
+def test_adaptive_controller_meets_the_slo_in_every_phase_at_full_throughput() -> None:
+    """The acceptance scenario on virtual time: the controller keeps P99 under the SLO in every
+    phase with high-phase throughput >= 90% of the best fixed setting that meets the SLO; the
+    smallest fixed setting loses throughput and the largest breaks the SLO."""
+    adaptive = run_adaptive()
+    for p in adaptive.phases:
+        assert p.latency.p99_ms < SLO_MS, p
+    fixed = {b: run_fixed(b) for b in (1, 4, 8, 16, 32, 64, 128)}
+    meeting = [r for r in fixed.values() if all(p.latency.p99_ms < SLO_MS for p in r.phases)]
+    assert meeting, "some fixed setting should meet the SLO, or the scenario proves nothing"
+    best_high = max(r.phases[1].throughput for r in meeting)
+    assert adaptive.phases[1].throughput >= 0.9 * best_high
+    assert fixed[1].phases[1].throughput < 0.5 * adaptive.phases[1].throughput  # too small: falls behind
+    assert fixed[128].phases[1].latency.p99_ms > SLO_MS  # too large: breaks the SLO
+    sizes = [b for t, b in adaptive.batch_sizes if 5.0 < t < 8.0]
+    assert max(sizes) > 4, "the batch grew under load"
+    assert [b for t, b in adaptive.batch_sizes if t > 11.0][-1] <= 4, "and shrank again after"
+
+
+# --------------------------------------------------------------------------- simulation vs reality
+
+
+@pytest.mark.slow
+def test_simulation_agrees_with_a_real_run_within_ten_percent() -> None:
+    """A real batcher serving a model whose batch costs t(B) = 15 + 5B ms (it sleeps that long,
+    releasing the CPU as an accelerator would) matches the simulator's throughput and batch size
+    within 10%, under the same closed-loop load."""
+
+    def model(xs: list[int]) -> list[int]:
+        time.sleep(COST(len(xs)))
+        return xs
+
+    b = batchkit.DynamicBatcher(model, max_batch_size=8, max_wait_ms=5)
+    stop = time.monotonic() + 1.5
+    done = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        while time.monotonic() < stop:
+            b(1)
+            with lock:
+                done.append(time.monotonic())
+
+    threads = [threading.Thread(target=caller) for _ in range(16)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    real_throughput = len(done) / (max(done) - t0)
+    real_batch = b.statistics().mean_batch_size
+    b.close()
+    simulated = sim.simulate(COST, sim.ClosedLoop(concurrency=16, duration_s=30), max_batch_size=8, max_wait_ms=5)
+    assert real_throughput == pytest.approx(simulated.throughput, rel=0.10)
+    assert real_batch == pytest.approx(simulated.mean_batch_size, rel=0.10)
