@@ -1,7 +1,7 @@
 """Adaptive batch sizing under changing traffic, on the CPU MLP of benchmarks/model.py.
 
-Traffic steps low -> high -> low (Poisson; the high phase at 60% of what a batch of 16 serves on an idle machine, which is near
-saturation once the callers share the two cores with the model).
+Traffic steps low -> high -> low (Poisson; the high phase at 60% of what a batch of 16 serves on
+an idle machine, which is near saturation once the callers share the two cores with the model).
 Served by fixed settings (max_batch_size B, max_wait_ms 40) and by the adaptive controller
 (target backlog 1, step 4, B in 1..128, the SLO as its latency guard). For each: P99 and throughput per
 phase. The same scenario then runs in the simulator with the cost table t(B) measured here, side
@@ -108,7 +108,7 @@ def main() -> None:
     p = args.phase_s
     phases = [(p, low), (p, high), (p, low)]
     windows = [(0, p), (p, 2 * p), (2 * p, 3 * p)]
-    print(f"CPU MLP, t_batch(B) ms: " + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in cost.items()))
+    print("CPU MLP, t_batch(B) ms: " + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in cost.items()))
     print(
         f"traffic: {low:,.0f} -> {high:,.0f} -> {low:,.0f} req/s, {p:g} s each; SLO P99 {args.slo_ms:g} ms; "
         f"fixed settings wait up to {MAX_WAIT_MS:g} ms"
