@@ -26,6 +26,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from queue import SimpleQueue
+from time import monotonic as _monotonic
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -394,7 +395,7 @@ class DynamicBatcher(Generic[T, R]):
         if self.queue.on_full != "block":
             self._enqueue(req, priority, deadline_ms)
             return
-        deadline = None if timeout is None else self._wall() + timeout
+        deadline = None if timeout is None else _monotonic() + timeout
         while True:
             try:
                 self._enqueue(req, priority, deadline_ms)
@@ -406,7 +407,7 @@ class DynamicBatcher(Generic[T, R]):
                         continue
                     waiter = ThreadWaiter()
                     self.queue._space_waiters.append(waiter)
-                remaining = None if deadline is None else deadline - self._wall()
+                remaining = None if deadline is None else deadline - _monotonic()
                 if (remaining is not None and remaining <= 0) or not waiter.wait(remaining):
                     self.queue._abandon(self.queue._space_waiters, waiter)
                     with self._mutex:
@@ -437,12 +438,6 @@ class DynamicBatcher(Generic[T, R]):
             with self._mutex:
                 self._rejected += 1
             raise QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s")
-
-    @staticmethod
-    def _wall() -> float:
-        import time
-
-        return time.monotonic()
 
     def _cancel(self, req: _Request) -> None:
         """The caller gave up: drop its item if still queued, else let its result be discarded."""
