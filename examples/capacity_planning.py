@@ -28,7 +28,8 @@ def main() -> None:
     for b in (1, 4, 8, 16):
         r = sim.simulate(cost, sim.poisson(rate=120, duration_s=60, seed=1), max_batch_size=b, max_wait_ms=10)
         print(
-            f"  B={b:2d}: served {r.throughput:6.1f}/s, P99 {r.latency.p99_ms:9.1f} ms, mean batch {r.mean_batch_size:4.1f}"
+            f"  B={b:2d}: served {r.throughput:6.1f}/s, P99 {r.latency.p99_ms:9.1f} ms, "
+            f"mean batch {r.mean_batch_size:4.1f}"
         )
 
     # 3. Or let the controller choose, through a traffic step 40 -> 120 -> 40 requests/s.

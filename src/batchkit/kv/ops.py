@@ -133,16 +133,17 @@ def paged_attention(
         lens = torch.tensor([ctx[i] for i in decode])
         if (lens < 1).any():
             raise ValueError("a decoding sequence has context length 0")
-        lmax = int(lens.max())
-        pos = torch.arange(lmax)
-        tables = block_tables.index_select(0, idx.to(block_tables.device)).long().cpu()
-        blk = tables[:, (pos // bs).clamp(max=tables.shape[1] - 1)]
-        slots = (blk * bs + pos % bs).to(key_cache.device)  # [S, Lmax]
-        k = _flat(key_cache)[slots].to(acc).transpose(1, 2)  # [S, Hkv, Lmax, D]
-        v = _flat(value_cache)[slots].to(acc).transpose(1, 2)
+        nb = -(-int(lens.max()) // bs)
+        # Gather whole blocks (contiguous runs of bs rows), not single tokens: [S, nb, bs, Hkv, D].
+        # Table padding points at the null block; the mask below hides it and unused slots.
+        tables = block_tables.index_select(0, idx.to(block_tables.device))[:, :nb].long().to(key_cache.device)
+        s_, width = tables.shape[0], nb * bs
+        k = key_cache[tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)  # [S, Hkv, L, D]
+        v = value_cache[tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
+        pos = torch.arange(width)
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         q = query.index_select(0, rows).to(acc).unsqueeze(2)  # [S, H, 1, D]
-        keep = (pos[None, :] < lens[:, None]).to(query.device)[:, None, None, :]  # [S, 1, 1, Lmax]
+        keep = (pos[None, :] < lens[:, None]).to(query.device)[:, None, None, :]  # [S, 1, 1, L]
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=group > 1)
         out[rows] = o.squeeze(2).to(query.dtype)
         rest = [i for i in range(n_seqs) if q_lens[i] != 1]
