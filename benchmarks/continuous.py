@@ -147,21 +147,26 @@ def main() -> None:
     hf = hf_model(model)
     equal = demo.make_requests(32, 64, 64, seed=2)
     prompts = [r.prompt for r in equal]
-    ours_equal = batchkit_tokens_per_s(model, equal)
-    hf_cb = hf_generate_batch(hf, prompts, 64)
-    hf_static_equal = hf_static_generate(hf, prompts, [64] * 32)
     mixed32 = demo.make_requests(32, 8, 256, seed=3)
-    ours_mixed = batchkit_tokens_per_s(model, mixed32)
-    hf_static_mixed = hf_static_generate(hf, [r.prompt for r in mixed32], [r.max_new_tokens for r in mixed32])
-    print("2. against transformers (same weights, same prompts)")
+    hf_cb = hf_generate_batch(hf, prompts, 64)
+    eq_ratios, mix_ratios, ours_eq, ours_mix, hf_eq, hf_mix = [], [], [], [], [], []
+    for _ in range(args.repeats):  # interleaved, ratios per run
+        ours_eq.append(batchkit_tokens_per_s(model, equal))
+        hf_eq.append(hf_static_generate(hf, prompts, [64] * 32))
+        ours_mix.append(batchkit_tokens_per_s(model, mixed32))
+        hf_mix.append(hf_static_generate(hf, [r.prompt for r in mixed32], [r.max_new_tokens for r in mixed32]))
+        eq_ratios.append(ours_eq[-1] / hf_eq[-1])
+        mix_ratios.append(ours_mix[-1] / hf_mix[-1])
+    med = statistics.median
+    print(f"2. against transformers (same weights, same prompts; median of {args.repeats} interleaved runs)")
     print(
-        f"   32 x 64 new tokens: batchkit {ours_equal:.0f} tok/s; transformers generate_batch "
-        f"{hf_cb:.0f} tok/s ({ours_equal / hf_cb:.1f}x); padded generate() {hf_static_equal:.0f} tok/s "
-        f"({ours_equal / hf_static_equal:.2f}x)"
+        f"   32 x 64 new tokens: batchkit {med(ours_eq):.0f} tok/s; transformers generate_batch {hf_cb:.0f} tok/s "
+        f"({med(ours_eq) / hf_cb:.1f}x); padded generate() {med(hf_eq):.0f} tok/s "
+        f"({med(eq_ratios):.2f}x; runs {', '.join(f'{x:.2f}' for x in eq_ratios)})"
     )
     print(
-        f"   32 x mixed 8..256 : batchkit {ours_mixed:.0f} tok/s; padded generate() {hf_static_mixed:.0f} "
-        f"useful tok/s ({ours_mixed / hf_static_mixed:.2f}x)"
+        f"   32 x mixed 8..256 : batchkit {med(ours_mix):.0f} tok/s; padded generate() {med(hf_mix):.0f} useful tok/s "
+        f"({med(mix_ratios):.2f}x; runs {', '.join(f'{x:.2f}' for x in mix_ratios)})"
     )
 
 
