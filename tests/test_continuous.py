@@ -410,3 +410,84 @@ def test_allocator_and_scheduler_validate_configuration() -> None:
         Scheduler(a, max_num_seqs=0)
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         Scheduler(a, preemption_mode="swap")
+
+
+# --------------------------------------------------------------------------- scheduler invariants (property test)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 40), st.integers(0, 2)),
+        st.tuples(st.just("abort"), st.integers(0, 40), st.just(0), st.just(0)),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_ops, mode=st.sampled_from(["recompute", "swap"]), prefix=st.booleans())
+def test_scheduler_invariants_under_random_traffic(ops: list, mode: str, prefix: bool) -> None:
+    """Random adds, aborts and steps: every step respects the token budget and max_num_seqs,
+    every request ends exactly once with exactly its own tokens, and no block leaks."""
+    budget, max_seqs = 24, 5
+    loop = make_loop(
+        num_blocks=24,
+        block_size=4,
+        watermark=0.0,
+        preemption_mode=mode,
+        num_cpu_blocks=32,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+    )
+    sched = loop.scheduler
+    expected: dict[int, list[int]] = {}
+    got: dict[int, list[int]] = {}
+    ended: set[int] = set()
+    next_id = 0
+
+    def run_steps(n: int) -> None:
+        for _ in range(n):
+            step, events = loop.step_once()
+            assert step.num_tokens <= budget
+            assert len(sched.running) <= max_seqs
+            for ev in events:
+                assert ev.request_id not in ended, "an event after the end"
+                if ev.token is not None:
+                    got.setdefault(ev.request_id, []).append(ev.token)
+                if ev.finished:
+                    ended.add(ev.request_id)
+                    reasons[ev.request_id] = ev.finish_reason
+
+    reasons: dict[int, str | None] = {}
+    for kind, a, b, prio in ops:
+        if kind == "add":
+            prompt = [(next_id + k) % VOCAB for k in range(a)]
+            try:
+                sched.add(Request(next_id, prompt, SamplingParams(max_new_tokens=b), priority=prio))
+            except KVCacheExhausted:
+                ended.add(next_id)
+            else:
+                expected[next_id] = [(prompt[-1] + k) % VOCAB for k in range(1, b + 1)]
+            next_id += 1
+        elif kind == "abort":
+            if sched.abort(a):
+                ended.add(a)
+        else:
+            run_steps(a)
+    guard = 0
+    while sched.has_work():
+        run_steps(1)
+        guard += 1
+        assert guard < 5000, "the scheduler stopped making progress"
+    for rid, want in expected.items():
+        assert rid in ended
+        out = got.get(rid, [])
+        assert out == want[: len(out)], f"request {rid} got tokens that are not its own"
+        if reasons.get(rid) == "length":
+            assert out == want, f"request {rid} finished without all its tokens"
+    s = loop.allocator.statistics()
+    assert (s.used_blocks, s.num_seqs, s.cpu_free_blocks) == (0, 0, 32)
