@@ -154,7 +154,8 @@ def test_controller_grows_the_batch_under_backlog_in_a_batcher() -> None:
 
 def test_tuner_applies_a_policy_to_a_batcher_and_a_decode_loop() -> None:
     """AdaptiveTuner reads the target's statistics and sets its live limit; any policy object works."""
-    b = DynamicBatcher(lambda xs: xs, max_batch_size=4, max_wait_ms=1e6, clock=MockClock())
+    # max_batch_size above the 10 items and a clock that never moves: nothing is dispatched, the depth is exact.
+    b = DynamicBatcher(lambda xs: xs, max_batch_size=64, max_wait_ms=1e6, clock=MockClock())
     for i in range(10):
         b.submit(i)
     seen = []
