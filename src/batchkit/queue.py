@@ -191,10 +191,6 @@ class BoundedQueue(Generic[T]):
         if self._item_waiters:
             wake_all((self._item_waiters.popleft(),))
 
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
     def _insert(
         self,
         item: T,
@@ -370,10 +366,6 @@ class BoundedQueue(Generic[T]):
         while heap and heap[0][2].state != WAITING:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
-
-    def _key_load(self, key: Hashable) -> tuple[int, float]:
-        counts = self._key_counts.get(key)
-        return (0, 0.0) if counts is None else (int(counts[0]), counts[1])
 
     def _notify_drops(self, drops: list[tuple[QueueEntry[T], BaseException]]) -> None:
         if drops and self.on_drop is not None:

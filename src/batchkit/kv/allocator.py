@@ -730,11 +730,10 @@ class PagedKVAllocator:
 
     def block_tables(self, seq_ids: Sequence[Hashable], width: int | None = None) -> np.ndarray:
         """Block tables of several sequences as one ``[n, width]`` int32 array, padded with block 0."""
-        rows = (
-            self.batch(seq_ids).rows
-            if len(set(seq_ids)) == len(seq_ids)
-            else np.fromiter((self._resident(s).row for s in seq_ids), dtype=np.int64, count=len(seq_ids))
-        )
+        try:
+            rows = self.batch(seq_ids).rows
+        except ValueError:  # a sequence listed twice: fine for a view, look each one up
+            rows = np.fromiter((self._resident(s).row for s in seq_ids), dtype=np.int64, count=len(seq_ids))
         need = int(self._nblk[rows].max()) if rows.size else 0
         width = need if width is None else width
         if width < need:
