@@ -491,3 +491,149 @@ def test_scheduler_invariants_under_random_traffic(ops: list, mode: str, prefix:
             assert out == want, f"request {rid} finished without all its tokens"
     s = loop.allocator.statistics()
     assert (s.used_blocks, s.num_seqs, s.cpu_free_blocks) == (0, 0, 32)
+
+
+# --------------------------------------------------------------------------- defects found from outside (issue 9)
+
+
+def _drive_collect(loop: ContinuousDecodeLoop, max_steps: int = 2_000) -> tuple[dict[Any, list[int]], dict[Any, Any]]:
+    """Step the loop until it is idle; return tokens and errors per request."""
+    out: dict[Any, list[int]] = {}
+    errors: dict[Any, Any] = {}
+    for _ in range(max_steps):
+        if not loop.scheduler.has_work():
+            return out, errors
+        _, events = loop.step_once()
+        for ev in events:
+            if ev.error is not None:
+                errors[ev.request_id] = ev.error
+            if ev.token is not None:
+                out.setdefault(ev.request_id, []).append(ev.token)
+    raise AssertionError("the loop did not finish")
+
+
+def test_prefix_cache_never_serves_blocks_of_an_aborted_prefill() -> None:
+    """A 64-token prompt prefilled in 16-token chunks is aborted after its first chunk: a later
+    request sharing the prompt (and the same prompt again) reuse only the block whose K/V was
+    written, and their greedy tokens equal transformers'. Fails on the allocator that indexed
+    every full prompt block at admission."""
+    hf, model = _hf_pair(torch.float64)
+    rng = random.Random(3)
+    prompt = [rng.randrange(96) for _ in range(64)]
+    longer = [*prompt, *(rng.randrange(96) for _ in range(5))]
+    loop = ContinuousDecodeLoop(
+        model,
+        model.make_cache(num_blocks=32, block_size=16),
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        watermark=0.0,
+    )
+    loop.scheduler.add(Request("a", prompt, SamplingParams(max_new_tokens=6)))
+    step, _ = loop.step_once()
+    assert step.num_new_tokens == (16,)
+    assert loop.scheduler.abort("a")  # what leaving generate() early does at the next step boundary
+    loop.scheduler.add(Request("b", longer, SamplingParams(max_new_tokens=6)))
+    loop.scheduler.add(Request("a-again", prompt, SamplingParams(max_new_tokens=6)))
+    out, errors = _drive_collect(loop)
+    assert not errors
+    assert out["b"] == _hf_greedy(hf, longer, 6)
+    assert out["a-again"] == _hf_greedy(hf, prompt, 6)
+    assert loop.allocator.statistics().used_blocks == 0
+
+
+def test_prefix_cache_never_serves_blocks_of_a_preempted_prefill() -> None:
+    """A low-priority request preempted (by recompute) after its first prefill chunk by a
+    higher-priority one sharing its prompt: both produce transformers' greedy tokens. Fails on
+    the allocator that indexed every full prompt block at admission."""
+    hf, model = _hf_pair(torch.float64)
+    rng = random.Random(4)
+    prompt = [rng.randrange(96) for _ in range(64)]
+    longer = [*prompt, *(rng.randrange(96) for _ in range(8))]
+    loop = ContinuousDecodeLoop(
+        model,
+        model.make_cache(num_blocks=9, block_size=16),  # 8 blocks: not enough for both
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        watermark=0.0,
+    )
+    loop.scheduler.add(Request("low", prompt, SamplingParams(max_new_tokens=6), priority=1))
+    loop.step_once()
+    loop.scheduler.add(Request("high", longer, SamplingParams(max_new_tokens=6), priority=0))
+    out, errors = _drive_collect(loop)
+    assert not errors
+    assert loop.scheduler.statistics().preemptions >= 1, "the pool was meant to force a preemption"
+    assert out["high"] == _hf_greedy(hf, longer, 6)
+    assert out["low"] == _hf_greedy(hf, prompt, 6)
+
+
+def test_stop_strings_without_detokenize_are_refused_at_submit() -> None:
+    """A request with stop strings and no detokenize hook is refused with a ValueError naming the
+    fix, instead of silently running to max_new_tokens (the previous behaviour)."""
+    loop = make_loop()
+    with pytest.raises(ValueError, match="detokenize="):
+        loop.submit([1], max_new_tokens=10, stop=("x",))
+    with pytest.raises(ValueError, match="detokenize="):
+        list(loop.generate_sync([1], max_new_tokens=10, stop="x"))
+    with pytest.raises(ValueError, match="detokenize="):
+        loop.scheduler.add(Request("r", [1], SamplingParams(max_new_tokens=10, stop=("x",))))
+    assert loop.submit([1], max_new_tokens=2, stop_token_ids=(9,)).result(WAIT) == [2, 3]
+    loop.close()
+
+
+def test_a_request_that_outgrows_the_cache_gets_kv_cache_exhausted_and_the_loop_serves_on() -> None:
+    """A request that outgrows the whole KV pool while generating, with nothing left to preempt,
+    ends with KVCacheExhausted on its stream; its blocks are freed and other requests are served."""
+    with make_loop(num_blocks=5, block_size=4, watermark=0.0) as loop:  # 16 token slots
+        with pytest.raises(KVCacheExhausted, match="outgrew"):
+            list(loop.generate_sync([1], max_new_tokens=100))
+        fut = loop.submit([1], max_new_tokens=100)
+        with pytest.raises(KVCacheExhausted, match="max_new_tokens"):
+            fut.result(WAIT)
+        assert loop.submit([1], max_new_tokens=3).result(WAIT) == [2, 3, 4]
+        assert loop.allocator.statistics().used_blocks == 0
+
+
+def test_a_request_that_can_never_be_readmitted_is_ended_not_parked() -> None:
+    """A worse-priority request that must give way while holding more tokens than admission
+    allows (the cache less its watermark) ends with KVCacheExhausted instead of waiting for ever
+    at the head of the queue; the better one and later ones are served. The previous scheduler
+    parked it and never finished."""
+    loop = make_loop(num_blocks=11, block_size=4, watermark=0.1)  # 10 blocks, 9 admissible
+    loop.scheduler.add(Request("worse", [1], SamplingParams(max_new_tokens=200), priority=1))
+    for _ in range(30):
+        loop.step_once()
+    loop.scheduler.add(Request("better", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=8), priority=0))
+    out, errors = _drive_collect(loop)
+    assert isinstance(errors.get("worse"), KVCacheExhausted)
+    assert len(out["better"]) == 8
+    loop.scheduler.add(Request("later", [1], SamplingParams(max_new_tokens=2)))
+    out, errors = _drive_collect(loop)
+    assert out["later"] == [2, 3]
+    assert not errors
+    assert loop.allocator.statistics().used_blocks == 0
+
+
+def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
+    """With max_waiting=2, two requests may wait while the engine is busy; a third is refused at
+    once with QueueFull, and the accepted ones all complete."""
+    from batchkit import QueueFull
+
+    entered = threading.Event()
+    release = threading.Event()
+    echo = EchoStep()
+
+    def blocking_step(batch: StepBatch, kv: Any) -> torch.Tensor:
+        entered.set()
+        assert release.wait(WAIT)
+        return echo(batch, kv)
+
+    with make_loop(blocking_step, max_num_seqs=1, max_waiting=2) as loop:
+        first = loop.submit([1], max_new_tokens=2)
+        assert entered.wait(WAIT)
+        queued = [loop.submit([1], max_new_tokens=2) for _ in range(2)]
+        with pytest.raises(QueueFull, match="max_waiting=2"):
+            loop.submit([1], max_new_tokens=2)
+        release.set()
+        assert [f.result(WAIT) for f in [first, *queued]] == [[2, 3]] * 3
+    with pytest.raises(ValueError, match="max_waiting"):
+        make_loop(max_waiting=0)

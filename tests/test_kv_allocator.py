@@ -171,6 +171,7 @@ def test_prefix_cache_reuses_blocks_and_verifies_tokens() -> None:
     a = PagedKVAllocator(64, block_size=4, enable_prefix_caching=True)
     prompt = list(range(100, 111))  # 11 tokens: 2 full blocks + 3
     assert a.allocate("a", prompt) == 0
+    a.mark_computed("a", len(prompt))
     a.free("a")
     assert a.statistics().cached_blocks == 2
     assert a.allocate("b", [*prompt[:8], 7, 7]) == 8
@@ -188,6 +189,7 @@ def test_prefix_cache_salts_by_tenant() -> None:
     a = PagedKVAllocator(64, block_size=4, enable_prefix_caching=True)
     prompt = list(range(9))
     a.allocate("a", prompt, tenant="t1")
+    a.mark_computed("a", len(prompt))
     assert a.allocate("b", prompt, tenant="t2") == 0
     assert a.allocate("c", prompt, tenant="t1") == 8
 
@@ -195,11 +197,32 @@ def test_prefix_cache_salts_by_tenant() -> None:
 def test_cached_blocks_are_evicted_lru_when_needed() -> None:
     """Freed cached blocks are reused for new work, least recently used first."""
     a = PagedKVAllocator(5, block_size=2, enable_prefix_caching=True)  # 4 blocks
-    a.allocate("a", [1, 2, 3])  # 1 full block cached
+    a.allocate("a", [1, 2, 3])
+    a.mark_computed("a", 3)  # 1 full block cached
     a.free("a")
     a.allocate("b", 8)  # needs all 4: evicts the cached one
     assert a.statistics().evictions == 1
     assert a.statistics().cached_blocks == 0
+    check_invariants(a)
+
+
+def test_blocks_become_prefix_hits_only_once_computed() -> None:
+    """A block whose K/V were never written (its sequence freed, or preempted, before the step
+    that fills it ran) is never served as a prefix-cache hit; computed blocks are. Fails on the
+    allocator that indexed every full prompt block at admission."""
+    a = PagedKVAllocator(64, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(100, 117))  # 17 tokens: 4 full blocks + 1
+    assert a.allocate("a", prompt) == 0
+    a.mark_computed("a", 4)  # only the first chunk's step ran
+    a.free("a")  # aborted mid-prefill
+    assert a.statistics().cached_blocks == 1
+    assert a.allocate("b", prompt) == 4
+    a.mark_computed("b", 7)  # a partial block is not indexed
+    assert a.allocate("c", prompt) == 4
+    a.mark_computed("b", 17)
+    assert a.allocate("d", prompt) == 16
+    with pytest.raises(ValueError, match="outside"):
+        a.mark_computed("d", 18)
     check_invariants(a)
 
 
@@ -309,6 +332,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         for s in sids:
             self.tokens[s].append(5)
         self.a.take_copies()
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def compute(self, data: st.DataObject) -> None:
+        resident = self._resident()
+        if not resident:
+            return
+        sid = data.draw(st.sampled_from(resident))
+        self.a.mark_computed(sid, data.draw(st.integers(0, len(self.tokens[sid]))))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

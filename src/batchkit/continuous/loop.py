@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._clock import Clock, MonotonicClock
-from .._errors import BatcherClosed
+from .._errors import BatcherClosed, QueueFull
 from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
@@ -98,8 +98,15 @@ class ContinuousDecodeLoop:
         preemption_mode: ``"recompute"`` or ``"swap"`` (then ``num_cpu_blocks`` > 0).
         num_cpu_blocks: size of the CPU swap pool.
         eos_token_id: default end-of-sequence token for requests that give none.
-        detokenize: ``detokenize(token_ids) -> str``, for stop strings.
+        detokenize: ``detokenize(token_ids) -> str``, for stop strings (a request with ``stop=``
+            strings and no hook is refused with ValueError).
+        max_waiting: most requests waiting to be admitted (submitted, not yet running, or
+            preempted); a request beyond it is refused at once with :class:`QueueFull`, so that
+            a server can answer "busy" instead of queueing without bound. None: unbounded.
         clock: time source for the metrics.
+
+    Raises:
+        TypeError: ``step_fn`` is not callable. ValueError: out-of-range limits.
     """
 
     def __init__(
@@ -115,10 +122,16 @@ class ContinuousDecodeLoop:
         num_cpu_blocks: int = 0,
         eos_token_id: int | None = None,
         detokenize: Callable[[Sequence[int]], str] | None = None,
+        max_waiting: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(batch, kv), got {step_fn!r}")
+        if max_waiting is not None and (
+            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
+        ):
+            raise ValueError(f"max_waiting must be an int >= 1 or None (unbounded), got {max_waiting!r}")
+        self.max_waiting = max_waiting
         self.step_fn = step_fn
         self.kv = kv_cache
         self.clock: Clock = clock if clock is not None else MonotonicClock()
@@ -152,6 +165,7 @@ class ContinuousDecodeLoop:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inbox: list[tuple[Request, _Stream]] = []
+        self._admitting = 0  # requests taken from the inbox, not yet in the scheduler
         self._aborts: list[Hashable] = []
         self._streams: dict[Hashable, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -181,10 +195,24 @@ class ContinuousDecodeLoop:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids needs at least one token")
+        if params.stop and self.scheduler.detokenize is None:
+            raise ValueError(
+                f"stop strings {params.stop!r} need a detokenize hook to be matched; pass detokenize= "
+                "(token ids -> text) to ContinuousDecodeLoop, or stop on token ids with stop_token_ids="
+            )
         stream = stream or _Stream()
         with self._cond:
             if self._closing:
                 raise BatcherClosed("the decode loop is closed")
+            if self.max_waiting is not None:
+                # Requests the engine took from the inbox count until they are in the scheduler
+                # (then for a moment twice: at worst one is refused early, never one too many).
+                waiting = len(self._inbox) + self._admitting + len(self.scheduler.waiting)
+                if waiting >= self.max_waiting:
+                    raise QueueFull(
+                        f"{waiting} requests are already waiting (max_waiting={self.max_waiting}); retry later, "
+                        "raise max_waiting, or add capacity"
+                    )
             self._next_id += 1
             req = Request(self._next_id, prompt, params, priority=priority, tenant=tenant)
             self._inbox.append((req, stream))
@@ -273,6 +301,7 @@ class ContinuousDecodeLoop:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
+                self._admitting = len(inbox)
             wake: list[Any] = []
             for req, stream in inbox:
                 try:
@@ -281,6 +310,9 @@ class ContinuousDecodeLoop:
                     wake.append(stream.push(TokenEvent(req.request_id, None, True, "error", exc)))
                     continue
                 self._streams[req.request_id] = stream
+            if inbox:
+                with self._cond:
+                    self._admitting = 0
             for rid in aborts:
                 if self.scheduler.abort(rid):
                     aborted = self._streams.pop(rid, None)

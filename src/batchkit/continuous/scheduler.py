@@ -219,22 +219,17 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not request.tokens:
             raise ValueError("a prompt needs at least one token")
-        a = self.allocator
+        if request.params.stop and self.detokenize is None:
+            raise ValueError(
+                f"request {request.request_id!r} has stop strings {request.params.stop!r} but the scheduler has no "
+                "detokenize hook to match them; pass detokenize= (token ids -> text) to the ContinuousDecodeLoop "
+                "or Scheduler, or use stop_token_ids"
+            )
         # The prompt must fit the cache above the watermark; a request that later outgrows the
         # whole cache on its own ends with KVCacheExhausted then.
-        room = a.total_blocks - a._watermark_blocks
-        most = a.blocks_needed(request.prompt_len + 1)
-        if most > room:
-            raise KVCacheExhausted(
-                f"request {request.request_id!r}: a prompt of {request.prompt_len} tokens needs {most} KV blocks "
-                f"but admission has {room}; shorten the prompt or give the cache more blocks"
-            )
-        quota = a.quota_of(request.tenant)
-        if quota is not None and most > quota:
-            raise KVCacheExhausted(
-                f"request {request.request_id!r} needs {most} KV blocks, over tenant "
-                f"{request.tenant!r}'s quota of {quota}"
-            )
+        problem = self._never_fits(request, request.prompt_len)
+        if problem is not None:
+            raise KVCacheExhausted(f"{problem}; shorten the prompt or give the cache more blocks")
         request.arrival = self.clock.now()
         self._order += 1
         request.order = self._order
@@ -276,6 +271,35 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ scheduling
+
+    def _never_fits(self, req: Request, num_tokens: int) -> str | None:
+        """Why a request holding ``num_tokens`` tokens (and about to take one more) could never be
+        admitted again, even with the cache to itself; None if it could."""
+        a = self.allocator
+        most = a.blocks_needed(num_tokens + 1)
+        room = a.total_blocks - a.watermark_blocks
+        if most > room:
+            return (
+                f"request {req.request_id!r}: {num_tokens} tokens need {most} KV blocks but admission has {room} "
+                f"(the cache's {a.total_blocks} blocks less the watermark's {a.watermark_blocks})"
+            )
+        quota = a.quota_of(req.tenant)
+        if quota is not None and most > quota:
+            return f"request {req.request_id!r} needs {most} KV blocks, over tenant {req.tenant!r}'s quota of {quota}"
+        return None
+
+    def _outgrown(self, req: Request) -> None:
+        """End a running request that no longer fits the cache even on its own."""
+        self.running.remove(req)
+        self.allocator.free(req.request_id)
+        problem = self._never_fits(req, len(req.tokens)) or f"request {req.request_id!r} alone no longer fits"
+        self._fail(
+            req,
+            KVCacheExhausted(
+                f"{problem}; it outgrew the KV cache while generating after {len(req.output)} tokens. Lower "
+                "max_new_tokens or give the cache more blocks"
+            ),
+        )
 
     def _victim(self, exclude: set[int]) -> Request | None:
         """The running request to preempt: worst priority, then most recent arrival."""
@@ -338,7 +362,7 @@ class Scheduler:
         #    token with room for all, is one vectorised allocator call.
         self.running.sort(key=Request.sort_key)
         decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1]
-        if decoding and len(decoding) == len(self.running) and len(decoding) <= budget and not a._quotas:
+        if decoding and len(decoding) == len(self.running) and len(decoding) <= budget and not a.has_quotas:
             handle = a.batch([r.request_id for r in decoding])
             if a.blocks_needed_batch(handle) <= a.num_free_blocks:
                 ids = [r.tokens[-1] for r in decoding] if a.enable_prefix_caching else None
@@ -354,10 +378,12 @@ class Scheduler:
             need = req.num_computed + n - a.num_tokens(req.request_id)
             if need > 0 and not a.can_append_slots([req.request_id], need):
                 victim = self._victim(scheduled | {id(req)}) or req
-                if victim is req and len(self.running) == 1 and not chosen:
-                    self.running.remove(req)
-                    a.free(req.request_id)
-                    self._fail(req, KVCacheExhausted(f"request {req.request_id!r} alone no longer fits the KV cache"))
+                # Preempting a request that could never be admitted again would park it in the
+                # waiting queue for ever (and block the queue behind it): end it instead.
+                if victim is req and (
+                    (len(self.running) == 1 and not chosen) or self._never_fits(req, len(req.tokens)) is not None
+                ):
+                    self._outgrown(req)
                     continue
                 self._preempt(victim, swap_out)
                 preempted = True
@@ -397,6 +423,11 @@ class Scheduler:
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[j]
                 total = len(req.tokens)
+                problem = self._never_fits(req, total)
+                if problem is not None:  # grown while others preempted it: it can never come back
+                    self.waiting.pop(j)
+                    self._fail(req, KVCacheExhausted(f"{problem}; lower max_new_tokens or give the cache more blocks"))
+                    continue
                 if not a.within_quota(total, req.tenant):
                     j += 1
                     continue
@@ -431,6 +462,9 @@ class Scheduler:
         """
         now = self.clock.now()
         events = self.take_events()
+        a = self.allocator
+        prefix = a.enable_prefix_caching
+        bs = a.block_size
         it = iter(sampled)
         for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
             if req.status != RequestStatus.RUNNING:
@@ -438,7 +472,11 @@ class Scheduler:
                     next(it, None)  # aborted mid-step: drop its token
                 continue
             was_prompt = req.num_computed < req.prompt_len
+            before = req.num_computed
             req.num_computed += n
+            if prefix and before // bs != req.num_computed // bs:
+                # The step wrote these blocks' K/V: only now may they serve as prefix-cache hits.
+                a.mark_computed(req.request_id, req.num_computed)
             if was_prompt:
                 self._prompt_computed += min(n, req.prompt_len)
             if not samples:

@@ -308,14 +308,14 @@ class PagedKVAllocator:
             prev = h
         return blocks, hashes
 
-    def _register_full_blocks(self, info: _SeqInfo, salt: Hashable) -> None:
-        """Index the sequence's newly filled blocks in the prefix cache."""
+    def _register_full_blocks(self, info: _SeqInfo, salt: Hashable, num_computed: int) -> None:
+        """Index the sequence's full blocks among its first ``num_computed`` tokens in the prefix cache."""
         tokens = info.tokens
         if tokens is None:
             return
         bs = self.block_size
         row = info.row
-        full = len(tokens) // bs
+        full = min(num_computed, len(tokens)) // bs
         for i in range(len(info.hashes), full):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             prev = info.hashes[-1] if info.hashes else None
@@ -326,7 +326,35 @@ class PagedKVAllocator:
                 self._hash_to_block[h] = block
                 self._block_key[block] = (h, chunk)
 
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Tell the allocator that the K/V of the sequence's first ``num_tokens`` tokens are written.
+
+        With prefix caching, a full block becomes reusable by other sequences (and by this one
+        after a preemption) only once it is marked computed: a block whose K/V were never written
+        (its request aborted or preempted before the step that fills it ran) is never a cache hit.
+        Call it after each step that wrote the sequence's K/V (the :class:`Scheduler` does). A no-op
+        without prefix caching or for a sequence whose generated ids were not passed.
+
+        Raises:
+            UnknownSequence, BatchkitError (swapped out), ValueError (more tokens than it holds).
+        """
+        info = self._resident(seq_id)
+        if num_tokens > int(self._lens[info.row]) or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} is outside the sequence's {int(self._lens[info.row])} tokens")
+        if info.tokens is not None:
+            self._register_full_blocks(info, info.tenant, num_tokens)
+
     # ------------------------------------------------------------------ admission and allocation
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks admission (:meth:`can_allocate`, :meth:`allocate`) leaves free for growth."""
+        return self._watermark_blocks
+
+    @property
+    def has_quotas(self) -> bool:
+        """Whether any tenant has a block quota."""
+        return bool(self._quotas)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that ``num_tokens`` tokens occupy."""
@@ -406,8 +434,7 @@ class PagedKVAllocator:
         info = _SeqInfo(row, tenant)
         if self.enable_prefix_caching and tokens is not None:
             info.tokens = tokens
-            info.hashes = hashes
-            self._register_full_blocks(info, tenant)
+            info.hashes = hashes  # the hits; blocks filled from here on register in mark_computed
             self._prefix_queries += n
             self._prefix_hits += len(hit_blocks) * self.block_size
         self._seqs[seq_id] = info
@@ -489,7 +516,6 @@ class PagedKVAllocator:
                 info.tokens = None  # generated ids unknown: stop caching this sequence's blocks
             else:
                 info.tokens.extend(int(t) for t in token_ids)
-                self._register_full_blocks(info, info.tenant)
         return slots
 
     def batch(self, seq_ids: Sequence[Hashable]) -> SeqBatch:
@@ -596,9 +622,6 @@ class PagedKVAllocator:
                     info.tokens = None
                     continue
                 info.tokens.append(int(token_ids[j]))
-            for idx in np.flatnonzero(offs == bs - 1):
-                info = self._seqs[seqs.seq_ids[idx]]
-                self._register_full_blocks(info, info.tenant)
         return slots
 
     # ------------------------------------------------------------------ sharing and freeing
@@ -701,10 +724,9 @@ class PagedKVAllocator:
         info.cpu_blocks = None
         self._num_swapped -= 1
         self._cpu_free.extend(cpu)
-        # Blocks rewritten from CPU get fresh ids, so this sequence's cache index restarts.
+        # Blocks rewritten from CPU get fresh ids, so this sequence's cache index restarts; they
+        # register again once marked computed (the copies run before the next step).
         info.hashes = info.hashes[:0]
-        if info.tokens is not None:
-            self._register_full_blocks(info, info.tenant)
         self._swaps_in += 1
         return list(zip(cpu, new.tolist(), strict=True))
 
