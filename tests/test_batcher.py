@@ -55,6 +55,8 @@ class Recorder:
         ({"max_concurrent_batches": 0}, ValueError, "max_concurrent_batches"),
         ({"max_batch_cost": 10}, ValueError, "max_batch_cost needs size_fn"),
         ({"batch_timeout_s": 0}, ValueError, "batch_timeout_s must be > 0"),
+        ({"max_queue": 0}, ValueError, "max_queue must be an int >= 1"),
+        ({"on_full": "wait"}, ValueError, "on_full must be one of"),
     ],
 )
 def test_bad_configuration_is_refused(kwargs: dict, exc: type, message: str) -> None:

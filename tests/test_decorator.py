@@ -178,3 +178,45 @@ async def test_sync_function_awaited_with_acall() -> None:
     with anyio.fail_after(WAIT):
         assert await neg.acall(5) == -5
     await neg.aclose()
+
+
+def test_a_queue_passed_to_the_decorator_admits_its_callers() -> None:
+    """@batched(queue=BoundedQueue(...)) works from the first call, and that queue's limits apply.
+
+    Validating the options at decoration must not claim the queue for a throw-away batcher.
+    """
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(maxsize=2, on_full="reject")
+
+    @batched(max_batch=4, max_wait_ms=1e6, queue=q)
+    def echo(xs: list[int]) -> list[int]:
+        return xs
+
+    futs = [echo.submit(i) for i in range(2)]
+    with pytest.raises(batchkit.QueueFull):
+        echo.submit(2)
+    echo.flush()
+    assert [f.result(WAIT) for f in futs] == [0, 1]
+    assert echo.batcher.queue is q
+    echo.close()
+
+
+def test_a_queue_owned_by_a_batcher_is_refused_at_decoration() -> None:
+    """A queue that already serves a DynamicBatcher cannot serve a decorated function too."""
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(maxsize=4)
+    owner = batchkit.DynamicBatcher(lambda xs: xs, queue=q)
+    with pytest.raises(ValueError, match="queue already belongs to a batcher"):
+
+        @batched(queue=q)
+        def f(xs: list[int]) -> list[int]:
+            return xs
+
+    owner.close()
+
+
+def test_an_unknown_option_fails_at_decoration() -> None:
+    """A misspelt option is a TypeError that names it, raised where the decorator is written."""
+    with pytest.raises(TypeError, match="max_wiat_ms"):
+
+        @batched(max_wiat_ms=5)  # type: ignore[call-overload, untyped-decorator]
+        def f(xs: list[int]) -> list[int]:
+            return xs

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from time import monotonic as _monotonic
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar
 
 import anyio
 
@@ -36,9 +36,16 @@ from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen
 from ._waiters import ThreadWaiter, new_async_waiter, wake_all
 from .adaptive import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from .metrics import LatencySummary, SampleWindow
-from .queue import _ANY, WAITING, BoundedQueue, OnFull, QueueEntry, _check_put_args
+from .queue import _ANY, WAITING, BoundedQueue, OnFull, QueueEntry, _check_put_args, check_queue_options
 
-__all__ = ["BatchInfo", "BatcherStatistics", "DynamicBatcher", "FLUSH_REASONS"]
+__all__ = [
+    "FLUSH_REASONS",
+    "BatchInfo",
+    "BatcherOptions",
+    "BatcherStatistics",
+    "DynamicBatcher",
+    "check_batcher_options",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +125,68 @@ class BatcherStatistics:
 BatchFn = Callable[[list[T]], Sequence[R]] | Callable[[list[T]], Awaitable[Sequence[R]]]
 
 
+class BatcherOptions(TypedDict, total=False):
+    """The keyword options of :class:`DynamicBatcher` besides ``max_batch_size`` and
+    ``max_wait_ms`` (the ones ``@batched`` passes through); see its docstring for each."""
+
+    queue: BoundedQueue[Any] | None
+    max_queue: int
+    on_full: OnFull
+    max_concurrent_batches: int
+    size_fn: Callable[[Any], float] | None
+    max_batch_cost: float | None
+    group_by: Callable[[Any], Hashable] | None
+    isolate_errors: bool
+    batch_timeout_s: float | None
+    controller: AdaptiveBatchController | None
+    circuit_breaker: CircuitBreaker | None
+    clock: Clock | None
+    name: str | None
+
+
+_OPTION_NAMES = frozenset(BatcherOptions.__annotations__)
+
+
+def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, options: BatcherOptions) -> None:
+    """Raise what ``DynamicBatcher(fn, max_batch_size=..., max_wait_ms=..., **options)`` would
+    raise for these arguments, without building a batcher: nothing is started, and a ``queue``
+    is checked but not claimed (``@batched`` validates at decoration this way). Missing options
+    take their defaults.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or an option name is unknown.
+        ValueError: a value the batcher refuses (the message names the argument and the fix).
+    """
+    unknown = options.keys() - _OPTION_NAMES
+    if unknown:
+        raise TypeError(
+            f"unknown batcher option(s) {', '.join(sorted(unknown))}; the options are max_batch_size, "
+            f"max_wait_ms, {', '.join(sorted(_OPTION_NAMES))}"
+        )
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a batch function over a list), got {fn!r}")
+    _check_positive_int("max_batch_size", max_batch_size)
+    _check_positive_int("max_concurrent_batches", options.get("max_concurrent_batches", 1))
+    if not max_wait_ms >= 0:
+        raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
+    size_fn = options.get("size_fn")
+    max_batch_cost = options.get("max_batch_cost")
+    if max_batch_cost is not None and size_fn is None:
+        raise ValueError("max_batch_cost needs size_fn: pass size_fn=lambda item: cost_of(item)")
+    if max_batch_cost is not None and not max_batch_cost > 0:
+        raise ValueError(f"max_batch_cost must be > 0, got {max_batch_cost!r}")
+    batch_timeout_s = options.get("batch_timeout_s")
+    if batch_timeout_s is not None and not batch_timeout_s > 0:
+        raise ValueError(f"batch_timeout_s must be > 0 or None, got {batch_timeout_s!r}")
+    queue = options.get("queue")
+    if queue is None:
+        max_queue = options.get("max_queue", 4096)
+        _check_positive_int("max_queue", max_queue)
+        check_queue_options(max_queue, options.get("on_full", "reject"))
+    elif queue.on_drop is not None:
+        raise ValueError("queue already belongs to a batcher (its on_drop is set); give each its own")
+
+
 class DynamicBatcher(Generic[T, R]):
     """Collects items from many callers into batches for one batch function.
 
@@ -153,7 +222,8 @@ class DynamicBatcher(Generic[T, R]):
         name: shown in ``repr`` and thread names.
 
     Raises:
-        ValueError: a non-positive size, negative wait, or ``max_batch_cost`` without ``size_fn``.
+        ValueError: a non-positive size, negative wait, ``max_batch_cost`` without ``size_fn``, or
+            a ``queue`` that already serves another batcher (see :func:`check_batcher_options`).
         TypeError: ``fn`` is not callable.
     """
 
@@ -177,22 +247,22 @@ class DynamicBatcher(Generic[T, R]):
         clock: Clock | None = None,
         name: str | None = None,
     ) -> None:
-        if not callable(fn):
-            raise TypeError(f"fn must be callable (a batch function over a list), got {fn!r}")
-        _check_positive_int("max_batch_size", max_batch_size)
-        _check_positive_int("max_concurrent_batches", max_concurrent_batches)
-        if not max_wait_ms >= 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
-        if max_batch_cost is not None and size_fn is None:
-            raise ValueError("max_batch_cost needs size_fn: pass size_fn=lambda item: cost_of(item)")
-        if max_batch_cost is not None and not max_batch_cost > 0:
-            raise ValueError(f"max_batch_cost must be > 0, got {max_batch_cost!r}")
-        if batch_timeout_s is not None and not batch_timeout_s > 0:
-            raise ValueError(f"batch_timeout_s must be > 0 or None, got {batch_timeout_s!r}")
+        check_batcher_options(
+            fn,
+            max_batch_size,
+            max_wait_ms,
+            {
+                "queue": queue,
+                "max_queue": max_queue,
+                "on_full": on_full,
+                "max_concurrent_batches": max_concurrent_batches,
+                "size_fn": size_fn,
+                "max_batch_cost": max_batch_cost,
+                "batch_timeout_s": batch_timeout_s,
+            },
+        )
         if queue is None:
             queue = BoundedQueue(max_queue, on_full, clock=clock)
-        elif queue.on_drop is not None:
-            raise ValueError("queue already belongs to a batcher (its on_drop is set); give each its own")
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
         self.max_batch_size = max_batch_size

@@ -29,7 +29,9 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, overload
 
-from .batcher import BatcherStatistics, DynamicBatcher
+from typing_extensions import Unpack
+
+from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, _is_async_callable, check_batcher_options
 
 __all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched"]
 
@@ -37,10 +39,21 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+class _Settings:
+    """What @batched was given: the batch size and wait, and the batcher's other options."""
+
+    __slots__ = ("max_batch_size", "max_wait_ms", "options")
+
+    def __init__(self, max_batch_size: int, max_wait_ms: float, options: BatcherOptions) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_wait_ms = max_wait_ms
+        self.options = options
+
+
 class _BatchedBase(Generic[T, R]):
-    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], settings: _Settings) -> None:
         self._fn = fn
-        self._options = options
+        self._settings = settings
         self._batcher: DynamicBatcher[T, R] | None = None
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -54,7 +67,10 @@ class _BatchedBase(Generic[T, R]):
             with self._lock:
                 b = self._batcher
                 if b is None:
-                    b = self._batcher = DynamicBatcher(self._fn, **self._options)
+                    st = self._settings
+                    b = self._batcher = DynamicBatcher(
+                        self._fn, max_batch_size=st.max_batch_size, max_wait_ms=st.max_wait_ms, **st.options
+                    )
         return b
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
@@ -72,7 +88,7 @@ class _BatchedBase(Generic[T, R]):
             with self._lock:
                 bound = store.get(self._attr)
                 if bound is None:
-                    bound = type(self)(functools.partial(self._fn, instance), self._options)
+                    bound = type(self)(functools.partial(self._fn, instance), self._settings)
                     store[self._attr] = bound
         return bound
 
@@ -164,8 +180,8 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
 
 
 class _Decorator:
-    def __init__(self, options: dict[str, Any]) -> None:
-        self._options = options
+    def __init__(self, settings: _Settings) -> None:
+        self._settings = settings
 
     @overload
     def __call__(self, fn: Callable[[list[T]], Coroutine[Any, Any, Sequence[R]]], /) -> AsyncBatchedFunction[T, R]: ...
@@ -178,18 +194,17 @@ class _Decorator:
     @overload
     def __call__(self, fn: Callable[[Any, list[T]], Sequence[R]], /) -> BatchedFunction[T, R]: ...
     def __call__(self, fn: Callable[..., Any], /) -> Any:
-        return _wrap(fn, self._options)
+        return _wrap(fn, self._settings)
 
 
-def _wrap(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
+def _wrap(fn: Callable[..., Any], settings: _Settings) -> Any:
     if not callable(fn):
         raise TypeError(f"@batched decorates a function over a list of items, got {fn!r}")
-    from .batcher import _is_async_callable
-
-    # Validate the options now, so that a typo fails at decoration, not at the first call.
-    DynamicBatcher(fn, **options)
+    # Validate now, so that a typo fails at decoration, not at the first call; without building
+    # a batcher, which would claim a `queue=` that the real one needs.
+    check_batcher_options(fn, settings.max_batch_size, settings.max_wait_ms, settings.options)
     cls = AsyncBatchedFunction if _is_async_callable(fn) else BatchedFunction
-    return cls(fn, options)
+    return cls(fn, settings)
 
 
 @overload
@@ -207,7 +222,7 @@ def batched(
     *,
     max_batch: int = 8,
     max_wait_ms: float = 20.0,
-    **options: Any,
+    **options: Unpack[BatcherOptions],
 ) -> _Decorator: ...
 def batched(
     fn: Callable[..., Any] | None = None,
@@ -215,7 +230,7 @@ def batched(
     *,
     max_batch: int = 8,
     max_wait_ms: float = 20.0,
-    **options: Any,
+    **options: Unpack[BatcherOptions],
 ) -> Any:
     """Turn a function over a list of items into one that callers call with a single item.
 
@@ -223,15 +238,20 @@ def batched(
     keyword options are those of :class:`~batchkit.DynamicBatcher` (``max_queue``, ``on_full``,
     ``group_by``, ``size_fn``, ``max_batch_cost``, ``isolate_errors``, ...).
 
+    A ``queue=`` is claimed by the batcher when it is created on first use; on a method, where
+    each instance gets its own batcher, only one instance can use it (pass ``max_queue`` and
+    ``on_full`` instead to give each its own queue).
+
     Raises:
-        ValueError, TypeError: at decoration time, for options the batcher would refuse.
+        ValueError, TypeError: at decoration time, for options the batcher would refuse (see
+            :func:`~batchkit.batcher.check_batcher_options`).
     """
     if "max_batch_size" in options:
         raise TypeError("@batched takes max_batch=..., not max_batch_size=...")
-    opts = {"max_batch_size": max_batch, "max_wait_ms": max_wait_ms, **options}
+    settings = _Settings(max_batch, max_wait_ms, options)
     if fn is None:
-        return _Decorator(opts)
-    return _wrap(fn, opts)
+        return _Decorator(settings)
+    return _wrap(fn, settings)
 
 
 class _SimpleBar:

@@ -26,7 +26,7 @@ from ._errors import DeadlineExceeded, QueueEmpty, QueueFull
 from ._waiters import ThreadWaiter, new_async_waiter, wake_all
 from .metrics import LatencySummary, SampleWindow
 
-__all__ = ["ON_FULL_POLICIES", "BoundedQueue", "OnFull", "QueueEntry", "QueueStatistics"]
+__all__ = ["ON_FULL_POLICIES", "BoundedQueue", "OnFull", "QueueEntry", "QueueStatistics", "check_queue_options"]
 
 T = TypeVar("T")
 
@@ -93,6 +93,21 @@ class QueueStatistics:
 DropCallback = Callable[[QueueEntry[Any], BaseException], None]
 
 
+def check_queue_options(maxsize: object, on_full: object = "reject", aging_s: object = None) -> None:
+    """Raise what ``BoundedQueue(maxsize, on_full, aging_s=aging_s)`` would raise for these
+    arguments, without building a queue (the batcher and ``@batched`` validate their options so).
+
+    Raises:
+        ValueError: ``maxsize`` not an int >= 1, an unknown ``on_full``, or ``aging_s`` <= 0.
+    """
+    if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
+        raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}: every queue is bounded")
+    if on_full not in ON_FULL_POLICIES:
+        raise ValueError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
+    if aging_s is not None and not (isinstance(aging_s, (int, float)) and aging_s > 0):
+        raise ValueError(f"aging_s must be > 0 seconds or None, got {aging_s!r}")
+
+
 class BoundedQueue(Generic[T]):
     """A bounded, thread- and task-safe priority queue.
 
@@ -123,12 +138,7 @@ class BoundedQueue(Generic[T]):
         clock: Clock | None = None,
         on_drop: DropCallback | None = None,
     ) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-            raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}: every queue is bounded")
-        if on_full not in ON_FULL_POLICIES:
-            raise ValueError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
-        if aging_s is not None and not aging_s > 0:
-            raise ValueError(f"aging_s must be > 0 seconds or None, got {aging_s!r}")
+        check_queue_options(maxsize, on_full, aging_s)
         self.maxsize = maxsize
         self.on_full: OnFull = on_full
         self.aging_s = aging_s
