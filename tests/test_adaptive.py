@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+from collections.abc import Callable
 
 import pytest
 
 import batchkit
-from batchkit import AdaptiveBatchController, AdaptiveTuner, CircuitBreaker, CircuitOpen, DynamicBatcher
+from batchkit import (
+    AdaptiveBatchController,
+    AdaptiveTuner,
+    BatchSizeMismatch,
+    BatchTimeout,
+    CircuitBreaker,
+    CircuitOpen,
+    DynamicBatcher,
+)
 from batchkit.testing import MockClock
 
 WAIT = 10
@@ -175,3 +185,65 @@ def test_tuner_applies_a_policy_to_a_batcher_and_a_decode_loop() -> None:
     tuner = AdaptiveTuner(loop, AdaptiveBatchController(target_queue=1, max_batch=64, initial=32))
     assert tuner.step() == 31  # nothing waiting: step down
     assert loop.scheduler.max_num_seqs == 31
+
+
+@pytest.mark.parametrize(
+    "bad_result",
+    [lambda xs: xs + xs, lambda xs: 42],
+    ids=["too-many-results", "not-a-sequence"],
+)
+def test_malformed_results_count_as_failures_for_the_circuit_breaker(bad_result: Callable[[list[int]], object]) -> None:
+    """A batch that returns the wrong number of results (or no sequence) is a failed batch:
+    failure_threshold of them in a row open the circuit, and the next submit fails fast."""
+    clock = MockClock()
+    br = CircuitBreaker(failure_threshold=3, reset_timeout_s=30, clock=clock)
+    with DynamicBatcher(bad_result, max_batch_size=1, max_wait_ms=0, circuit_breaker=br, clock=clock) as b:
+        for i in range(3):
+            with pytest.raises(BatchSizeMismatch):
+                b.submit(i).result(WAIT)
+        assert br.state == "open"
+        with pytest.raises(CircuitOpen):
+            b.submit(3)
+
+
+def test_a_timed_out_batch_counts_as_a_failure_for_the_circuit_breaker() -> None:
+    """A batch abandoned after batch_timeout_s is a failure for the breaker at once, and a
+    success if its hung call returns later does not close the circuit again."""
+    clock = MockClock()
+    br = CircuitBreaker(failure_threshold=1, reset_timeout_s=30, clock=clock)
+    started, hang, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        started.set()
+        hang.wait(WAIT)
+        returned.set()
+        return xs
+
+    b = DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, batch_timeout_s=5, circuit_breaker=br, clock=clock)
+    try:
+        fut = b.submit(1)
+        assert started.wait(WAIT)
+        clock.advance(5)
+        with pytest.raises(BatchTimeout):
+            fut.result(WAIT)
+        assert br.state == "open"
+        hang.set()
+        assert returned.wait(WAIT)
+        assert br.state == "open"
+    finally:
+        hang.set()
+        b.close(timeout=WAIT)
+
+
+def test_a_probe_that_never_ran_frees_the_half_open_slot() -> None:
+    """If the one probe batch of a half-open circuit does not run (its callers all gave up),
+    the next batch may probe; the circuit does not stay half-open with nothing let through."""
+    clock = MockClock()
+    br = CircuitBreaker(failure_threshold=1, reset_timeout_s=5, clock=clock)
+    br.record(False)
+    clock.advance(5)
+    assert br.allow_dispatch()
+    assert not br.allow_dispatch()
+    br.release_probe()
+    assert br.state == "half_open"
+    assert br.allow_dispatch()

@@ -247,8 +247,20 @@ class CircuitBreaker:
             return True
         return False
 
+    @property
+    def half_open_at(self) -> float:
+        """When an open circuit lets a probe through (meaningful while ``state == "open"``)."""
+        return self._opened_at + self.reset_timeout_s
+
+    def release_probe(self) -> None:
+        """A batch allowed by :meth:`allow_dispatch` did not run (its callers all gave up): in
+        half-open, let the next batch be the probe. Neither a success nor a failure."""
+        self._probe_out = False
+
     def record(self, success: bool) -> None:
-        """Report a dispatched batch's outcome."""
+        """Report a dispatched batch's outcome: a success is a batch whose function returned one
+        result per item (per-item exceptions included); a failure is one that raised, returned a
+        malformed result, or ran past its timeout."""
         if success:
             self._failures = 0
             self.state = "closed"

@@ -649,6 +649,8 @@ class DynamicBatcher(Generic[T, R]):
         out = [b for b in self._running if now - b.started >= self.batch_timeout_s]
         for b in out:
             b.abandoned = True
+            if self.circuit_breaker is not None:
+                self.circuit_breaker.record(False)
             self._running.remove(b)
             if b.thread in self._workers:
                 self._workers.remove(b.thread)
@@ -667,7 +669,7 @@ class DynamicBatcher(Generic[T, R]):
         breaker = self.circuit_breaker
         if breaker is not None and breaker.state != "closed" and not breaker.allow_dispatch():
             if breaker.state == "open":  # look again when it turns half-open
-                reopen = breaker._opened_at + breaker.reset_timeout_s
+                reopen = breaker.half_open_at
                 wake_at = reopen if wake_at is None else min(wake_at, reopen)
             return None, wake_at
         reason = None
@@ -757,16 +759,24 @@ class DynamicBatcher(Generic[T, R]):
             elif r.phase != _DONE:
                 live.append(r)
         if not live:
+            if self.circuit_breaker is not None:
+                with self._mutex:  # if this was the half-open probe, the next batch probes instead
+                    self.circuit_breaker.release_probe()
             return
         t0 = self.clock.now()
-        ok = self._call_and_deliver(batch, live)
+        held: list[_Request] = []
+        ok = self._call_and_deliver(batch, live, held)
         with self._mutex:
             now = self.clock.now()
             self._batch_time.add(now - t0)
             if self.controller is not None:
                 self.controller.observe_batch(len(live), now - t0, now)
-            if self.circuit_breaker is not None:
+            # An abandoned batch was already counted as failed when it timed out.
+            if self.circuit_breaker is not None and not batch.abandoned:
                 self.circuit_breaker.record(ok)
+        # Wake the last callers only now, so that one who saw this batch fail and submits again
+        # meets the breaker in the state that failure put it in.
+        self._wake(held)
 
     def _call(self, items: list[Any]) -> Any:
         if self._is_async:
@@ -778,8 +788,13 @@ class DynamicBatcher(Generic[T, R]):
             return self._portal.call(self.fn, items)
         return self.fn(items)
 
-    def _call_and_deliver(self, batch: _Batch, reqs: list[_Request]) -> bool:
-        """Run the batch function and answer the callers; False if the function raised."""
+    def _call_and_deliver(self, batch: _Batch, reqs: list[_Request], held: list[_Request] | None) -> bool:
+        """Run the batch function and answer the callers; False if the batch failed: the
+        function raised, or returned a malformed result (:class:`BatchSizeMismatch`). Per-item
+        exceptions in the results fail only their callers, not the batch.
+
+        The answered requests of the last call are put in ``held`` (not woken) when it is given.
+        """
         items = [r.item for r in reqs]
         try:
             results = self._call(items)
@@ -791,9 +806,9 @@ class DynamicBatcher(Generic[T, R]):
                     self.max_batch_size = min(self.max_batch_size, self.controller.batch_size)
             if (oom or self.isolate_errors) and len(reqs) > 1 and isinstance(exc, Exception):
                 mid = len(reqs) // 2
-                first = self._call_and_deliver(batch, reqs[:mid])
-                return self._call_and_deliver(batch, reqs[mid:]) and first
-            self._deliver(batch, None, exc, reqs)
+                first = self._call_and_deliver(batch, reqs[:mid], None)
+                return self._call_and_deliver(batch, reqs[mid:], held) and first
+            self._deliver(batch, None, exc, reqs, held)
             return False
         if isinstance(results, (str, bytes)) or (not isinstance(results, Sequence) and not _is_array(results)):
             self._deliver(
@@ -804,8 +819,9 @@ class DynamicBatcher(Generic[T, R]):
                     "function must return one result per input, in order"
                 ),
                 reqs,
+                held,
             )
-            return True
+            return False
         if len(results) != len(reqs):
             self._deliver(
                 batch,
@@ -815,9 +831,10 @@ class DynamicBatcher(Generic[T, R]):
                     "return exactly one result per input, in order"
                 ),
                 reqs,
+                held,
             )
-            return True
-        self._deliver(batch, results, None, reqs)
+            return False
+        self._deliver(batch, results, None, reqs, held)
         return True
 
     def _deliver(
@@ -826,8 +843,10 @@ class DynamicBatcher(Generic[T, R]):
         results: Any,
         error: BaseException | None,
         reqs: list[_Request] | None = None,
+        held: list[_Request] | None = None,
     ) -> None:
-        """Resolve each request once (lock for the bookkeeping, wakes outside it)."""
+        """Resolve each request once (lock for the bookkeeping, wakes outside it, or appends
+        them to ``held`` for the caller to wake)."""
         if reqs is None:
             reqs = batch.requests
         if batch.abandoned and error is None:
@@ -858,7 +877,10 @@ class DynamicBatcher(Generic[T, R]):
             if self.controller is not None:
                 self.controller.observe_latencies(lat, now)
             self._t_last = now
-        self._wake(claimed)
+        if held is not None:
+            held.extend(claimed)
+        else:
+            self._wake(claimed)
 
     @staticmethod
     def _wake(reqs: list[_Request]) -> None:
