@@ -531,3 +531,93 @@ def test_stress_threads_and_tasks_with_random_cancellations() -> None:
     # A caller may give up after its result was computed (the result is then discarded), so the
     # batcher's cancellations are at most the callers' ones.
     assert s.cancelled <= sum(1 for v in outcomes.values() if v == "cancelled")
+
+
+class _FakeMonotonic:
+    """Stands in for ``batchkit.batcher._monotonic``: real seconds that move only when told."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _spy_on_joins(name: str, clock: _FakeMonotonic, monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
+    """Make each join of the batcher's threads a simulated wait: record the timeout it was given,
+    advance the fake clock by it (the thread is hung, so a real join would wait that long) and
+    return at once."""
+    waits: list[float | None] = []
+    threads = [t for t in threading.enumerate() if t.name.startswith("batchkit-") and t.name.endswith(f"-{name}")]
+    assert len(threads) == 3, threads  # the dispatcher and two workers
+
+    def spy(timeout: float | None = None) -> None:
+        waits.append(timeout)
+        assert timeout is not None, "a bounded close() must not join without a timeout"
+        clock.t += timeout
+
+    for t in threads:
+        monkeypatch.setattr(t, "join", spy)
+    return waits
+
+
+@pytest.mark.parametrize("closer", ["close", "aclose"])
+def test_close_timeout_is_one_deadline_for_all_threads(closer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close(timeout=t) / aclose(timeout=t) wait t seconds in all, not t per thread: with two hung
+    batches (max_concurrent_batches=2) the dispatcher and both workers share one deadline."""
+    import batchkit.batcher
+
+    clock = _FakeMonotonic()
+    monkeypatch.setattr(batchkit.batcher, "_monotonic", clock)
+    rec = Recorder(hold=True)
+    b = DynamicBatcher(rec, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=2, name="hung")
+    try:
+        futs = [b.submit(i) for i in range(2)]
+        rec.wait_started(2)
+        waits = _spy_on_joins("hung", clock, monkeypatch)
+        if closer == "close":
+            b.close(timeout=0.5)
+        else:
+            anyio.run(lambda: b.aclose(timeout=0.5))
+        assert clock.t == pytest.approx(0.5)
+        assert sum(w or 0.0 for w in waits) == pytest.approx(0.5)
+        assert not any(f.done() for f in futs)
+    finally:
+        rec.release.set()
+    assert [f.result(WAIT) for f in futs] == [0, 10]
+
+
+def test_close_timeout_cancels_a_hung_async_batch_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an async batch function, close(timeout=t) does not wait past t for calls that hang:
+    at the deadline they are cancelled, and their callers and those still queued fail with
+    BatcherClosed."""
+    import batchkit.batcher
+
+    clock = _FakeMonotonic()
+    monkeypatch.setattr(batchkit.batcher, "_monotonic", clock)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    async def fn(xs: list[int]) -> list[int]:
+        started.release()
+        while not release.is_set():  # hangs, but stays cancellable
+            await anyio.sleep(0.01)
+        return xs
+
+    b = DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=2, name="hung-async")
+    try:
+        futs = [b.submit(i) for i in range(2)]
+        for _ in futs:
+            assert started.acquire(timeout=WAIT)
+        futs.append(b.submit(2))  # both workers are busy: this one waits in the queue
+        _spy_on_joins("hung-async", clock, monkeypatch)
+        closer = threading.Thread(target=b.close, kwargs={"timeout": 0.5})
+        closer.start()
+        closer.join(WAIT)
+        assert not closer.is_alive(), "close() waited past its timeout for a hung async batch"
+        assert clock.t == pytest.approx(0.5)
+        for f in futs:
+            with pytest.raises(BatcherClosed, match="timeout"):
+                f.result(WAIT)
+    finally:
+        release.set()

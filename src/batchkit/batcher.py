@@ -291,6 +291,7 @@ class DynamicBatcher(Generic[T, R]):
         self._portal_cm: Any = None
         self._portal: Any = None
         self._portal_lock = threading.Lock()
+        self._portal_stopped: str | None = None  # why: no async batch may start after close stopped it
         self._recent: deque[BatchInfo] = deque(maxlen=64)
         self._running: list[_Batch] = []
         self._closing = False
@@ -533,8 +534,14 @@ class DynamicBatcher(Generic[T, R]):
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item is
-        dispatched; without, waiting items fail with :class:`BatcherClosed`. Joins all threads
-        (waiting at most ``timeout`` seconds for running batches). Idempotent.
+        dispatched; without, waiting items fail with :class:`BatcherClosed`. Joins all threads,
+        waiting at most ``timeout`` seconds in all (one deadline, however many threads).
+
+        If the deadline passes with batches still running, close returns anyway. A sync batch
+        function cannot be interrupted: its callers are answered when (if) it returns, and the
+        items still waiting run after it. Calls of an async batch function are cancelled at the
+        deadline, and their callers and those of the items still waiting fail with
+        :class:`BatcherClosed`. Idempotent: a second call returns at once.
         """
         with self._mutex:
             if self._closed:
@@ -552,14 +559,38 @@ class DynamicBatcher(Generic[T, R]):
             dispatcher = self._dispatcher
         self._resolve_drops(drops, count_as="cancelled")
         current = threading.current_thread()
-        if dispatcher is not None and dispatcher is not current and current not in self._workers:
-            dispatcher.join(timeout)
-            for w in list(self._workers):
-                w.join(timeout)
-        if self._portal_cm is not None and current not in self._workers:
-            self._portal_cm.__exit__(None, None, None)
-            self._portal_cm = self._portal = None
+        inside = current is dispatcher or current in self._workers  # close() from the batch function
+        stuck = False
+        if dispatcher is not None and not inside:
+            # One deadline for every join: close(timeout=t) returns after about t, not t per thread.
+            deadline = None if timeout is None else _monotonic() + timeout
+            for t in [dispatcher, *self._workers]:
+                t.join(None if deadline is None else max(0.0, deadline - _monotonic()))
+                stuck = stuck or t.is_alive()
+        if not inside:
+            self._stop_portal(cancel_running=stuck, timeout=timeout)
         self._closed = True
+
+    def _stop_portal(self, *, cancel_running: bool, timeout: float | None) -> None:
+        """End the event loop thread of an async batch function. With ``cancel_running``, the
+        calls still running past close's deadline are cancelled (their callers get
+        :class:`BatcherClosed`) rather than waited for; a call that blocks its event loop
+        cannot be cancelled and keeps that thread alive."""
+        with self._portal_lock:
+            self._portal_stopped = (
+                f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at "
+                "the deadline and was cancelled"
+                if cancel_running
+                else f"{self.name}: the batcher is closed"
+            )
+            portal, portal_cm = self._portal, self._portal_cm
+            self._portal = self._portal_cm = None
+        if portal_cm is None:
+            return
+        if cancel_running:
+            with contextlib.suppress(RuntimeError):  # already stopped
+                portal.call(portal.stop, True)
+        portal_cm.__exit__(None, None, None)
 
     async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """:meth:`close` from async code (runs in a worker thread, the event loop stays free)."""
@@ -779,14 +810,24 @@ class DynamicBatcher(Generic[T, R]):
         self._wake(held)
 
     def _call(self, items: list[Any]) -> Any:
-        if self._is_async:
-            if self._portal is None:
-                with self._portal_lock:
-                    if self._portal is None:
-                        self._portal_cm = anyio.from_thread.start_blocking_portal()
-                        self._portal = self._portal_cm.__enter__()
-            return self._portal.call(self.fn, items)
-        return self.fn(items)
+        if not self._is_async:
+            return self.fn(items)
+        portal = self._portal
+        if portal is None:
+            with self._portal_lock:
+                if self._portal_stopped is not None:
+                    raise BatcherClosed(self._portal_stopped)
+                if self._portal is None:
+                    self._portal_cm = anyio.from_thread.start_blocking_portal()
+                    self._portal = self._portal_cm.__enter__()
+                portal = self._portal
+        try:
+            return portal.call(self.fn, items)
+        except (concurrent.futures.CancelledError, RuntimeError):
+            stopped = self._portal_stopped
+            if stopped is not None:  # close() stopped the portal under this call
+                raise BatcherClosed(stopped) from None
+            raise
 
     def _call_and_deliver(self, batch: _Batch, reqs: list[_Request], held: list[_Request] | None) -> bool:
         """Run the batch function and answer the callers; False if the batch failed: the
@@ -804,7 +845,8 @@ class DynamicBatcher(Generic[T, R]):
                 with self._mutex:
                     self.controller.on_oom(len(reqs), self._now())
                     self.max_batch_size = min(self.max_batch_size, self.controller.batch_size)
-            if (oom or self.isolate_errors) and len(reqs) > 1 and isinstance(exc, Exception):
+            splittable = isinstance(exc, Exception) and not isinstance(exc, BatcherClosed)
+            if (oom or self.isolate_errors) and len(reqs) > 1 and splittable:
                 mid = len(reqs) // 2
                 first = self._call_and_deliver(batch, reqs[:mid], None)
                 return self._call_and_deliver(batch, reqs[mid:], held) and first
