@@ -5,17 +5,23 @@ The kernel source is ``paged_kv.cu`` beside this file. This module:
 - checks every argument (dtype, device, shape, strides, index ranges) *before* any launch and
   turns the call into a :class:`Launch` (kernel name, grid, block, arguments): the planning is
   pure and runs on any machine, which is how the CPU test suite checks it;
-- compiles the module lazily, once per device, and caches it;
-- launches on torch's current CUDA stream, taking torch tensors zero-copy through DLPack.
+- compiles the module lazily, once per device, and caches it and each kernel function;
+- launches on torch's current CUDA stream, passing tensors as raw device pointers
+  (``data_ptr()``): no DLPack exchange, no CuPy array, so nothing synchronises a stream and a
+  launch can be captured in a CUDA graph.
 
-``CHECK_INDICES`` (default True) also checks slot and block indices against the cache size,
-which costs a device-to-host synchronisation per call; turn it off in a tuned decode loop. The
-kernels never write outside the cache either way: an out-of-range slot is skipped.
+``CHECK_INDICES`` (default True) also checks slot and block indices and sequence lengths on the
+host, which costs a device-to-host synchronisation per call; turn it off in a tuned decode loop
+or for CUDA-graph capture. The kernels never touch memory outside their tensors either way:
+an out-of-range slot is skipped, and a gathered row whose block id or length is out of range is
+zero-filled (see ``paged_kv.cu`` and docs/kernels.md).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -23,11 +29,14 @@ from typing import Any
 
 __all__ = [
     "CHECK_INDICES",
+    "CopyPlan",
     "Launch",
     "available",
     "compile_ptx",
     "copy_blocks",
+    "copy_waves",
     "gather_kv",
+    "kernel_args",
     "kernel_names",
     "plan_copy_blocks",
     "plan_gather",
@@ -35,6 +44,8 @@ __all__ = [
     "scatter_kv",
     "source",
 ]
+
+logger = logging.getLogger(__name__)
 
 CHECK_INDICES = True
 THREADS = 128
@@ -93,16 +104,59 @@ def compile_ptx(arch: str = "compute_90") -> dict[str, str]:
         nvrtc.destroyProgram(prog)
 
 
-def available() -> bool:
-    """Whether the CUDA kernels can run here (CuPy importable and a CUDA device present)."""
+# --------------------------------------------------------------------------- availability
+
+_available: dict[int, bool] = {}
+_warned = False
+_available_lock = threading.Lock()
+
+
+def available(device_index: int | None = None) -> bool:
+    """Whether the kernels really run on CUDA device ``device_index`` (default: the current one).
+
+    True only when CuPy imports, sees the device, and the kernel module compiles and loads on it
+    (the first call per device compiles, which takes seconds; the answer is cached). When CuPy is
+    installed but any of this fails, one warning is logged (once per process) with the reason
+    and False is returned, so that ``backend="auto"`` serves through the torch reference. Without
+    CuPy it returns False silently.
+    """
     try:
         import cupy
     except ImportError:
         return False
-    try:
-        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
-    except Exception:  # noqa: BLE001 - no driver, no device: the torch path serves
-        return False
+    with _available_lock:
+        index = -1 if device_index is None else device_index
+        try:
+            if device_index is None:
+                index = int(cupy.cuda.runtime.getDevice())
+            if index in _available:
+                return _available[index]
+            count = int(cupy.cuda.runtime.getDeviceCount())
+            if index >= count:
+                raise RuntimeError(f"CuPy sees {count} CUDA device(s), not device {index}")
+            for name in kernel_names():  # compiles and loads the module, caches every function
+                _function(index, name)
+        except Exception as exc:  # noqa: BLE001 - any failure means: serve through torch
+            _available[index] = False
+            _warn_once(exc)
+            return False
+        _available[index] = True
+        return True
+
+
+def _warn_once(exc: BaseException) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    first = (str(exc).strip().splitlines() or [""])[0]
+    logger.warning(
+        "batchkit CUDA kernels unavailable (%s: %s); using the torch reference path. Install the CuPy "
+        "matching your CUDA (pip install 'batchkit[cuda12]' or 'batchkit[cuda13]'), or pass "
+        "backend='torch' to silence this.",
+        type(exc).__name__,
+        first,
+    )
 
 
 # --------------------------------------------------------------------------- planning (pure)
@@ -110,7 +164,10 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch, fully decided: which instantiation, grid, block and arguments."""
+    """One kernel launch, fully decided: which instantiation, grid, block and arguments.
+
+    ``args`` holds tensors (passed to the kernel as their ``data_ptr()``) and ints (passed as
+    64-bit integers), in the kernel's parameter order."""
 
     kernel: str
     grid: tuple[int, ...]
@@ -119,6 +176,19 @@ class Launch:
     device: Any
     width: int
     vec: bool
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """A block copy, ordered so that the GPU gives the reference's snapshot semantics.
+
+    ``waves`` run one after another on one stream; the pairs of one wave are independent (no
+    block is both read and written in it). ``cut`` holds one pair of each copy cycle (such as
+    ``(1, 2), (2, 1)``): its source is saved before the waves and written to its destination
+    after them."""
+
+    waves: tuple[Launch, ...]
+    cut: tuple[tuple[int, int], ...]
 
 
 def _require_cuda(*tensors: Tensor) -> Any:
@@ -190,7 +260,14 @@ def plan_scatter(key_cache: Tensor, value_cache: Tensor, key: Tensor, value: Ten
 
 
 def plan_gather(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, total_tokens: int | None = None) -> Launch:
-    """Check a gather's arguments and decide its launch; allocates the output tensor."""
+    """Check a gather's arguments and decide its launch; allocates the output tensor.
+
+    The output has ``total_tokens`` rows (default: ``sum(seq_lens)``, read back from the device).
+    With ``CHECK_INDICES`` a ``total_tokens`` that differs from ``sum(seq_lens)``, a negative
+    length, a sequence longer than its block-table row, or a block id outside the cache is a
+    ValueError; without, the kernel zero-fills the rows those would address (see
+    :func:`gather_kv`).
+    """
     import torch
 
     device = _require_cuda(cache, block_tables, seq_lens)
@@ -204,60 +281,139 @@ def plan_gather(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, total_tok
         )
     if seq_lens.dim() != 1 or seq_lens.shape[0] != block_tables.shape[0]:
         raise ValueError("seq_lens must be 1-D with one length per block-table row")
+    if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool:
+        raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}")
+    if total_tokens is not None and (isinstance(total_tokens, bool) or int(total_tokens) < 0):
+        raise ValueError(f"total_tokens must be an int >= 0 (= sum(seq_lens)), got {total_tokens!r}")
     block_tables = block_tables.contiguous()
     num_blocks, block_size = int(cache.shape[0]), int(cache.shape[1])
-    num_seqs = int(seq_lens.shape[0])
-    if CHECK_INDICES and num_seqs:
-        if int(seq_lens.max()) > block_tables.shape[1] * block_size:
-            raise ValueError("a sequence is longer than its block-table row can address")
-        if int(block_tables.max()) >= num_blocks or int(block_tables.min()) < 0:
-            raise ValueError(f"block_tables hold a block outside 0..{num_blocks - 1}")
+    num_seqs, max_blocks = int(block_tables.shape[0]), int(block_tables.shape[1])
     cu = torch.zeros(num_seqs + 1, dtype=torch.int64, device=device)
     torch.cumsum(seq_lens.to(torch.int64), 0, out=cu[1:])
-    total = int(cu[-1]) if total_tokens is None else int(total_tokens)
+    if CHECK_INDICES and num_seqs:
+        if int(seq_lens.min()) < 0:
+            raise ValueError(f"seq_lens must be >= 0, got {int(seq_lens.min())}")
+        if int(seq_lens.max()) > max_blocks * block_size:
+            raise ValueError(
+                f"a sequence of {int(seq_lens.max())} tokens is longer than its block-table row can address "
+                f"({max_blocks} blocks of {block_size})"
+            )
+        if block_tables.numel() and (int(block_tables.max()) >= num_blocks or int(block_tables.min()) < 0):
+            raise ValueError(f"block_tables hold a block outside 0..{num_blocks - 1}")
+    if total_tokens is None:
+        total = int(cu[-1])
+    else:
+        total = int(total_tokens)
+        if CHECK_INDICES and int(cu[-1]) != total:
+            raise ValueError(f"total_tokens is {total} but seq_lens sum to {int(cu[-1])}; pass sum(seq_lens)")
     row = int(cache.shape[2]) * int(cache.shape[3])
     out = torch.empty((total, cache.shape[2], cache.shape[3]), dtype=cache.dtype, device=device)
     w = _width(cache)
     vec = _aligned(row * w, cache.data_ptr(), out.data_ptr())
-    args = (cache, out, block_tables, cu, num_seqs, block_tables.stride(0), row, block_size)
+    args = (cache, out, block_tables, cu, num_seqs, max_blocks, row, block_size, total, num_blocks)
     return Launch(
         f"gather_kv<{_WIDTHS[w]}, {_b(vec)}>", (max(1, min(total, MAX_GRID)),), (THREADS,), args, device, w, vec
     )
 
 
-def plan_copy_blocks(caches: Tensor, pairs: Any) -> Launch:
-    """Check a block copy's arguments and decide its launch. ``caches`` is
-    ``[num_caches, num_blocks, ...]`` contiguous; ``pairs`` a sequence of (src, dst)."""
+def copy_waves(
+    pairs: Sequence[tuple[int, int]], num_blocks: int
+) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int]]]:
+    """Order block-copy pairs so that running each wave in parallel, one wave after another,
+    equals copying every ``src`` from a snapshot taken before the call (the torch reference).
+
+    A pair ``(s, d)`` must run before the pair that overwrites ``s``. Chains such as
+    ``(1, 2), (2, 3)`` become waves ``[(2, 3)], [(1, 2)]``; a pair ``(b, b)`` is dropped; in a
+    cycle such as ``(1, 2), (2, 1)`` one pair is *cut*: returned apart, for the caller to copy
+    through a saved copy of its source. Pure and O(len(pairs)); runs on the host.
+
+    Returns:
+        ``(waves, cut)``.
+
+    Raises:
+        ValueError: a block outside ``0..num_blocks-1``, or one destination named twice (the
+            result would depend on which copy lands last).
+    """
+    ps = [(int(s), int(d)) for s, d in pairs]
+    seen: set[int] = set()
+    for s, d in ps:
+        if not (0 <= s < num_blocks and 0 <= d < num_blocks):
+            raise ValueError(f"block pair ({s}, {d}) lies outside 0..{num_blocks - 1}")
+        if d in seen:
+            raise ValueError(f"block {d} is the destination of two pairs; each block may be written once per call")
+        seen.add(d)
+    ps = [(s, d) for s, d in ps if s != d]
+    if not {s for s, _ in ps} & seen:
+        return ([ps] if ps else []), []  # the common case: no block is both read and written
+    writer = {d: i for i, (_, d) in enumerate(ps)}
+    # nxt[i]: the pair that overwrites pair i's source, so must run after it (at most one).
+    nxt = [writer.get(s, -1) for s, _ in ps]
+    # Cycles in this functional graph: walk each path once, colouring nodes by the walk's id.
+    cut = set()
+    colour = [-1] * len(ps)
+    for start in range(len(ps)):
+        i = start
+        while i != -1 and colour[i] == -1:
+            colour[i] = start
+            i = nxt[i]
+        if i != -1 and colour[i] == start:  # this walk closed a cycle through i
+            cut.add(i)
+    indeg = [0] * len(ps)
+    for i, j in enumerate(nxt):
+        if i not in cut and j != -1 and j not in cut:
+            indeg[j] += 1
+    wave = [0] * len(ps)
+    ready = [i for i in range(len(ps)) if i not in cut and indeg[i] == 0]
+    order = []
+    while ready:  # Kahn's algorithm; each node has at most one successor
+        i = ready.pop()
+        order.append(i)
+        j = nxt[i]
+        if j != -1 and j not in cut:
+            wave[j] = max(wave[j], wave[i] + 1)
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                ready.append(j)
+    waves: list[list[tuple[int, int]]] = [[] for _ in range(max((wave[i] for i in order), default=-1) + 1)]
+    for i in sorted(order):
+        waves[wave[i]].append(ps[i])
+    return waves, [ps[i] for i in sorted(cut)]
+
+
+def plan_copy_blocks(caches: Tensor, pairs: Any) -> CopyPlan:
+    """Check a block copy's arguments and decide its launches. ``caches`` is
+    ``[num_caches, num_blocks, ...]`` contiguous; ``pairs`` a sequence of (src, dst) on the host
+    (a tensor is read back). See :func:`copy_waves` for the ordering and what is refused."""
     import torch
 
     device = _require_cuda(caches)
     if caches.dim() < 3 or not caches.is_contiguous():
         raise ValueError("caches must be a contiguous [num_caches, num_blocks, ...] tensor")
     num_caches, num_blocks = int(caches.shape[0]), int(caches.shape[1])
-    p = torch.as_tensor(pairs, dtype=torch.int64).view(-1, 2)
-    if p.numel() and (int(p.min()) < 0 or int(p.max()) >= num_blocks):
-        raise ValueError(f"block pairs must lie in 0..{num_blocks - 1}")
-    p = p.to(device)
+    flat = torch.as_tensor(pairs, dtype=torch.int64, device="cpu").view(-1, 2).tolist()
+    waves, cut = copy_waves([(s, d) for s, d in flat], num_blocks)
     block_elems = int(caches[0, 0].numel())
     w = _width(caches)
     vec = _aligned(block_elems * w, caches.data_ptr())
-    n = int(p.shape[0])
-    args = (caches, p, n, num_blocks * block_elems, block_elems)
-    return Launch(
-        f"copy_blocks<{_WIDTHS[w]}, {_b(vec)}>",
-        (max(1, min(n, MAX_GRID)), num_caches),
-        (THREADS,),
-        args,
-        device,
-        w,
-        vec,
-    )
+    name = f"copy_blocks<{_WIDTHS[w]}, {_b(vec)}>"
+    launches = []
+    if waves:
+        # One upload for every wave; each launch reads its own slice.
+        p = torch.tensor([x for wv in waves for pair in wv for x in pair], dtype=torch.int64).view(-1, 2).to(device)
+        start = 0
+        for wv in waves:
+            n = len(wv)
+            args = (caches, p[start : start + n], n, num_blocks * block_elems, block_elems)
+            launches.append(Launch(name, (min(n, MAX_GRID), num_caches), (THREADS,), args, device, w, vec))
+            start += n
+    return CopyPlan(tuple(launches), tuple(cut))
 
 
 # --------------------------------------------------------------------------- launching
 
 _modules: dict[int, Any] = {}
-_modules_lock = threading.Lock()
+_functions: dict[tuple[int, str], Any] = {}
+_modules_lock = threading.RLock()
 
 
 def _module(device_index: int) -> Any:
@@ -274,40 +430,48 @@ def _module(device_index: int) -> Any:
     return mod
 
 
-def _as_cupy(t: Tensor) -> Any:
-    """A zero-copy CuPy view of a torch tensor, as unsigned integers of the same width."""
-    import cupy
-    import torch
+def _function(device_index: int, name: str) -> Any:
+    """The loaded kernel ``name`` on a device, looked up once and cached."""
+    fn = _functions.get((device_index, name))
+    if fn is None:
+        with _modules_lock:
+            fn = _functions.get((device_index, name))
+            if fn is None:
+                import cupy
 
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    if t.dtype.is_floating_point:
-        t = t.view(ints[t.element_size()])
-    return cupy.from_dlpack(t)
+                mod = _module(device_index)
+                with cupy.cuda.Device(device_index):
+                    fn = mod.get_function(name)
+                    fn.kernel  # noqa: B018 - loads the module on this device now, not inside a capture
+                _functions[device_index, name] = fn
+    return fn
+
+
+def kernel_args(launch: Launch) -> tuple[Any, ...]:
+    """The launch's arguments as the kernel takes them: each tensor as its device pointer
+    (``numpy.uint64``), each int as ``numpy.int64``. No CuPy array is made."""
+    import numpy as np
+
+    return tuple(np.int64(a) if isinstance(a, int) else np.uint64(a.data_ptr()) for a in launch.args)
 
 
 def _launch(launch: Launch) -> None:
     """Run a planned launch on torch's current stream of its device."""
     import cupy
-    import numpy as np
     import torch
 
     index = launch.device.index if launch.device.index is not None else torch.cuda.current_device()
-    fn = _module(index).get_function(launch.kernel)
-    args = tuple(
-        _as_cupy(a) if isinstance(a, torch.Tensor) else (np.int64(a) if isinstance(a, int) else a) for a in launch.args
-    )
-    # int-typed kernel parameters (num_seqs) must be passed as 32-bit.
-    if launch.kernel.startswith("gather_kv"):
-        args = (*args[:4], np.int32(launch.args[4]), *args[5:])
+    fn = _function(index, launch.kernel)
     stream = torch.cuda.current_stream(index).cuda_stream
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream):
-        fn(launch.grid, launch.block, args)
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
+        fn(launch.grid, launch.block, kernel_args(launch))
 
 
 def scatter_kv(key_cache: Tensor, value_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, heads, head_dim]`` into paged caches at
     ``slot_mapping`` (int32 or int64; negative slots skipped): vLLM's ``reshape_and_cache``
     contract. Tokens may be strided; each token's ``[heads, head_dim]`` must be contiguous.
+    Slots past the cache are refused (``CHECK_INDICES``) or skipped by the kernel (without).
 
     Raises:
         ValueError: a dtype, device, shape, stride or index the kernel cannot take.
@@ -320,7 +484,15 @@ def scatter_kv(key_cache: Tensor, value_cache: Tensor, key: Tensor, value: Tenso
 def gather_kv(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, total_tokens: int | None = None) -> Tensor:
     """Sequences' pages to a contiguous ``[sum(seq_lens), heads, head_dim]`` tensor.
 
-    Pass ``total_tokens`` (= ``sum(seq_lens)``) to avoid a device synchronisation.
+    Pass ``total_tokens`` (= ``sum(seq_lens)``) to avoid a device synchronisation; the output has
+    exactly that many rows and the kernel never writes past them. With ``CHECK_INDICES`` off,
+    rows past ``sum(seq_lens)``, rows of a sequence with a negative length, and rows whose block
+    id lies outside the cache (or past the block-table row) are zero-filled; nothing outside the
+    tensors is read or written.
+
+    Raises:
+        ValueError: a dtype, device or shape the kernel cannot take; with ``CHECK_INDICES``,
+            also an index or length out of range or a wrong ``total_tokens``.
     """
     launch = plan_gather(cache, block_tables, seq_lens, total_tokens)
     out: Tensor = launch.args[1]
@@ -330,7 +502,23 @@ def gather_kv(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, total_token
 
 
 def copy_blocks(caches: Tensor, pairs: Any) -> None:
-    """Copy blocks ``src -> dst`` in every cache of ``caches`` ``[num_caches, num_blocks, ...]``."""
-    launch = plan_copy_blocks(caches, pairs)
-    if launch.args[2]:
+    """Copy blocks ``src -> dst`` in every cache of ``caches`` ``[num_caches, num_blocks, ...]``,
+    with the reference's semantics: every source is read as it was before the call, whatever
+    the order of the pairs (chains run as dependency-ordered waves, cycles through a saved
+    copy; see :func:`copy_waves`). Not capturable in a CUDA graph: the pairs are uploaded.
+
+    Raises:
+        ValueError: a block outside the cache, or a destination named twice.
+    """
+    import torch
+
+    plan = plan_copy_blocks(caches, pairs)
+    saved = None
+    if plan.cut:
+        src = torch.tensor([s for s, _ in plan.cut], dtype=torch.int64, device=caches.device)
+        saved = caches.index_select(1, src)
+    for launch in plan.waves:
         _launch(launch)
+    if saved is not None:
+        dst = torch.tensor([d for _, d in plan.cut], dtype=torch.int64, device=caches.device)
+        caches.index_copy_(1, dst, saved)

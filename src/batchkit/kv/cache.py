@@ -7,8 +7,8 @@ GPU) and a block is one contiguous run of ``block_size`` rows, which is what blo
 swaps move. One allocation for all layers keeps swap and copy a single indexed operation.
 
 Each operation dispatches on the tensor's device: the CUDA kernels of :mod:`batchkit._cuda` for
-CUDA tensors when CuPy is installed, the torch reference (:mod:`batchkit.kv.ops`) otherwise.
-``backend="torch"`` or ``"cuda"`` forces one.
+CUDA tensors when they compile and load there (checked once, on first use), the torch reference
+(:mod:`batchkit.kv.ops`) otherwise. ``backend="torch"`` or ``"cuda"`` forces one.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ class PagedKVCache:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the shape.
         dtype: any float torch dtype (default float16 on CUDA, float32 on CPU).
         device: where the cache lives.
-        backend: ``"auto"`` (CUDA kernels for CUDA tensors when CuPy is importable), ``"torch"``
-            or ``"cuda"`` (fails at first use if the kernels cannot load).
+        backend: ``"auto"`` (CUDA kernels for CUDA tensors when they compile and load on the
+            device, else the torch reference after one logged warning), ``"torch"`` or
+            ``"cuda"`` (fails at first use if the kernels cannot load).
 
     Raises:
         ValueError: non-positive sizes or an unknown backend.
@@ -91,6 +92,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = device
         self.backend: Backend = backend
+        self._resolved: str | None = None  # the backend "auto" chose, decided on first use
         self.kv = torch.zeros(
             (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
@@ -110,16 +112,20 @@ class PagedKVCache:
         return int(self.kv.numel() * self.kv.element_size())
 
     def _use_cuda(self) -> bool:
-        from .. import _cuda
+        if self._resolved is None:
+            from .. import _cuda
 
-        return choose_backend(self.backend, self.device.type, _cuda.available) == "cuda"
+            self._resolved = choose_backend(self.backend, self.device.type, lambda: _cuda.available(self.device.index))
+        return self._resolved == "cuda"
 
     # ------------------------------------------------------------------ operations
 
     def scatter(self, layer: int, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
         """Write new tokens' K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots.
 
-        Negative slots are padding and are skipped.
+        Negative slots are padding and are skipped. On the CUDA kernels, the slot range is checked
+        only while ``batchkit._cuda.CHECK_INDICES`` is on (a device synchronisation); with it off
+        nothing here waits for the device, and the kernel skips a slot past the cache.
 
         Raises:
             ValueError: shapes that do not match the cache, or a slot outside it.
@@ -130,23 +136,34 @@ class PagedKVCache:
 
             _cuda.scatter_kv(self.key(layer), self.value(layer), key, value, slot_mapping)
         else:
+            self._check_slots(slot_mapping)
             ops.scatter(self.key(layer), self.value(layer), key, value, slot_mapping)
 
-    def gather(self, layer: int, block_tables: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
-        """Sequences' pages to contiguous K and V ``[sum(seq_lens), num_kv_heads, head_dim]``."""
+    def gather(
+        self, layer: int, block_tables: Tensor, seq_lens: Tensor, total_tokens: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Sequences' pages to contiguous K and V ``[sum(seq_lens), num_kv_heads, head_dim]``.
+
+        ``total_tokens`` (= ``sum(seq_lens)``) spares the CUDA kernels a device synchronisation.
+        """
         if self._use_cuda():
             from .. import _cuda
 
-            return (
-                _cuda.gather_kv(self.key(layer), block_tables, seq_lens),
-                _cuda.gather_kv(self.value(layer), block_tables, seq_lens),
-            )
+            k = _cuda.gather_kv(self.key(layer), block_tables, seq_lens, total_tokens)
+            return k, _cuda.gather_kv(self.value(layer), block_tables, seq_lens, int(k.shape[0]))
         return ops.gather(self.key(layer), block_tables, seq_lens), ops.gather(
             self.value(layer), block_tables, seq_lens
         )
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy blocks ``src -> dst`` in every layer, K and V (copy-on-write)."""
+        """Copy blocks ``src -> dst`` in every layer, K and V (copy-on-write).
+
+        Every source is read as it was before the call, whatever the order of the pairs (a block
+        may be both a source and a destination: chains and cycles are fine).
+
+        Raises:
+            ValueError: a block outside the cache, or a destination named twice.
+        """
         if len(pairs) == 0:
             return
         self._check_blocks(pairs, self.num_blocks, self.num_blocks)
@@ -199,6 +216,8 @@ class PagedKVCache:
             raise ValueError(
                 f"slot_mapping must be 1-D with one slot per token ({key.shape[0]}), got {tuple(slot_mapping.shape)}"
             )
+
+    def _check_slots(self, slot_mapping: Tensor) -> None:
         if slot_mapping.numel() and int(slot_mapping.max()) >= self.num_blocks * self.block_size:
             raise ValueError(
                 f"slot {int(slot_mapping.max())} is outside the cache ({self.num_blocks * self.block_size} slots)"
@@ -206,9 +225,13 @@ class PagedKVCache:
 
     @staticmethod
     def _check_blocks(pairs: Sequence[tuple[int, int]], n_src: int, n_dst: int) -> None:
+        seen: set[int] = set()
         for s, d in pairs:
             if not (0 <= s < n_src and 0 <= d < n_dst):
                 raise ValueError(f"block pair ({s}, {d}) is outside the pools ({n_src} and {n_dst} blocks)")
+            if d in seen:
+                raise ValueError(f"block {d} is the destination of two pairs; each block may be written once per call")
+            seen.add(d)
 
     def __repr__(self) -> str:
         return (

@@ -55,12 +55,22 @@ def gather(cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> Tensor:
 
 
 def copy_blocks(caches: Sequence[Tensor], pairs: Sequence[tuple[int, int]] | Tensor) -> None:
-    """Copy whole blocks ``src -> dst`` within each cache tensor (copy-on-write, compaction)."""
+    """Copy whole blocks ``src -> dst`` within each cache tensor (copy-on-write, compaction).
+
+    Every source is read from a snapshot taken before any write, so the order of the pairs does
+    not matter and a block may be both a source and a destination.
+
+    Raises:
+        ValueError: a destination named twice (which copy lands would be unspecified).
+    """
     import torch
 
     if len(pairs) == 0:
         return
     p = torch.as_tensor(pairs, dtype=torch.long, device=caches[0].device).view(-1, 2)
+    dsts = p[:, 1].tolist()
+    if len(set(dsts)) != len(dsts):
+        raise ValueError("a block is the destination of two pairs; each block may be written once per call")
     for c in caches:
         c[p[:, 1]] = c[p[:, 0]]
 
