@@ -1,0 +1,244 @@
+"""``batchkit run MODULE:FUNCTION --input in.jsonl --output out.jsonl``: the command line of a bulk job.
+
+``batchkit.cli`` mounts it with :func:`add_run_parser` and calls :func:`run_cli`. Exit status: 0
+every record has an output, 1 some are dead letters (the summary says how many) or the job
+failed (one line; ``--traceback`` for more), 2 a usage error (one line naming the argument),
+130 interrupted (rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .runner import RESERVED_FIELDS, run
+from .store import JobStateError
+
+__all__ = ["add_run_parser", "run_cli"]
+
+MAX_BATCH = 65536
+MAX_CONCURRENCY = 1024
+MAX_WAIT_MS = 10_000.0
+MAX_RETRIES = 100
+MAX_SECONDS = 3600.0
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number in {lo}..{hi:,}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi:,}, got {text}")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
+    bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}") from None
+        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
+            raise argparse.ArgumentTypeError(f"must be a finite number in {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentParser:
+    """Add the ``run`` sub-command to ``subparsers`` (from ``parser.add_subparsers()``) and return
+    its parser. ``parser_kwargs`` go to ``add_parser`` (``parents=``, ``formatter_class=``...)."""
+    parser_kwargs.setdefault("help", "run a batch function over a JSONL file, resumably and exactly once")
+    parser_kwargs.setdefault(
+        "description",
+        "Run a batch function over every line of a JSONL file and write one output line per record, "
+        "exactly once: killed at any moment and rerun with the same command, the job skips what is "
+        "done. Records that still fail after --retries go to the dead-letter file. A module:function "
+        "target is imported from the current folder first.",
+    )
+    p: argparse.ArgumentParser = subparsers.add_parser("run", **parser_kwargs)
+    p.add_argument(
+        "target",
+        metavar="MODULE:FUNCTION",
+        help="a batch function (a list of records -> one result per record), a @batched function, or "
+        "batchkit.jobs.generate_fn(...) around a decode loop",
+    )
+    p.add_argument("--input", required=True, metavar="PATH", help="the input JSONL (one JSON object per line)")
+    p.add_argument(
+        "--output", required=True, metavar="PATH", help='the output JSONL: {"<id field>": id, "output": result}'
+    )
+    p.add_argument(
+        "--dead-letter",
+        metavar="PATH",
+        default=None,
+        help="where failed records go, with their error; default: OUTPUT's stem + .dead.jsonl",
+    )
+    ids = p.add_mutually_exclusive_group()
+    ids.add_argument("--id-field", default="id", help="the field that identifies a record (a string or an integer)")
+    ids.add_argument("--line-ids", action="store_true", help="use line numbers as ids instead of a field")
+    p.add_argument("--max-batch", type=_int_in(1, MAX_BATCH), default=32, help=f"records per call, 1..{MAX_BATCH:,}")
+    p.add_argument(
+        "--max-wait-ms",
+        type=_float_in(0, MAX_WAIT_MS),
+        default=20.0,
+        help=f"longest a record waits for a full batch, in [0, {MAX_WAIT_MS:g}]",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_int_in(1, MAX_CONCURRENCY),
+        default=1,
+        help=f"batches running at once, 1..{MAX_CONCURRENCY:,}",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=_int_in(1, 1 << 30),
+        default=None,
+        help="records read but not yet written, at most; default: 2 * max-batch * concurrency",
+    )
+    p.add_argument(
+        "--retries",
+        type=_int_in(0, MAX_RETRIES),
+        default=2,
+        help=f"further tries of a failed record before it is dead-lettered, 0..{MAX_RETRIES}",
+    )
+    p.add_argument(
+        "--backoff-s",
+        type=_float_in(0, MAX_SECONDS),
+        default=0.5,
+        help=f"wait before the first retry (doubling for each next one), in [0, {MAX_SECONDS:g}]",
+    )
+    p.add_argument(
+        "--batch-timeout-s",
+        type=_float_in(0, MAX_SECONDS, lo_open=True),
+        default=None,
+        help=f"fail a call that runs longer (its records are retried), in (0, {MAX_SECONDS:g}]; default: no limit",
+    )
+    p.add_argument("--ordered", action="store_true", help="write outputs in input order (default: as they finish)")
+    p.add_argument(
+        "--retry-dead-letters",
+        action="store_true",
+        help="empty the dead-letter file and try its records again (without it, they count as done)",
+    )
+    p.add_argument(
+        "--price-per-hour",
+        type=_float_in(0, 1e6),
+        default=None,
+        help="accelerator price per hour, in [0, 1e6], for the cost per 1k tokens in the report",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar with rate and ETA on stderr; default: when stderr is a terminal",
+    )
+    with contextlib.suppress(argparse.ArgumentError):  # unless a parent parser gives it already
+        p.add_argument("--traceback", action="store_true", help="when the job fails, print the full traceback too")
+    return p
+
+
+class _Usage(Exception):
+    pass
+
+
+def _check_file_arg(path: str, option: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        raise _Usage(f"argument {option}: {path!r} is a folder: pass a file name")
+    if not p.parent.is_dir():
+        raise _Usage(f"argument {option}: the folder of {path!r} does not exist: create it or pick another path")
+    return p
+
+
+def _load_target(spec: str) -> Any:
+    from ..bench import load_callable
+
+    # Like `python -m batchkit`, find module:function in the current folder first.
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
+    try:
+        return load_callable(spec)
+    except ValueError as exc:
+        raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run the job ``args`` describes (from :func:`add_run_parser`); print the report; return the
+    exit status (0 all done, 1 dead letters or a failure, 2 a usage error, 130 interrupted)."""
+    prog = "batchkit run"
+    show_tb = bool(getattr(args, "traceback", False))
+    try:
+        src = Path(args.input)
+        if not src.is_file():
+            what = "is a folder" if src.is_dir() else "does not exist"
+            raise _Usage(f"argument --input: {args.input!r} {what}: pass the input JSONL file")
+        out = _check_file_arg(args.output, "--output")
+        dead = _check_file_arg(args.dead_letter, "--dead-letter") if args.dead_letter is not None else None
+        id_field: str | None = None
+        if not args.line_ids:
+            id_field = args.id_field
+            if not id_field or id_field in RESERVED_FIELDS:
+                raise _Usage(
+                    f"argument --id-field: must be a field name other than {', '.join(sorted(RESERVED_FIELDS))}, "
+                    f"got {id_field!r} (or pass --line-ids)"
+                )
+        fn = _load_target(args.target)
+        progress = args.progress if args.progress is not None else sys.stderr.isatty()
+        try:
+            report = run(
+                fn,
+                src,
+                out,
+                dead_letter=dead,
+                id_field=id_field,
+                max_batch=args.max_batch,
+                max_wait_ms=args.max_wait_ms,
+                concurrency=args.concurrency,
+                max_in_flight=args.max_in_flight,
+                retries=args.retries,
+                backoff_s=args.backoff_s,
+                ordered=args.ordered,
+                retry_dead_letters=args.retry_dead_letters,
+                batch_timeout_s=args.batch_timeout_s,
+                price_per_hour=args.price_per_hour,
+                progress=progress,
+            )
+        except JobStateError as exc:
+            raise _Usage(f"argument --output: {exc}") from None
+        except TypeError as exc:  # run() checks its arguments before it calls anything
+            raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
+        except ValueError as exc:  # the only one argparse cannot catch: two paths naming one file
+            raise _Usage(f"argument --output: {exc}") from None
+    except _Usage as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted: rerun the same command to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the job failed: one line, the traceback on request
+        if show_tb:
+            traceback.print_exc()
+        hint = "" if show_tb else " (--traceback shows where)"
+        print(f"{prog}: failed: {_one_line(exc)}; rerun the same command to resume{hint}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return report.exit_code

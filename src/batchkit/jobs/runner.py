@@ -1,0 +1,686 @@
+"""``batchkit.jobs.run``: an offline bulk job, resumable and exactly once.
+
+One thread (the caller's) reads the input, submits records to the batch function's batcher,
+collects results and commits them through a :class:`~batchkit.jobs.store.JobStore`. It holds at
+most ``max_in_flight`` records at a time (read, not yet committed: waiting, running, retrying, or
+waiting in the reorder buffer), so memory does not grow with the input. The batcher's threads run
+the batch function; futures report back through one queue.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import json
+import logging
+import math
+import os
+import queue
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._clock import Clock, MonotonicClock
+from .._errors import QueueFull
+from .generate import GenerateFunction, Generation
+from .source import Malformed, count_lines, read_jsonl, read_records
+from .store import JobStore, dead_letter_path_for
+
+__all__ = ["JobProgress", "JobReport", "run"]
+
+logger = logging.getLogger(__name__)
+
+RESERVED_FIELDS = frozenset({"output", "error", "line", "attempts", "input"})
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class JobProgress:
+    """Counts after a commit (this run only), passed to ``on_commit``."""
+
+    succeeded: int
+    failed: int
+    skipped: int
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """What a run did. Counts are this run's, except ``dead_letters`` (the whole dead-letter file).
+
+    ``items = succeeded + failed``; ``skipped`` were done by an earlier run; ``duplicates`` repeat an
+    id seen earlier in the input (the first occurrence is the one processed).
+    """
+
+    output: str
+    dead_letter: str
+    succeeded: int
+    failed: int
+    malformed: int
+    skipped: int
+    duplicates: int
+    retries: int
+    dead_letters: int
+    wall_s: float
+    tokens: int | None
+    price_per_hour: float | None
+    max_in_flight: int
+    peak_in_flight: int
+
+    @property
+    def items(self) -> int:
+        """Items finished by this run: ``succeeded + failed``."""
+        return self.succeeded + self.failed
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if self.tokens is None:
+            return None
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def cost(self) -> float | None:
+        """``price_per_hour * wall_s / 3600``, or None without a price."""
+        return None if self.price_per_hour is None else self.price_per_hour * self.wall_s / 3600
+
+    @property
+    def cost_per_1k_tokens(self) -> float | None:
+        """``C_token * 1000`` with ``C_token = C_gpu * T_run / N_tokens``; None without a price or tokens."""
+        if self.cost is None or not self.tokens:
+            return None
+        return self.cost / self.tokens * 1000
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every item of the job has an output, 1 when the dead-letter file holds any."""
+        return 1 if self.dead_letters else 0
+
+    def summary(self) -> str:
+        """A few lines for people: counts, rates, cost, and where the failures went."""
+        lines = [
+            f"{self.items:,} items in {self.wall_s:.2f} s ({self.items_per_s:,.1f} items/s): "
+            f"{self.succeeded:,} succeeded, {self.failed:,} failed ({self.malformed:,} malformed), "
+            f"{self.skipped:,} skipped (already done), {self.duplicates:,} duplicate ids, {self.retries:,} retries",
+        ]
+        if self.tokens is not None:
+            lines.append(f"{self.tokens:,} tokens ({self.tokens_per_s or 0:,.1f} tokens/s)")
+        if self.cost is not None:
+            per_1k = self.cost_per_1k_tokens
+            tail = f", {per_1k:.6f} per 1k tokens" if per_1k is not None else " (no token counts: no cost per token)"
+            lines.append(f"cost {self.cost:.6f} at {self.price_per_hour:g} per hour{tail}")
+        lines.append(f"output: {self.output}")
+        if self.dead_letters:
+            lines.append(f"{self.dead_letters:,} dead letters (with their errors) in {self.dead_letter}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- targets
+
+
+@dataclass
+class _Target:
+    """The batch function behind one interface: submit a record, get a future."""
+
+    submit: Callable[[dict[str, Any]], concurrent.futures.Future[Any]]
+    flush: Callable[[], None]
+    close: Callable[[bool], None]  # close(drain)
+    window: int  # the default max_in_flight
+    cap: int | None  # a hard limit on max_in_flight (the batcher's queue)
+    counts_tokens: bool
+
+
+def _make_target(
+    fn: Any, *, max_batch: int, max_wait_ms: float, concurrency: int, batch_timeout_s: float | None, owned_queue: int
+) -> _Target:
+    from ..batcher import DynamicBatcher
+    from ..continuous.loop import ContinuousDecodeLoop
+    from ..decorator import AsyncBatchedFunction, BatchedFunction
+
+    def no_close(drain: bool) -> None:
+        pass
+
+    if isinstance(fn, GenerateFunction):
+        n = fn.max_num_seqs
+        return _Target(fn.submit, lambda: None, no_close, 2 * n, None, True)
+    if isinstance(fn, ContinuousDecodeLoop):
+        raise TypeError(
+            "a ContinuousDecodeLoop generates from token ids: wrap it with its tokenizer, "
+            "batchkit.jobs.generate_fn(loop, encode=tok.encode, decode=tok.decode, max_new_tokens=...)"
+        )
+    batcher: DynamicBatcher[Any, Any]
+    if isinstance(fn, (BatchedFunction, AsyncBatchedFunction)):
+        batcher = fn.batcher
+    elif isinstance(fn, DynamicBatcher):
+        batcher = fn
+    elif callable(fn):
+        own: DynamicBatcher[Any, Any] = DynamicBatcher(
+            fn,
+            max_batch_size=max_batch,
+            max_wait_ms=max_wait_ms,
+            max_concurrent_batches=concurrency,
+            max_queue=owned_queue,
+            # One bad record must not fail its batch-mates: a batch that raises is split until the
+            # culprit is found, and only it is retried and dead-lettered.
+            isolate_errors=True,
+            batch_timeout_s=batch_timeout_s,
+            name=f"job-{getattr(fn, '__name__', 'fn')}",
+        )
+
+        def close_own(drain: bool) -> None:
+            own.close(drain=drain, timeout=None if drain else 5.0)
+
+        return _Target(own.submit, own.flush, close_own, 2 * max_batch * concurrency, owned_queue, False)
+    else:
+        raise TypeError(
+            f"fn must be a batch function (a list of records -> one result per record), a @batched function or "
+            f"batchkit.jobs.generate_fn(...), got {fn!r}"
+        )
+    # The user's batcher keeps its own batch size, wait and concurrency; the job only sizes its window.
+    window = 2 * batcher.max_batch_size * batcher.max_concurrent_batches
+    return _Target(batcher.submit, batcher.flush, no_close, window, batcher.queue.maxsize, False)
+
+
+# ---------------------------------------------------------------------- the job
+
+
+class _Item:
+    __slots__ = ("attempts", "key", "line", "record", "seq")
+
+    def __init__(self, seq: int, line: int, key: Any, record: dict[str, Any]) -> None:
+        self.seq = seq
+        self.line = line
+        self.key = key
+        self.record = record
+        self.attempts = 0  # calls of the batch function that failed so far
+
+
+def _to_json(obj: object) -> Any:
+    tolist = getattr(obj, "tolist", None)  # numpy and torch scalars and arrays
+    if callable(tolist):
+        return tolist()
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    """One JSONL line. Strings stay readable UTF-8; NaN and infinities are refused (not JSON)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_to_json)
+    try:
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: keep them as \u escapes
+        return (json.dumps(obj, allow_nan=False, separators=(",", ":"), default=_to_json) + "\n").encode()
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+class _Job:
+    def __init__(
+        self,
+        target: _Target,
+        store: JobStore,
+        done_ids: set[Any],
+        done_lines: set[int],
+        *,
+        id_field: str | None,
+        window: int,
+        retries: int,
+        backoff_s: float,
+        max_backoff_s: float,
+        ordered: bool,
+        count_tokens: Callable[[dict[str, Any], Any], int] | None,
+        on_commit: Callable[[JobProgress], None] | None,
+        bar: Any,
+        clock: Clock,
+        sleep: Callable[[float], None],
+    ) -> None:
+        self.target = target
+        self.store = store
+        self.done_ids = done_ids
+        self.done_lines = done_lines
+        self.id_field = id_field
+        self.key_field = id_field if id_field is not None else "line"
+        self.window = window
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.ordered = ordered
+        self.count_tokens = count_tokens
+        self.on_commit = on_commit
+        self.bar = bar
+        self.clock = clock
+        self.sleep = sleep
+        self.completions: queue.SimpleQueue[tuple[_Item, concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self.seen_now: set[Any] = set()  # ids read by this run (in flight or finished)
+        self.retry_at: list[tuple[float, int, _Item]] = []
+        self.held = 0  # read and not yet committed
+        self.outstanding = 0  # submitted, future not yet back
+        self.next_seq = 0
+        self.next_commit = 0
+        self.buffer: dict[int, tuple[bytes, bool]] = {}  # ordered: seq -> (line, is_dead)
+        self.pending_out: list[bytes] = []
+        self.pending_dead: list[bytes] = []
+        self.submitted_since_flush = False
+        # counters
+        self.succeeded = 0
+        self.failed = 0
+        self.malformed = 0
+        self.skipped = 0
+        self.duplicates = 0
+        self.retried = 0
+        self.tokens = 0
+        self.peak_held = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, records: Iterator[tuple[int, dict[str, Any] | Malformed]]) -> None:
+        exhausted = False
+        while True:
+            while not exhausted and self.held < self.window:
+                try:
+                    line, rec = next(records)
+                except StopIteration:
+                    exhausted = True
+                    break
+                self._admit(line, rec)
+            self._resubmit_due()
+            self._drain(block=False)
+            self._commit()
+            if exhausted and self.held == 0:
+                return
+            if exhausted and self.submitted_since_flush:
+                self.target.flush()  # nothing more is coming: do not wait for company
+                self.submitted_since_flush = False
+            if self.outstanding:
+                self._drain(block=True)
+            elif self.retry_at:
+                self.sleep(max(0.0, self.retry_at[0][0] - self.clock.now()))
+            elif exhausted or self.held >= self.window:  # pragma: no cover - a bug, not a state to wait in
+                raise RuntimeError(f"job stalled: {self.held} held, none running or retrying")
+
+    def _admit(self, line: int, rec: dict[str, Any] | Malformed) -> None:
+        if line in self.done_lines:
+            self.skipped += 1
+            return
+        if isinstance(rec, Malformed):
+            self.malformed += 1
+            self._dead(self._new(line, None, {}), rec.reason, quote=rec.text)
+            return
+        if self.id_field is None:
+            key: Any = line
+        else:
+            key = rec.get(self.id_field, _MISSING)
+            if key is _MISSING:
+                self._dead(self._new(line, None, rec), f"the record has no {self.id_field!r} field")
+                return
+            if not _is_id(key):
+                self._dead(
+                    self._new(line, None, rec),
+                    f"the {self.id_field!r} field must be a string or an integer, got {key!r}",
+                )
+                return
+        if key in self.done_ids:
+            self.skipped += 1
+            return
+        if key in self.seen_now:
+            self.duplicates += 1
+            if self.duplicates <= 10:
+                logger.warning("line %d repeats id %r; only its first occurrence is processed", line, key)
+            return
+        self.seen_now.add(key)
+        self._submit(self._new(line, key, rec))
+
+    def _new(self, line: int, key: Any, rec: dict[str, Any]) -> _Item:
+        item = _Item(self.next_seq, line, key, rec)
+        self.next_seq += 1
+        self.held += 1
+        self.peak_held = max(self.peak_held, self.held)
+        return item
+
+    def _submit(self, item: _Item) -> None:
+        try:
+            fut = self.target.submit(item.record)
+        except QueueFull:  # a shared batcher is busy: try again later, not counted as a failure
+            heapq.heappush(self.retry_at, (self.clock.now() + self.backoff_s, item.seq, item))
+            return
+        self.outstanding += 1
+        self.submitted_since_flush = True
+        fut.add_done_callback(lambda f: self.completions.put((item, f)))
+
+    def _resubmit_due(self) -> None:
+        now = self.clock.now()
+        while self.retry_at and self.retry_at[0][0] <= now:
+            _, _, item = heapq.heappop(self.retry_at)
+            self._submit(item)
+
+    def _drain(self, *, block: bool) -> None:
+        """Handle every finished future; with ``block``, wait for at least one (or a retry's time)."""
+        timeout: float | None = None
+        if self.retry_at:
+            timeout = max(0.0, self.retry_at[0][0] - self.clock.now())
+        while True:
+            try:
+                item, fut = self.completions.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                return
+            self.outstanding -= 1
+            self._complete(item, fut)
+            block = False
+
+    def _complete(self, item: _Item, fut: concurrent.futures.Future[Any]) -> None:
+        exc: BaseException | None
+        if fut.cancelled():
+            exc = concurrent.futures.CancelledError("the batcher cancelled this item")
+        else:
+            exc = fut.exception()
+        if exc is not None:
+            item.attempts += 1
+            if item.attempts <= self.retries:
+                self.retried += 1
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (item.attempts - 1))
+                heapq.heappush(self.retry_at, (self.clock.now() + delay, item.seq, item))
+            else:
+                self._dead(item, _error_text(exc))
+            return
+        result = fut.result()
+        tokens: int | None = None
+        if isinstance(result, Generation):
+            tokens, result = result.num_tokens, result.text
+        elif self.count_tokens is not None:
+            tokens = int(self.count_tokens(item.record, result))
+        try:
+            data = _line({self.key_field: item.key, "output": result})
+        except (TypeError, ValueError) as e:  # retrying would give the same result
+            self._dead(item, f"the result is not JSON-serialisable: {_error_text(e)}", attempts=item.attempts + 1)
+            return
+        if tokens is not None:
+            self.tokens += tokens
+        self._finish(item, data, dead=False)
+
+    def _dead(self, item: _Item, error: str, *, quote: str | None = None, attempts: int | None = None) -> None:
+        letter: dict[str, Any] = {}
+        if self.id_field is not None:
+            letter[self.id_field] = item.key
+        letter["line"] = item.line
+        letter["error"] = error
+        letter["attempts"] = item.attempts if attempts is None else attempts
+        if quote is not None:
+            letter["input"] = quote
+        self._finish(item, _line(letter), dead=True)
+
+    def _finish(self, item: _Item, data: bytes, *, dead: bool) -> None:
+        if self.ordered:
+            self.buffer[item.seq] = (data, dead)
+        elif dead:
+            self.pending_dead.append(data)
+        else:
+            self.pending_out.append(data)
+
+    def _commit(self) -> None:
+        if self.ordered:
+            out: list[bytes] = []
+            dead: list[bytes] = []
+            while self.next_commit in self.buffer:
+                data, is_dead = self.buffer.pop(self.next_commit)
+                (dead if is_dead else out).append(data)
+                self.next_commit += 1
+        else:
+            out, dead = self.pending_out, self.pending_dead
+            self.pending_out, self.pending_dead = [], []
+        n = len(out) + len(dead)
+        if not n:
+            return
+        self.store.commit(b"".join(out), b"".join(dead))
+        self.held -= n
+        self.succeeded += len(out)
+        self.failed += len(dead)
+        if self.bar is not None:
+            self.bar.update(n)
+        if self.on_commit is not None:
+            self.on_commit(JobProgress(self.succeeded, self.failed, self.skipped, self.held))
+
+
+# ---------------------------------------------------------------------- progress
+
+
+class _SimpleBar:
+    """A dependency-free progress line on stderr (rate and ETA), used when tqdm is not installed."""
+
+    def __init__(self, total: int | None, desc: str) -> None:
+        self.total = total
+        self.desc = desc
+        self.n = 0
+        self._t0 = self._last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= 0.5:
+            self._last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        rate = self.n / max(now - self._t0, 1e-9)
+        text = f"\r{self.desc}: {self.n:,}"
+        if self.total:
+            eta = (self.total - self.n) / rate if rate > 0 else math.inf
+            text += f"/{self.total:,} [{rate:,.0f} items/s, ETA {eta:,.0f} s]"
+        else:
+            text += f" [{rate:,.0f} items/s]"
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        self._draw(time.monotonic())
+        sys.stderr.write("\n")
+
+
+def _progress_bar(total: int | None, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _SimpleBar(total, desc)
+    return tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------- run
+
+
+def _check_int(name: str, value: object, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+def _check_float(name: str, value: object, *, positive: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):  # type: ignore[operator]
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def run(
+    fn: Any,
+    source: str | os.PathLike[str] | Iterable[Any],
+    sink: str | os.PathLike[str],
+    *,
+    dead_letter: str | os.PathLike[str] | None = None,
+    id_field: str | None = "id",
+    max_batch: int = 32,
+    max_wait_ms: float = 20.0,
+    concurrency: int = 1,
+    max_in_flight: int | None = None,
+    retries: int = 2,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 30.0,
+    ordered: bool = False,
+    retry_dead_letters: bool = False,
+    batch_timeout_s: float | None = None,
+    count_tokens: Callable[[dict[str, Any], Any], int] | None = None,
+    price_per_hour: float | None = None,
+    progress: bool = False,
+    on_commit: Callable[[JobProgress], None] | None = None,
+    clock: Clock | None = None,
+    sleep: Callable[[float], None] | None = None,
+) -> JobReport:
+    """Run ``fn`` over every record of ``source`` and write one line per record to ``sink``, exactly
+    once, resumably: rerun the same call after a crash (even SIGKILL) and it finishes the job.
+
+    Args:
+        fn: a batch function (a list of records -> one JSON-serialisable result per record, an
+            ``Exception`` instance in a record's slot failing only that record), a ``@batched``
+            function or a :class:`~batchkit.DynamicBatcher` (their own batch size, wait and
+            concurrency apply), or :func:`~batchkit.jobs.generate_fn` around a decode loop.
+        source: a JSONL file (one JSON object per line; blank lines are ignored), or an iterable
+            of dicts (their 1-based positions stand in for line numbers; iterate them in the same
+            order on every run).
+        sink: the output JSONL file: ``{"<id_field>": id, "output": result}`` per record, in
+            completion order (or input order with ``ordered``).
+        dead_letter: where failed records go, ``{"<id_field>": id, "line": n, "error": "...",
+            "attempts": k}`` (malformed lines: id null, and the line under ``"input"``); default
+            ``<sink stem>.dead<suffix>`` beside the sink.
+        id_field: the field that identifies a record (a string or an integer); a record without
+            one is a dead letter. None: the line number is the id (``"line"`` in the output).
+        max_batch, max_wait_ms, concurrency, batch_timeout_s: the batcher built for a plain
+            batch function (``concurrency`` batches run at once; isolate_errors is on).
+        max_in_flight: records read but not yet committed, at most (the read-ahead window);
+            default ``2 * max_batch * concurrency`` (for a ``@batched`` function, from its own
+            settings, and never above its queue's capacity).
+        retries: further calls for a record whose call failed, each after ``backoff_s *
+            2**(n-1)`` seconds (at most ``max_backoff_s``); then it is dead-lettered.
+        ordered: write in input order (a reorder buffer, bounded by ``max_in_flight``).
+        retry_dead_letters: empty the dead-letter file and try its records again (after fixing
+            what made them fail); without it, dead letters count as done.
+        count_tokens: ``count_tokens(record, result) -> int``, for tokens/s and the cost per
+            token (a :func:`generate_fn` job counts generated tokens itself).
+        price_per_hour: accelerator price per hour, for the report's cost per 1k tokens
+            (``C_token = C_gpu * T_run / N_tokens``).
+        progress: draw a progress bar with rate and ETA on stderr (tqdm's when installed).
+        on_commit: called after each commit with a :class:`JobProgress`.
+        clock, sleep: time source and sleep for the retry backoff (tests pass a MockClock and a
+            sleep that advances it).
+
+    Returns:
+        A :class:`JobReport`; ``report.exit_code`` is 1 when the dead-letter file is not empty.
+
+    Raises:
+        JobStateError: the sink belongs to another job, is in use, or was edited (see
+            :class:`~batchkit.jobs.JobStateError`).
+        ValueError, TypeError: bad arguments (the message names the argument).
+        Exception: an error of the input file or the batch function's submission; the job stops
+            and a rerun resumes it.
+    """
+    if id_field is not None and (not isinstance(id_field, str) or not id_field or id_field in RESERVED_FIELDS):
+        raise ValueError(
+            f"id_field must be a non-empty field name other than {', '.join(sorted(RESERVED_FIELDS))} "
+            f"(or None for line numbers), got {id_field!r}"
+        )
+    _check_int("max_batch", max_batch, 1)
+    _check_int("concurrency", concurrency, 1)
+    _check_int("retries", retries, 0)
+    if max_in_flight is not None:
+        _check_int("max_in_flight", max_in_flight, 1)
+    _check_float("max_wait_ms", max_wait_ms)
+    _check_float("backoff_s", backoff_s)
+    _check_float("max_backoff_s", max_backoff_s)
+    if price_per_hour is not None:
+        _check_float("price_per_hour", price_per_hour)
+    if not isinstance(sink, (str, os.PathLike)):
+        raise TypeError(f"sink must be a file path (the output JSONL), got {type(sink).__name__}")
+    out_path = Path(sink)
+    dead_path = Path(dead_letter) if dead_letter is not None else dead_letter_path_for(out_path)
+    source_name: str | None = None
+    records: Iterator[tuple[int, dict[str, Any] | Malformed]]
+    if isinstance(source, (str, os.PathLike)):
+        src = Path(source)
+        if not src.is_file():
+            raise FileNotFoundError(f"source {str(source)!r} is not a file: pass the input JSONL")
+        source_name = str(src.resolve())
+        records = read_jsonl(src)
+    elif isinstance(source, Iterable):
+        records = read_records(source)
+    else:
+        raise TypeError(f"source must be a JSONL path or an iterable of dicts, got {type(source).__name__}")
+    paths = [out_path.resolve(), dead_path.resolve()]
+    if source_name is not None:
+        paths.append(Path(source_name))
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"the input, the output and the dead-letter file must be three files, got {paths}")
+
+    window = max_in_flight if max_in_flight is not None else 2 * max_batch * concurrency
+    target = _make_target(
+        fn,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        concurrency=concurrency,
+        batch_timeout_s=batch_timeout_s,
+        owned_queue=window,
+    )
+    if max_in_flight is None:
+        window = target.window
+    if target.cap is not None:
+        window = min(window, target.cap)
+    clock = clock if clock is not None else MonotonicClock()
+    t0 = clock.now()
+    store, done = JobStore.open(
+        out_path, dead_path, source=source_name, id_field=id_field, retry_dead_letters=retry_dead_letters
+    )
+    bar = None
+    drained = False
+    try:
+        if progress:
+            total = None
+            if source_name is not None:
+                total = max(0, count_lines(source_name) - len(done.ids) - len(done.lines))
+            bar = _progress_bar(total, out_path.name)
+        job = _Job(
+            target,
+            store,
+            done.ids,
+            done.lines,
+            id_field=id_field,
+            window=window,
+            retries=retries,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            ordered=ordered,
+            count_tokens=count_tokens,
+            on_commit=on_commit,
+            bar=bar,
+            clock=clock,
+            sleep=sleep if sleep is not None else time.sleep,
+        )
+        job.run(records)
+        drained = True
+    finally:
+        target.close(drained)
+        store.close()
+        if bar is not None:
+            bar.close()
+    wall = clock.now() - t0
+    return JobReport(
+        output=str(store.output),
+        dead_letter=str(store.dead_letter),
+        succeeded=job.succeeded,
+        failed=job.failed,
+        malformed=job.malformed,
+        skipped=job.skipped,
+        duplicates=job.duplicates,
+        retries=job.retried,
+        dead_letters=done.dead_letters + job.failed,
+        wall_s=wall,
+        tokens=job.tokens if (target.counts_tokens or count_tokens is not None) else None,
+        price_per_hour=price_per_hour,
+        max_in_flight=window,
+        peak_in_flight=job.peak_held,
+    )

@@ -1,0 +1,352 @@
+"""JobStore: the output, the dead-letter file and the journal of one bulk job, written exactly once.
+
+Three files live side by side::
+
+    out.jsonl            one line per item that succeeded: {"<id field>": id, "output": result}
+    out.dead.jsonl       one line per item that failed:    {"<id field>": id, "line": n, "error": "..."}
+    out.jsonl.journal    a header naming the job, then {"out": bytes, "dead": bytes} per commit
+
+A commit appends a group of finished lines to the output (one ``write`` and one ``fdatasync``),
+then to the dead-letter file, then appends the two new file lengths to the journal and syncs it.
+The journal's last complete record is the commit point: bytes of the output or dead-letter file
+beyond the length it records were written by a commit that did not finish, and are cut off when
+the job restarts (their items are simply done again). A crash at any moment, between any two
+system calls, therefore leaves each item either committed once or not at all, and no torn line.
+
+On start, :meth:`JobStore.open` reads the journal, cuts both files back to the committed lengths,
+and rebuilds the set of finished ids from the files themselves, so that the job skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._errors import BatchkitError
+
+__all__ = ["JobStateError", "JobStore", "dead_letter_path_for", "journal_path_for"]
+
+try:  # POSIX: one job per output at a time; the lock dies with the process (SIGKILL included)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+JOURNAL_VERSION = 1
+_sync = getattr(os, "fdatasync", os.fsync)  # file lengths are data: fdatasync flushes them too
+
+
+class JobStateError(BatchkitError, RuntimeError):
+    """The output, dead-letter file and journal do not describe this job (another job's, edited
+    by hand, or in use by another process); the message says which file and what to do."""
+
+
+def journal_path_for(output: Path) -> Path:
+    """``out.jsonl`` -> ``out.jsonl.journal``."""
+    return output.with_name(output.name + ".journal")
+
+
+def dead_letter_path_for(output: Path) -> Path:
+    """The default dead-letter file: ``out.jsonl`` -> ``out.dead.jsonl``."""
+    return output.with_name(f"{output.stem}.dead{output.suffix or '.jsonl'}")
+
+
+@dataclass(frozen=True, slots=True)
+class DoneSet:
+    """What earlier runs finished: ids (output and dead letters) and the line numbers of dead
+    letters that have no usable id (malformed lines, missing ids)."""
+
+    ids: set[Any]
+    lines: set[int]
+    dead_letters: int
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a file's creation or rename durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some file systems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _lines(path: Path, length: int) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line) of the first ``length`` bytes of ``path``."""
+    if length == 0:
+        return
+    with path.open("rb") as f:
+        remaining = length
+        for n, line in enumerate(f, start=1):
+            if len(line) > remaining:
+                line = line[:remaining]
+            remaining -= len(line)
+            yield n, line
+            if remaining <= 0:
+                return
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+class JobStore:
+    """The files of one job, opened for resuming: :meth:`open` recovers, :meth:`commit` appends.
+
+    Not thread-safe: one thread (the job's) commits. Use as a context manager or call
+    :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        output: Path,
+        dead_letter: Path,
+        journal: Path,
+        header: dict[str, Any],
+        key_field: str,
+    ) -> None:
+        self.output = output
+        self.dead_letter = dead_letter
+        self.journal = journal
+        self.header = header
+        self.key_field = key_field
+        self.out_bytes = 0
+        self.dead_bytes = 0
+        self.commits = 0
+        self._out_fd = -1
+        self._dead_fd = -1
+        self._journal_fd = -1
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        output: Path,
+        dead_letter: Path,
+        *,
+        source: str | None,
+        id_field: str | None,
+        retry_dead_letters: bool = False,
+    ) -> tuple[JobStore, DoneSet]:
+        """Open (or start) the job writing to ``output``; return the store and what is done.
+
+        With ``retry_dead_letters``, the dead-letter file is emptied (after the journal records
+        that) and its records count as not done: the job tries them again.
+
+        Raises:
+            JobStateError: another process runs this job; the journal names another input,
+                id field or dead-letter file; the output exists without a journal; or a file is
+                shorter than its journal says, or holds a line that is not one of this job's.
+        """
+        output = output.resolve()
+        dead_letter = dead_letter.resolve()
+        journal = journal_path_for(output)
+        header = {
+            "batchkit_job": JOURNAL_VERSION,
+            "source": source,
+            "id_field": id_field,
+            "dead_letter": str(dead_letter),
+        }
+        store = cls(output, dead_letter, journal, header, id_field if id_field is not None else "line")
+        try:
+            done = store._recover(retry_dead_letters)
+        except BaseException:
+            store.close()
+            raise
+        return store, done
+
+    def _recover(self, retry_dead_letters: bool) -> DoneSet:
+        self._out_fd = os.open(self.output, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        if fcntl is not None:
+            try:
+                fcntl.flock(self._out_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise JobStateError(
+                    f"another process is running the job that writes {self.output}: wait for it to finish "
+                    "(or stop it), or choose another output"
+                ) from None
+        committed = self._read_journal()
+        if committed is None:  # a new job: the output must be new (or empty) too
+            for path in (self.output, self.dead_letter):
+                if path.exists() and path.stat().st_size > 0:
+                    raise JobStateError(
+                        f"{path} exists and has no journal {self.journal.name} beside the output, so it was not "
+                        "written by a batchkit job (or its journal was deleted): move it away, or delete it to "
+                        "start over"
+                    )
+            committed = (0, 0)
+        self.out_bytes, self.dead_bytes = committed
+        self._check_size(self.output, self.out_bytes)
+        self._check_size(self.dead_letter, self.dead_bytes)
+        if retry_dead_letters:
+            self.dead_bytes = 0
+        # Journal first, then cut: a crash in between leaves files longer than their commit point,
+        # which the next start cuts again. The rewrite (header + one record, atomic) also keeps the
+        # journal small however many restarts and commits the job sees.
+        self._write_journal_atomically()
+        _fsync_dir(self.output)
+        self._cut(self._out_fd, self.out_bytes)
+        if self.dead_letter.exists():
+            self._open_dead()
+            self._cut(self._dead_fd, self.dead_bytes)
+        done = self._scan()
+        self._journal_fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
+        return done
+
+    def _read_journal(self) -> tuple[int, int] | None:
+        """The committed (output, dead-letter) lengths, or None without a journal."""
+        try:
+            data = self.journal.read_bytes()
+        except FileNotFoundError:
+            return None
+        lines = data.split(b"\n")
+        # The last element is b"" after a complete record, or a torn record: either way not a commit.
+        complete = lines[:-1]
+        try:
+            header = json.loads(complete[0]) if complete else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or header.get("batchkit_job") != JOURNAL_VERSION:
+            raise JobStateError(
+                f"{self.journal} is not a batchkit job journal (version {JOURNAL_VERSION}): delete it together with "
+                f"{self.output.name} to start over, or choose another output"
+            )
+        for key, what in (("id_field", "id field"), ("source", "input"), ("dead_letter", "dead-letter file")):
+            if header.get(key) != self.header[key]:
+                raise JobStateError(
+                    f"{self.output} belongs to a job with {what} {header.get(key)!r}, not {self.header[key]!r}: "
+                    "rerun with the same arguments to resume it, or choose another output"
+                )
+        out, dead = 0, 0
+        for raw in reversed(complete[1:]):
+            try:
+                rec = json.loads(raw)
+                out, dead = int(rec["out"]), int(rec["dead"])
+            except (ValueError, KeyError, TypeError):
+                continue  # only the record being written at a crash can be damaged
+            break
+        return out, dead
+
+    def _check_size(self, path: Path, length: int) -> None:
+        size = path.stat().st_size if path.exists() else 0
+        if size < length:
+            raise JobStateError(
+                f"{path} holds {size} bytes but the job's journal committed {length}: it was changed outside "
+                "the job; restore it, or delete the output, the dead-letter file and the journal to start over"
+            )
+
+    @staticmethod
+    def _cut(fd: int, length: int) -> None:
+        if os.fstat(fd).st_size > length:  # written by a commit that did not finish: its items are redone
+            os.ftruncate(fd, length)
+            _sync(fd)
+
+    def _scan(self) -> DoneSet:
+        ids: set[Any] = set()
+        lines: set[int] = set()
+        key = self.key_field
+        for n, raw in _lines(self.output, self.out_bytes):
+            rec = self._parse(self.output, n, raw)
+            value = rec.get(key)
+            if not _is_id(value) or "output" not in rec:
+                raise JobStateError(f"{self.output}:{n} is not an output line of this job (no {key!r} and 'output')")
+            ids.add(value)
+        dead = 0
+        for n, raw in _lines(self.dead_letter, self.dead_bytes):
+            rec = self._parse(self.dead_letter, n, raw)
+            dead += 1
+            value = rec.get(key)
+            if _is_id(value):
+                ids.add(value)
+            elif isinstance(rec.get("line"), int):
+                lines.add(rec["line"])
+            else:
+                raise JobStateError(f"{self.dead_letter}:{n} is not a dead letter of this job (no {key!r} or 'line')")
+        return DoneSet(ids, lines, dead)
+
+    @staticmethod
+    def _parse(path: Path, n: int, raw: bytes) -> dict[str, Any]:
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or not raw.endswith(b"\n"):
+            raise JobStateError(
+                f"{path}:{n} is not a complete JSON object although the journal committed it: the file was "
+                "changed outside the job; restore it, or delete it, the other output and the journal to start over"
+            )
+        return rec
+
+    def _write_journal_atomically(self) -> None:
+        tmp = self.journal.with_name(self.journal.name + ".tmp")
+        body = json.dumps(self.header) + "\n" + json.dumps({"out": self.out_bytes, "dead": self.dead_bytes}) + "\n"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, body.encode())
+            _sync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.journal)
+
+    def _open_dead(self) -> None:
+        if self._dead_fd < 0:
+            existed = self.dead_letter.exists()
+            self._dead_fd = os.open(self.dead_letter, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            if not existed:
+                _fsync_dir(self.dead_letter)
+
+    # ------------------------------------------------------------------ committing
+
+    def commit(self, out: bytes, dead: bytes) -> None:
+        """Append whole lines to the output and the dead-letter file, durably, then record the new
+        lengths in the journal. After a crash inside this call, the restart cuts both files back
+        to the previous commit, so these lines count as never written."""
+        if out:
+            _write_all(self._out_fd, out)
+            _sync(self._out_fd)
+            self.out_bytes += len(out)
+        if dead:
+            self._open_dead()
+            _write_all(self._dead_fd, dead)
+            _sync(self._dead_fd)
+            self.dead_bytes += len(dead)
+        if out or dead:
+            record = json.dumps({"out": self.out_bytes, "dead": self.dead_bytes}) + "\n"
+            _write_all(self._journal_fd, record.encode())
+            _sync(self._journal_fd)
+            self.commits += 1
+
+    def close(self) -> None:
+        """Close the files (and release the lock). Idempotent."""
+        for name in ("_journal_fd", "_dead_fd", "_out_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<JobStore {self.output.name} out_bytes={self.out_bytes} dead_bytes={self.dead_bytes} "
+            f"commits={self.commits}>"
+        )

@@ -1,0 +1,631 @@
+"""batchkit.jobs: bulk jobs that write every record exactly once, survive SIGKILL and resume.
+
+The promises: each input id ends up exactly once in the output or the dead-letter file, whatever
+moment the job is killed at; failures are retried with backoff and then dead-lettered; malformed
+lines are dead letters; ``ordered`` keeps input order; the reader stays a bounded window ahead.
+No test sleeps to order events: batch functions wait on events (with timeouts) and retries run
+on a MockClock advanced by the job's injected sleep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import batchkit
+from batchkit.jobs import JobProgress, JobStateError, JobStore, add_run_parser, generate_fn, run, run_cli
+from batchkit.testing import MockClock
+
+WAIT = 10.0  # seconds: the bound on every wait in these tests
+
+
+def write_jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    assert not text or text.endswith("\n"), f"{path.name} ends with a torn line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def double(records: list[dict[str, Any]]) -> list[int]:
+    return [r["x"] * 2 for r in records]
+
+
+class FakeTime:
+    """A MockClock and a sleep that advances it, recording each sleep."""
+
+    def __init__(self) -> None:
+        self.clock = MockClock()
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.clock.advance(seconds)
+
+
+# --------------------------------------------------------------------------- the basics
+
+
+def test_every_record_is_written_once_with_its_id_and_output(tmp_path: Path) -> None:
+    """One output line per input record: the id under the id field and the result under "output"."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"key": f"k{i}", "x": i} for i in range(300)])
+    report = run(double, src, tmp_path / "out.jsonl", id_field="key", max_batch=16, concurrency=2)
+    lines = read_jsonl(tmp_path / "out.jsonl")
+    assert sorted(line["key"] for line in lines) == sorted(f"k{i}" for i in range(300))
+    assert all(line["output"] == 2 * int(line["key"][1:]) for line in lines)
+    assert all(set(line) == {"key", "output"} for line in lines)
+    assert (report.succeeded, report.failed, report.skipped, report.exit_code) == (300, 0, 0, 0)
+    assert not (tmp_path / "out.dead.jsonl").exists()
+
+
+def test_a_finished_job_rerun_skips_everything(tmp_path: Path) -> None:
+    """Running the same job again is a no-op: every record counts as skipped, the output is unchanged."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(50)])
+    run(double, src, tmp_path / "out.jsonl")
+    before = (tmp_path / "out.jsonl").read_bytes()
+    report = run(double, src, tmp_path / "out.jsonl")
+    assert (report.items, report.skipped) == (0, 50)
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+
+
+def test_a_batched_function_keeps_its_own_batcher(tmp_path: Path) -> None:
+    """A @batched function is served through its own batcher (its batch size applies)."""
+    sizes: list[int] = []
+
+    @batchkit.batched(max_batch=5, max_wait_ms=1)
+    def fn(records: list[dict[str, Any]]) -> list[int]:
+        sizes.append(len(records))
+        return [r["x"] for r in records]
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(40)])
+    try:
+        report = run(fn, src, tmp_path / "out.jsonl", max_batch=1000)
+    finally:
+        fn.close()
+    assert report.succeeded == 40
+    assert max(sizes) <= 5
+    assert report.max_in_flight == 2 * 5 * 1
+
+
+def test_records_from_an_iterable_use_their_positions_as_line_numbers(tmp_path: Path) -> None:
+    """An iterable of dicts is a source too; with id_field=None the position is the id."""
+    report = run(double, ({"x": i} for i in range(10)), tmp_path / "out.jsonl", id_field=None)
+    lines = read_jsonl(tmp_path / "out.jsonl")
+    assert sorted((line["line"], line["output"]) for line in lines) == [(i + 1, 2 * i) for i in range(10)]
+    assert report.succeeded == 10
+
+
+def test_numpy_results_are_written_as_json(tmp_path: Path) -> None:
+    """Results that are numpy scalars or arrays are written as plain JSON numbers and lists."""
+    import numpy as np
+
+    def fn(records: list[dict[str, Any]]) -> list[Any]:
+        return [np.arange(3, dtype=np.int64) * r["x"] if r["x"] % 2 else np.float32(r["x"]) for r in records]
+
+    run(fn, [{"id": i, "x": i} for i in range(4)], tmp_path / "out.jsonl")
+    got = {line["id"]: line["output"] for line in read_jsonl(tmp_path / "out.jsonl")}
+    assert got == {0: 0.0, 1: [0, 1, 2], 2: 2.0, 3: [0, 3, 6]}
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_failing_items_are_retried_with_backoff_then_dead_lettered(tmp_path: Path) -> None:
+    """An item whose slot holds an exception is retried `retries` times, backoff doubling; one that
+    keeps failing goes to the dead-letter file with its error; the others are unaffected."""
+    t = FakeTime()
+    calls: dict[str, int] = {}
+
+    def fn(records: list[dict[str, Any]]) -> list[Any]:
+        out: list[Any] = []
+        for r in records:
+            calls[r["id"]] = calls.get(r["id"], 0) + 1
+            if r["id"] == "bad":
+                out.append(ValueError("the model refuses this one"))
+            elif r["id"] == "flaky" and calls["flaky"] <= 2:
+                out.append(TimeoutError("try again"))
+            else:
+                out.append(r["id"].upper())
+        return out
+
+    records = [{"id": "a"}, {"id": "bad"}, {"id": "flaky"}, {"id": "b"}]
+    report = run(
+        fn,
+        records,
+        tmp_path / "out.jsonl",
+        retries=2,
+        backoff_s=0.5,
+        max_wait_ms=0,
+        clock=t.clock,
+        sleep=t.sleep,
+    )
+    assert calls == {"a": 1, "bad": 3, "flaky": 3, "b": 1}
+    assert t.sleeps == [0.5, 1.0]
+    assert sorted(line["id"] for line in read_jsonl(tmp_path / "out.jsonl")) == ["a", "b", "flaky"]
+    (dead,) = read_jsonl(tmp_path / "out.dead.jsonl")
+    assert dead == {"id": "bad", "line": 2, "error": "ValueError: the model refuses this one", "attempts": 3}
+    assert (report.succeeded, report.failed, report.retries, report.dead_letters) == (3, 1, 4, 1)
+    assert report.exit_code == 1
+    assert "1 failed" in report.summary()
+    assert "1 dead letters" in report.summary()
+
+
+def test_a_raising_batch_fails_only_its_culprit(tmp_path: Path) -> None:
+    """A batch function that raises for a whole batch has the batch split: only the record that
+    makes it raise is dead-lettered, its batch-mates succeed."""
+
+    def fn(records: list[dict[str, Any]]) -> list[int]:
+        if any(r["x"] == 7 for r in records):
+            raise RuntimeError("poisoned batch")
+        return [r["x"] for r in records]
+
+    t = FakeTime()
+    src = [{"id": i, "x": i} for i in range(16)]
+    report = run(fn, src, tmp_path / "out.jsonl", max_batch=16, retries=1, clock=t.clock, sleep=t.sleep)
+    assert sorted(line["id"] for line in read_jsonl(tmp_path / "out.jsonl")) == [i for i in range(16) if i != 7]
+    (dead,) = read_jsonl(tmp_path / "out.dead.jsonl")
+    assert (dead["id"], dead["error"], dead["attempts"]) == (7, "RuntimeError: poisoned batch", 2)
+    assert report.failed == 1
+
+
+def test_a_result_that_is_not_json_is_a_dead_letter_without_retries(tmp_path: Path) -> None:
+    """A result JSON cannot hold (an object, NaN) is dead-lettered at once: retrying gives the same."""
+    calls = 0
+
+    def fn(records: list[dict[str, Any]]) -> list[Any]:
+        nonlocal calls
+        calls += len(records)
+        return [{"ok": 1}, object(), float("nan")][: len(records)]
+
+    run(fn, [{"id": 1}, {"id": 2}, {"id": 3}], tmp_path / "out.jsonl", max_batch=3, max_wait_ms=1000)
+    assert calls == 3
+    assert [line["id"] for line in read_jsonl(tmp_path / "out.jsonl")] == [1]
+    dead = {d["id"]: d["error"] for d in read_jsonl(tmp_path / "out.dead.jsonl")}
+    assert set(dead) == {2, 3}
+    assert all(e.startswith("the result is not JSON-serialisable") for e in dead.values())
+
+
+def test_malformed_lines_are_dead_letters_not_crashes(tmp_path: Path) -> None:
+    """Bad JSON, a non-object, invalid UTF-8, a missing or unusable id: each is a dead letter with
+    its line number; blank lines are ignored; the good records are processed; a rerun skips all."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(
+        b'{"id": 1, "x": 1}\n'
+        b"{not json\n"
+        b"\n"
+        b"[1, 2]\n"
+        b'{"id": 2, "x": \xff}\n'
+        b'{"x": 5}\n'
+        b'{"id": [1], "x": 6}\n'
+        b'{"id": true, "x": 7}\n'
+        b'{"id": 3, "x": 3}'  # no final newline: still a record
+    )
+    report = run(double, src, tmp_path / "out.jsonl", ordered=True)
+    assert [line["id"] for line in read_jsonl(tmp_path / "out.jsonl")] == [1, 3]
+    dead = read_jsonl(tmp_path / "out.dead.jsonl")
+    assert [d["line"] for d in dead] == [2, 4, 5, 6, 7, 8]
+    assert all(d["id"] is None for d in dead)
+    assert dead[0]["error"].startswith("malformed JSON")
+    assert dead[0]["input"] == "{not json"
+    assert dead[1]["error"] == "expected a JSON object, got list"
+    assert dead[2]["error"].startswith("not UTF-8")
+    assert dead[3]["error"] == "the record has no 'id' field"
+    assert "must be a string or an integer" in dead[4]["error"]
+    assert (report.succeeded, report.failed, report.malformed, report.exit_code) == (2, 6, 3, 1)
+    again = run(double, src, tmp_path / "out.jsonl", ordered=True)
+    assert (again.items, again.skipped, again.dead_letters, again.exit_code) == (0, 8, 6, 1)
+
+
+def test_dead_letters_can_be_retried_after_a_fix(tmp_path: Path) -> None:
+    """A rerun skips dead letters; with retry_dead_letters it empties the file and tries them
+    again, so that after a fix every record has its output once."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(10)])
+    broken = {3, 7}
+
+    def fn(records: list[dict[str, Any]]) -> list[Any]:
+        return [ValueError("broken") if r["id"] in broken else r["x"] for r in records]
+
+    assert run(fn, src, tmp_path / "out.jsonl", retries=0).dead_letters == 2
+    assert run(fn, src, tmp_path / "out.jsonl", retries=0).skipped == 10
+    broken.clear()
+    report = run(fn, src, tmp_path / "out.jsonl", retries=0, retry_dead_letters=True)
+    assert (report.skipped, report.succeeded, report.dead_letters, report.exit_code) == (8, 2, 0, 0)
+    assert sorted(line["id"] for line in read_jsonl(tmp_path / "out.jsonl")) == list(range(10))
+    assert read_jsonl(tmp_path / "out.dead.jsonl") == []
+
+
+def test_duplicate_ids_keep_their_first_occurrence(tmp_path: Path) -> None:
+    """An id repeated in the input is processed once (its first line); the repeats are counted."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}, {"id": 2, "x": 2}, {"id": 1, "x": 100}])
+    report = run(double, src, tmp_path / "out.jsonl")
+    assert sorted((r["id"], r["output"]) for r in read_jsonl(tmp_path / "out.jsonl")) == [(1, 2), (2, 4)]
+    assert report.duplicates == 1
+
+
+# --------------------------------------------------------------------------- order and memory
+
+
+def _race(tmp_path: Path, *, ordered: bool) -> list[int]:
+    """Run 10 records in batches of 2, two at a time, where the batch holding record 0 returns
+    only after a later batch has finished (ordered) or been committed (unordered)."""
+    later_done = threading.Event()
+    committed = threading.Event()
+
+    def fn(records: list[dict[str, Any]]) -> list[int]:
+        ids = [r["id"] for r in records]
+        if 0 in ids:
+            assert (committed if not ordered else later_done).wait(WAIT), "the other batch never finished"
+        else:
+            later_done.set()
+        return ids
+
+    def on_commit(p: JobProgress) -> None:
+        committed.set()
+
+    run(
+        fn,
+        [{"id": i} for i in range(10)],
+        tmp_path / "out.jsonl",
+        max_batch=2,
+        concurrency=2,
+        max_wait_ms=10_000,  # batches form by size (and the final flush), never by time
+        ordered=ordered,
+        on_commit=on_commit,
+    )
+    return [line["id"] for line in read_jsonl(tmp_path / "out.jsonl")]
+
+
+def test_unordered_jobs_write_results_as_they_finish(tmp_path: Path) -> None:
+    """Without `ordered`, a batch that finishes first is written first."""
+    ids = _race(tmp_path, ordered=False)
+    assert set(ids[:2]) == {2, 3}
+    assert sorted(ids) == list(range(10))
+
+
+def test_ordered_jobs_write_in_input_order(tmp_path: Path) -> None:
+    """With `ordered`, the output follows the input although later batches finish first."""
+    assert _race(tmp_path, ordered=True) == list(range(10))
+
+
+def test_the_reader_stays_a_bounded_window_ahead(tmp_path: Path) -> None:
+    """The source is pulled at most max_in_flight records ahead of what has finished, whatever its size."""
+    window = 2 * 4 * 2  # the default: 2 * max_batch * concurrency
+    pulled = 0
+    finished = 0
+    most_ahead = 0
+    full = threading.Event()
+    lock = threading.Lock()
+
+    def source() -> Iterator[dict[str, Any]]:
+        nonlocal pulled, most_ahead
+        for i in range(500):
+            with lock:
+                pulled += 1
+                most_ahead = max(most_ahead, pulled - finished)
+                if pulled == window:
+                    full.set()
+            yield {"id": i}
+
+    def fn(records: list[dict[str, Any]]) -> list[int]:
+        nonlocal finished
+        assert full.wait(WAIT), "the reader stopped before filling its window"
+        with lock:
+            finished += len(records)
+        return [r["id"] for r in records]
+
+    report = run(fn, source(), tmp_path / "out.jsonl", max_batch=4, concurrency=2)
+    assert report.succeeded == 500
+    assert most_ahead == window  # it did fill the window while the first batch waited...
+    assert report.peak_in_flight <= report.max_in_flight == window  # ...and never read further ahead
+
+
+# --------------------------------------------------------------------------- resuming
+
+
+def test_an_interrupted_job_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """A job stopped by an exception after some commits resumes: the rerun does only the rest."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(200)])
+    commits = 0
+
+    def stop_after_three(p: JobProgress) -> None:
+        nonlocal commits
+        commits += 1
+        if commits == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(double, src, tmp_path / "out.jsonl", max_batch=10, on_commit=stop_after_three)
+    done = len(read_jsonl(tmp_path / "out.jsonl"))
+    assert 0 < done < 200
+    report = run(double, src, tmp_path / "out.jsonl", max_batch=10)
+    assert (report.skipped, report.succeeded) == (done, 200 - done)
+    ids = [line["id"] for line in read_jsonl(tmp_path / "out.jsonl")]
+    assert sorted(ids) == list(range(200))
+
+
+def test_uncommitted_and_torn_lines_are_cut_and_redone(tmp_path: Path) -> None:
+    """Bytes written after the last journal record (a crash between writing and journaling, or a
+    torn last line) are cut on restart; their records are done again, once."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(50)])
+    out = tmp_path / "out.jsonl"
+    run(double, src, out)
+    with src.open("a") as f:  # the input grows: the rerun has new records to do
+        f.writelines(json.dumps({"id": i, "x": i}) + "\n" for i in range(50, 60))
+    with out.open("a") as f:
+        f.write('{"id":55,"output":110}\n')  # written, never journaled
+        f.write('{"id":56,"outp')  # torn
+    report = run(double, src, out)
+    ids = [line["id"] for line in read_jsonl(out)]
+    assert sorted(ids) == list(range(60))
+    assert (report.skipped, report.succeeded) == (50, 10)
+
+
+def test_the_journal_stays_small(tmp_path: Path) -> None:
+    """On start the journal is rewritten as its header and one record, however many commits came before."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(100)])
+    run(double, src, tmp_path / "out.jsonl", max_batch=1, max_wait_ms=0)
+    journal = tmp_path / "out.jsonl.journal"
+    assert len(journal.read_text().splitlines()) > 10
+    run(double, src, tmp_path / "out.jsonl")
+    assert len(journal.read_text().splitlines()) == 2
+
+
+def test_an_output_of_another_job_is_refused(tmp_path: Path) -> None:
+    """Resuming with another id field or input, or writing over a file no job wrote, is refused."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "k": i, "x": i} for i in range(5)])
+    other = write_jsonl(tmp_path / "other.jsonl", [{"id": 1, "x": 1}])
+    run(double, src, tmp_path / "out.jsonl")
+    with pytest.raises(JobStateError, match="id field"):
+        run(double, src, tmp_path / "out.jsonl", id_field="k")
+    with pytest.raises(JobStateError, match="input"):
+        run(double, other, tmp_path / "out.jsonl")
+    (tmp_path / "mine.jsonl").write_text('{"precious": true}\n')
+    with pytest.raises(JobStateError, match="has no journal"):
+        run(double, src, tmp_path / "mine.jsonl")
+    assert (tmp_path / "mine.jsonl").read_text() == '{"precious": true}\n'
+
+
+def test_a_file_shorter_than_its_journal_is_refused(tmp_path: Path) -> None:
+    """An output cut or replaced outside the job is detected, not silently redone or duplicated."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(5)])
+    run(double, src, tmp_path / "out.jsonl")
+    (tmp_path / "out.jsonl").write_text("")
+    with pytest.raises(JobStateError, match="changed outside the job"):
+        run(double, src, tmp_path / "out.jsonl")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the single-writer lock is POSIX flock")
+def test_one_job_per_output_at_a_time(tmp_path: Path) -> None:
+    """A second job on an output that a running job holds is refused at once."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    out = tmp_path / "out.jsonl"
+    store, _ = JobStore.open(out, tmp_path / "out.dead.jsonl", source=str(src.resolve()), id_field="id")
+    try:
+        with pytest.raises(JobStateError, match="another process"):
+            run(double, src, out)
+    finally:
+        store.close()
+    assert run(double, src, out).succeeded == 1
+
+
+# --------------------------------------------------------------------------- tokens and cost
+
+
+def test_the_report_gives_tokens_per_second_and_cost_per_1k_tokens(tmp_path: Path) -> None:
+    """With token counts and a price, cost per 1k tokens is C_gpu * T_run / N_tokens * 1000."""
+    t = FakeTime()
+
+    def fn(records: list[dict[str, Any]]) -> list[str]:
+        t.clock.advance(1800.0 / 10)  # ten batches: half an hour of "GPU time" in all
+        return ["w " * r["n"] for r in records]
+
+    records = [{"id": i, "n": 10} for i in range(100)]
+    report = run(
+        fn,
+        records,
+        tmp_path / "out.jsonl",
+        max_batch=10,
+        max_wait_ms=10_000,
+        count_tokens=lambda rec, out: len(out.split()),
+        price_per_hour=4.0,
+        clock=t.clock,
+        sleep=t.sleep,
+    )
+    assert report.tokens == 1000
+    assert report.wall_s == pytest.approx(1800.0)
+    assert report.tokens_per_s == pytest.approx(1000 / 1800)
+    assert report.cost == pytest.approx(2.0)
+    assert report.cost_per_1k_tokens == pytest.approx(2.0)
+    assert "per 1k tokens" in report.summary()
+
+
+@pytest.mark.parametrize("tqdm_installed", [True, False], ids=["tqdm", "no-tqdm"])
+def test_progress_bar_shows_rate_on_stderr(
+    tqdm_installed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """progress=True draws a bar on stderr (tqdm's, or a plain line when tqdm is missing) and
+    writes nothing to stdout."""
+    if tqdm_installed:
+        pytest.importorskip("tqdm")
+    else:
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(30)])
+    run(double, src, tmp_path / "out.jsonl", progress=True)
+    captured = capsys.readouterr()
+    assert "30/30" in captured.err
+    assert "item/s" in captured.err or "items/s" in captured.err
+    assert captured.out == ""
+
+
+def test_a_decode_loop_job_writes_text_and_counts_tokens(tmp_path: Path) -> None:
+    """generate_fn turns a ContinuousDecodeLoop and a tokenizer into a job: prompt in, text out,
+    generated tokens counted; a bare loop is refused with the fix."""
+    torch = pytest.importorskip("torch")
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1))
+    loop = batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=64, block_size=16), max_num_seqs=4)
+    try:
+        with pytest.raises(TypeError, match="generate_fn"):
+            run(loop, [{"id": 1, "prompt": "hi"}], tmp_path / "x.jsonl")
+        job = generate_fn(
+            loop,
+            encode=lambda s: [ord(c) % 128 for c in s],
+            decode=lambda ids: " ".join(map(str, ids)),
+            max_new_tokens=5,
+            ignore_eos=True,
+        )
+        records = [{"id": i, "prompt": f"prompt {i}"} for i in range(6)] + [{"id": 6, "text": "no prompt"}]
+        report = run(job, records, tmp_path / "out.jsonl", retries=0)
+    finally:
+        loop.close()
+    lines = read_jsonl(tmp_path / "out.jsonl")
+    assert sorted(line["id"] for line in lines) == list(range(6))
+    assert all(len(line["output"].split()) == 5 for line in lines)
+    assert report.tokens == 30
+    (dead,) = read_jsonl(tmp_path / "out.dead.jsonl")
+    assert dead["id"] == 6
+    assert "prompt" in dead["error"]
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="batchkit")
+    add_run_parser(parser.add_subparsers(dest="command"))
+    return run_cli(parser.parse_args(["run", *argv]))
+
+
+def test_cli_exit_status_says_whether_anything_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`batchkit run` exits 0 when every record has an output and 1 when some are dead letters,
+    and prints the summary."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_jsonl(tmp_path / "good.jsonl", [{"id": i, "x": i} for i in range(20)])
+    assert _cli(["jobfns:double", "--input", "good.jsonl", "--output", "good.out.jsonl", "--no-progress"]) == 0
+    assert "20 succeeded" in capsys.readouterr().out
+    write_jsonl(tmp_path / "bad.jsonl", [{"id": 1, "x": 1}, {"id": 2}])
+    assert _cli(["jobfns:double", "--input", "bad.jsonl", "--output", "bad.out.jsonl", "--retries", "0"]) == 1
+    assert "1 dead letters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["jobfns:double", "--input", "missing.jsonl", "--output", "o.jsonl"], "argument --input: 'missing.jsonl'"),
+        (["nosuchmodule:f", "--input", "in.jsonl", "--output", "o.jsonl"], "argument MODULE:FUNCTION: no module"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "nodir/o.jsonl"], "argument --output: the folder"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "in.jsonl"], "argument --output"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--id-field", "output"], "--id-field"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "taken.jsonl"], "argument --output: .*has no journal"),
+    ],
+    ids=["no-input", "no-module", "no-folder", "same-file", "reserved-id", "foreign-output"],
+)
+def test_cli_usage_errors_exit_2_with_one_line(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A usage error exits 2 with one line on stderr naming the argument."""
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    (tmp_path / "taken.jsonl").write_text("{}\n")
+    assert _cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("batchkit run: error: ")
+    assert re.search(message, err), err
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+CRASH_FN = """\
+import time
+
+def work(records):
+    time.sleep(0.002)  # a model call: long enough for a kill to land mid-job
+    return [{"x2": r["x"] * 2} for r in records]
+"""
+
+DRIVER = """\
+import argparse, sys
+from batchkit.jobs import add_run_parser, run_cli
+
+parser = argparse.ArgumentParser(prog="batchkit")
+add_run_parser(parser.add_subparsers(dest="command"))
+sys.exit(run_cli(parser.parse_args(["run", *sys.argv[1:]])))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
+def test_a_job_killed_three_times_writes_every_id_exactly_once(tmp_path: Path) -> None:
+    """20,000 records; the job is SIGKILLed at three random moments (seeded) while it writes, and
+    restarted with the same command each time; the output ends with every id exactly once, every
+    line valid JSON, nothing in the dead-letter file."""
+    n = 20_000
+    rng = random.Random(14)
+    (tmp_path / "crashfn.py").write_text(CRASH_FN)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "x": i} for i in range(n)])
+    final_size = sum(
+        len(json.dumps({"id": f"r{i}", "output": {"x2": 2 * i}}, separators=(",", ":"))) + 1 for i in range(n)
+    )
+    out = tmp_path / "out.jsonl"
+    argv = [
+        sys.executable,
+        "driver.py",
+        "crashfn:work",
+        *("--input", "in.jsonl", "--output", "out.jsonl", "--max-batch", "64", "--concurrency", "2"),
+        "--no-progress",
+    ]
+    env = dict(os.environ)
+    kill_at = sorted(int(rng.uniform(0.05, 0.9) * final_size) for _ in range(3))
+    for size in kill_at:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 30
+            while (out.stat().st_size if out.exists() else 0) < size:
+                assert proc.poll() is None, f"the job ended before the kill: {proc.stderr.read()!r}"  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the output never grew to the kill point"
+                time.sleep(0.001)  # polling the file size, not waiting for behaviour
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(timeout=WAIT)
+            proc.stderr.close()  # type: ignore[union-attr]
+        assert proc.returncode == -signal.SIGKILL
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = read_jsonl(out)  # every line parses, none torn
+    ids = [line["id"] for line in lines]
+    assert len(ids) == n
+    assert set(ids) == {f"r{i}" for i in range(n)}
+    assert all(line["output"]["x2"] == 2 * int(line["id"][1:]) for line in lines)
+    assert read_jsonl(tmp_path / "out.dead.jsonl") == []
+    assert "skipped (already done)" in result.stdout
