@@ -66,3 +66,83 @@ def test_cli_plan_prints_the_budget_table(capsys: pytest.CaptureFixture[str]) ->
     for row in ("weights", "activation peak", "KV cache", "reserve", "max_num_seqs"):
         assert row in out
     assert main(["plan", "--preset", "nope"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("dtype", "nbytes"),
+    [
+        ("float8_e4m3fn", 1),
+        ("torch.float8_e5m2", 1),
+        ("float8_e4m3fnuz", 1),
+        ("bfloat16", 2),
+        ("torch.float16", 2),
+        ("float32", 4),
+        ("float", 4),
+    ],
+)
+def test_dtype_bytes_from_torch_dtype(dtype: str, nbytes: int) -> None:
+    """Every fp8 variant is one byte (not the 2-byte fallback it used to get); the usual names map as torch does."""
+    cfg = {**PRESETS["llama-2-7b"], "torch_dtype": dtype}
+    assert ModelShape.from_hf_config(cfg).dtype_bytes == nbytes
+
+
+def test_unknown_dtype_is_an_error_not_a_guess() -> None:
+    """An unknown torch_dtype is refused with the fix (pass dtype_bytes), and dtype_bytes overrides it."""
+    cfg = {**PRESETS["llama-2-7b"], "torch_dtype": "int4"}
+    with pytest.raises(ValueError, match="pass dtype_bytes"):
+        ModelShape.from_hf_config(cfg)
+    assert ModelShape.from_hf_config(cfg, dtype_bytes=1).dtype_bytes == 1
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"num_hidden_layers": 4, "num_attention_heads": 8}, "needs hidden_size"),
+        ({"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 64}, "num_hidden_layers must be"),
+        ({"num_hidden_layers": 4, "num_attention_heads": "8", "hidden_size": 64}, "num_attention_heads must be"),
+        ({"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": float("nan")}, "hidden_size must be"),
+        ({"num_hidden_layers": 4, "num_attention_heads": 6, "hidden_size": 64}, "not a multiple"),
+    ],
+)
+def test_bad_configs_are_value_errors(cfg: dict[str, object], match: str) -> None:
+    """A config without the fields the cache needs, or with nonsense in them, names the field."""
+    with pytest.raises(ValueError, match=match):
+        ModelShape.from_hf_config(cfg)
+
+
+def test_config_files_that_cannot_be_read(tmp_path: Path) -> None:
+    """A folder, invalid JSON or a JSON list is a clear error naming the file, not a traceback from json."""
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        ModelShape.from_hf_config(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"num_hidden_layers": 4,')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelShape.from_hf_config(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON list"):
+        ModelShape.from_hf_config(bad)
+    with pytest.raises(FileNotFoundError):
+        ModelShape.from_hf_config(tmp_path / "missing.json")
+
+
+def test_plan_refuses_a_block_that_does_not_fit() -> None:
+    """A block larger than the whole KV budget is an error (it used to plan "0 blocks")."""
+    shape = ModelShape(32, 32, 128, 2)  # 0.5 MiB per token
+    with pytest.raises(ValueError, match="smaller block_size"):
+        plan(shape, device_bytes=10 * 1024**3, weight_bytes=8 * 1024**3, block_size=4096)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"weight_bytes": -100 * 1024**3}, "weight_bytes must be an int >= 0"),
+        ({"activation_bytes": -1}, "activation_bytes must be an int >= 0"),
+        ({"block_size": 0}, "block_size must be an int >= 1"),
+        ({"device_bytes": 0}, "device_bytes must be an int >= 1"),
+    ],
+)
+def test_plan_refuses_negative_or_empty_sizes(kwargs: dict[str, int], match: str) -> None:
+    """Negative weights no longer plan a KV cache bigger than the device."""
+    args: dict[str, int] = {"device_bytes": 80 * 1024**3, "weight_bytes": 0, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        plan(ModelShape(32, 8, 128, 2), **args)  # type: ignore[arg-type]

@@ -8,11 +8,12 @@ memory after the weights and the activation peak.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "KVPlan", "ModelShape", "kv_cache_bytes", "plan"]
+__all__ = ["PRESETS", "KVPlan", "ModelShape", "dtype_bytes_of", "kv_cache_bytes", "plan", "read_hf_config"]
 
 # Published configs of a few well-known models (Hugging Face config.json fields).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -46,7 +47,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _DTYPE_BYTES = {
+    "float64": 8,
+    "double": 8,
     "float32": 4,
+    "float": 4,
     "fp32": 4,
     "float16": 2,
     "fp16": 2,
@@ -56,7 +60,23 @@ _DTYPE_BYTES = {
     "float8": 1,
     "fp8": 1,
     "int8": 1,
+    "uint8": 1,
 }
+
+
+def dtype_bytes_of(dtype: object) -> int:
+    """Bytes per value of a config's ``torch_dtype`` (``"float16"``, ``"torch.bfloat16"``, any
+    ``float8_*`` variant such as ``"float8_e4m3fn"``, ...).
+
+    Raises:
+        ValueError: a dtype this table does not know (pass ``dtype_bytes`` explicitly).
+    """
+    name = str(dtype).removeprefix("torch.").lower()
+    if name.startswith(("float8", "fp8")):
+        return 1  # float8_e4m3fn, float8_e5m2, ...fnuz, float8_e8m0fnu: one byte each
+    if name in _DTYPE_BYTES:
+        return _DTYPE_BYTES[name]
+    raise ValueError(f"unknown torch_dtype {dtype!r}: pass dtype_bytes (1 for fp8/int8, 2 for fp16/bf16, 4 for fp32)")
 
 
 def kv_cache_bytes(tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
@@ -85,34 +105,79 @@ class ModelShape:
         and the dtype (``torch_dtype``/``dtype``).
         """
         if isinstance(config, (str, Path)):
-            config = json.loads(Path(config).read_text())
+            config = read_hf_config(config)
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        layers = get("num_hidden_layers")
-        heads = get("num_attention_heads")
-        if layers is None or heads is None:
+        if get("num_hidden_layers") is None or get("num_attention_heads") is None:
             raise ValueError("config needs num_hidden_layers and num_attention_heads")
-        kv_heads = get("num_key_value_heads") or heads
-        head_dim = get("head_dim") or get("hidden_size") // heads
+        layers = _positive_int(get, "num_hidden_layers")
+        heads = _positive_int(get, "num_attention_heads")
+        kv_heads = _positive_int(get, "num_key_value_heads") if get("num_key_value_heads") else heads
+        if get("head_dim"):
+            head_dim = _positive_int(get, "head_dim")
+        elif get("hidden_size") is not None:
+            hidden = _positive_int(get, "hidden_size")
+            if hidden % heads:
+                raise ValueError(
+                    f"config's hidden_size {hidden} is not a multiple of num_attention_heads {heads}: add head_dim"
+                )
+            head_dim = hidden // heads
+        else:
+            raise ValueError("config needs hidden_size (or head_dim) to know the size of each attention head")
         if dtype_bytes is None:
-            dt = str(get("torch_dtype") or get("dtype") or "float16").replace("torch.", "")
-            dtype_bytes = _DTYPE_BYTES.get(dt, 2)
+            dtype_bytes = dtype_bytes_of(get("torch_dtype") or get("dtype") or "float16")
+        elif isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes < 1:
+            raise ValueError(f"dtype_bytes must be an int >= 1, got {dtype_bytes!r}")
         num_params = _estimate_params(get) if get("hidden_size") else None
-        return cls(int(layers), int(kv_heads), int(head_dim), int(dtype_bytes), num_params)
+        return cls(layers, kv_heads, head_dim, dtype_bytes, num_params)
 
     @property
     def kv_bytes_per_token(self) -> int:
         return kv_cache_bytes(1, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
 
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """Read a Hugging Face ``config.json`` into a dict.
+
+    Raises:
+        OSError: the file cannot be read (missing, a directory, no permission).
+        ValueError: the file is not UTF-8 JSON holding an object.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"{path} is a folder: pass the config.json inside it")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not a text file ({exc.reason}): pass a config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of config fields")
+    return data
+
+
+def _positive_int(get: Any, key: str) -> int:
+    value = get(key)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+        or value < 1
+    ):
+        raise ValueError(f"config's {key} must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def _estimate_params(get: Any) -> int:
     """Parameter count of a Llama-style decoder from its config."""
-    h = int(get("hidden_size"))
-    heads = int(get("num_attention_heads"))
-    kv = int(get("num_key_value_heads") or heads)
-    hd = int(get("head_dim") or h // heads)
-    inter = int(get("intermediate_size") or 4 * h)
-    vocab = int(get("vocab_size") or 32000)
-    layers = int(get("num_hidden_layers"))
+    h = _positive_int(get, "hidden_size")
+    heads = _positive_int(get, "num_attention_heads")
+    kv = _positive_int(get, "num_key_value_heads") if get("num_key_value_heads") else heads
+    hd = _positive_int(get, "head_dim") if get("head_dim") else h // heads
+    inter = _positive_int(get, "intermediate_size") if get("intermediate_size") else 4 * h
+    vocab = _positive_int(get, "vocab_size") if get("vocab_size") else 32000
+    layers = _positive_int(get, "num_hidden_layers")
     attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
     mlp = 3 * h * inter
     per_layer = attn + mlp + 2 * h
@@ -173,12 +238,16 @@ def plan(
     count is known.
 
     Raises:
-        ValueError: bad fractions or sizes, or no memory left for the cache.
+        ValueError: bad fractions or sizes, no memory left for the cache, or not room for one block.
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if block_size < 1 or mean_seq_len < 1:
-        raise ValueError("block_size and mean_seq_len must be >= 1")
+    for name, v in (("block_size", block_size), ("mean_seq_len", mean_seq_len), ("device_bytes", device_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    for name, b in (("weight_bytes", weight_bytes), ("activation_bytes", activation_bytes)):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {b!r}")
     if weight_bytes is None:
         if model.num_params is None:
             raise ValueError("pass weight_bytes (the model's parameter count is unknown)")
@@ -193,6 +262,11 @@ def plan(
     per_token = model.kv_bytes_per_token
     per_block = per_token * block_size
     num_blocks = kv_budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"one block of {block_size} tokens needs {per_block / 1024**3:.3g} GiB but the KV cache has "
+            f"{kv_budget / 1024**3:.3g} GiB: use a smaller block_size"
+        )
     tokens = num_blocks * block_size
     blocks_per_seq = -(-mean_seq_len // block_size)
     return KVPlan(
