@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
-from batchkit import bench
+from batchkit import BatchTimeout, bench
 from batchkit.cli import main
 from batchkit.testing import echo_batch
 
@@ -76,3 +77,112 @@ def test_cli_bench_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
     data = json.loads(out_json.read_text())
     assert [p["batch_size"] for p in data["points"]] == [1, 2]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_qps_max_uses_the_batch_size_actually_reached() -> None:
+    """QPS_max = mean batch at B_opt / t_batch(B_opt): a limit of 1,000,000 that 4 callers can fill
+    only to 4 must not promise a million-fold capacity."""
+    report = bench.sweep(echo_batch, lambda i: i, [1_000_000], concurrency=4, duration_s=0.1)
+    (p,) = report.points
+    assert report.b_opt == 1_000_000
+    assert p.mean_batch_size <= 4
+    assert report.qps_max == pytest.approx(p.mean_batch_size / (p.t_batch_ms / 1e3))
+    assert any("cannot fill" in n for n in report.notes)
+
+
+def test_duplicate_batch_sizes_are_measured_once() -> None:
+    """A size listed twice is one point (and so at most one B_opt mark)."""
+    report = bench.sweep(echo_batch, lambda i: i, [2, 1, 2], concurrency=2, duration_s=0.05)
+    assert [p.batch_size for p in report.points] == [1, 2]
+    assert report.table().count("<- B_opt") == 1
+
+
+def test_a_raising_target_ends_the_run_with_its_own_exception() -> None:
+    """The first exception of the batch function comes out as it is, not inside an ExceptionGroup."""
+
+    def boom(xs: list[int]) -> list[int]:
+        raise KeyError("bad batch")
+
+    with pytest.raises(KeyError, match="bad batch"):
+        bench.sweep(boom, lambda i: i, [1, 2], concurrency=4, duration_s=0.05)
+
+
+def test_a_target_that_never_returns_ends_with_batch_timeout() -> None:
+    """A batch function stuck past timeout_s ends the run with BatchTimeout instead of hanging."""
+    release = threading.Event()
+
+    def stuck(xs: list[int]) -> list[int]:
+        release.wait(30)
+        return xs
+
+    try:
+        with pytest.raises(BatchTimeout, match="batch_timeout_s"):
+            bench.run_point(stuck, lambda i: i, 2, concurrency=2, duration_s=0.05, timeout_s=0.2)
+    finally:
+        release.set()
+
+
+def test_a_raising_make_item_is_not_swallowed() -> None:
+    """make_item's own error surfaces before any request is sent."""
+
+    def bad_item(i: int) -> int:
+        raise IndexError("no such sample")
+
+    with pytest.raises(IndexError, match="no such sample"):
+        bench.run_point(echo_batch, bad_item, 2, concurrency=2, duration_s=0.05)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"concurrency": 0}, "concurrency must be an int >= 1"),
+        ({"concurrency": None}, "concurrency must be an int >= 1"),
+        ({"rate": 0.0}, "rate must be a finite number > 0"),
+        ({"rate": float("nan")}, "rate must be a finite number > 0"),
+        ({"duration_s": 0.0}, "duration_s must be a finite number > 0"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a finite number > 0"),
+    ],
+)
+def test_run_point_refuses_bad_loads(kwargs: dict[str, object], match: str) -> None:
+    """Loads that would hang, spin or report nonsense are refused before anything runs."""
+    with pytest.raises(ValueError, match=match):
+        bench.run_point(echo_batch, lambda i: i, 2, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [2, -1], [True]])
+def test_sweep_refuses_bad_batch_sizes(sizes: list[int]) -> None:
+    """Batch sizes are ints >= 1, and there is at least one."""
+    with pytest.raises(ValueError, match="batch"):
+        bench.sweep(echo_batch, lambda i: i, sizes, concurrency=1, duration_s=0.05)
+
+
+def test_every_closed_loop_caller_sends_at_least_one_request() -> None:
+    """Even a duration shorter than one call measures something: no empty point, no util 1.00 of nothing."""
+    p = bench.run_point(echo_batch, lambda i: i, 4, concurrency=3, duration_s=1e-9)
+    assert p.requests >= 3
+    assert 0 <= p.utilisation <= 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no_such_module_for_bench:f", "no module named 'no_such_module_for_bench'"),
+        ("batchkit.testing:no_such_name", "has no attribute 'no_such_name'"),
+        (":f", "expected 'module:function'"),
+        ("batchkit.testing:", "expected 'module:function'"),
+    ],
+)
+def test_load_callable_names_what_is_wrong(spec: str, match: str) -> None:
+    """A target that cannot be found is a ValueError naming the missing piece."""
+    with pytest.raises(ValueError, match=match):
+        bench.load_callable(spec)
+
+
+def test_load_callable_keeps_a_missing_dependency_of_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module the target imports and lacks is the target's failure (ModuleNotFoundError), not a bad spec."""
+    (tmp_path / "bk_needs_dep.py").write_text("import no_such_dependency_xyz\n\ndef f(xs):\n    return xs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
+        bench.load_callable("bk_needs_dep:f")

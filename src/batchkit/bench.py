@@ -8,13 +8,19 @@ system, against ``lambda * W`` from throughput and mean latency, measured indepe
 
 Then: ``B_knee`` is the smallest batch size reaching 90% of the best throughput, ``B_SLA`` the
 largest whose P99 meets the SLA, ``B_opt = min(B_knee, B_SLA)``, ``QPS_max = B_opt /
-t_batch(B_opt)``, and, given a price per hour, ``C_token = C_gpu * T_run / N_tokens``.
+t_batch(B_opt)`` and, given a price per hour, ``C_token = C_gpu * T_run / N_tokens``. In
+``QPS_max`` the batch size is the mean batch the run at ``B_opt`` actually reached, not the
+nominal limit: a limit that the load never fills must not inflate the capacity.
+
+A batch function that raises ends the run with its own exception (the first one seen, not a
+group); one that runs longer than ``timeout_s`` ends it with :class:`~batchkit.BatchTimeout`.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -24,26 +30,43 @@ from typing import Any
 
 import anyio
 
+from ._errors import QueueFull
 from .batcher import DynamicBatcher
 from .metrics import percentiles
 
-__all__ = ["BenchPoint", "BenchReport", "load_callable", "run_point", "sweep"]
+__all__ = ["BenchPoint", "BenchReport", "MAX_QUEUE", "load_callable", "run_point", "sweep"]
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
     """Import ``module:function`` (``module:object.attr`` works too).
 
+    The module is imported from ``sys.path`` as it is; the CLI puts the current folder first.
+
     Raises:
-        ValueError: not of the form ``module:name``, or the name is not callable.
+        ValueError: not of the form ``module:name``, no such module, no such attribute, or the
+            name is not callable.
+        Exception: whatever importing the module raised (its own code failed).
     """
-    if ":" not in spec:
-        raise ValueError(f"expected 'module:function', got {spec!r}")
-    mod_name, attr = spec.split(":", 1)
-    obj: Any = importlib.import_module(mod_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    mod_name, sep, attr = spec.partition(":")
+    parts = attr.split(".")
+    if not sep or not all(p.isidentifier() for p in mod_name.split(".")) or not all(p.isidentifier() for p in parts):
+        raise ValueError(f"expected 'module:function' (for example mypackage.model:predict_batch), got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        # Only a missing target module (or one of its packages) is the spec's fault; a module the
+        # target itself imports and lacks is the target failing, and keeps its own error.
+        if exc.name is None or not (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
+            raise
+        raise ValueError(f"no module named {mod_name!r}: run from the folder that holds it, or install it") from None
+    for i, part in enumerate(parts):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            where = ".".join([mod_name, *parts[:i]])
+            raise ValueError(f"{where} has no attribute {part!r} (from {spec!r})") from None
     if not callable(obj):
-        raise ValueError(f"{spec} is not callable")
+        raise ValueError(f"{spec} is not callable (it is a {type(obj).__name__})")
     return obj  # type: ignore[no-any-return]
 
 
@@ -66,6 +89,7 @@ class BenchPoint:
     utilisation: float
     little_l: float  # time-averaged requests in the system
     little_lambda_w: float  # throughput * mean latency
+    rejected: int = 0  # open loop: arrivals refused because the queue was full
 
 
 @dataclass
@@ -98,7 +122,11 @@ class BenchReport:
             f"B_knee = {self.b_knee}, B_SLA = {self.b_sla}"
             + (f" (P99 <= {self.sla_ms:g} ms)" if self.sla_ms is not None else "")
             + f", B_opt = {self.b_opt}"
-            + (f", QPS_max = B_opt / t_batch(B_opt) = {self.qps_max:,.0f}/s" if self.qps_max else "")
+            + (
+                f", QPS_max = mean batch at B_opt / t_batch(B_opt) = {self.qps_max:,.0f}/s"
+                if self.qps_max is not None
+                else ""
+            )
         )
         if self.cost_per_token is not None:
             lines.append(f"cost per token at B_opt: {self.cost_per_token:.3e} (at {self.price_per_hour:g} per hour)")
@@ -141,6 +169,11 @@ class BenchReport:
         plt.close(fig)
 
 
+# Open-loop arrivals beyond this many waiting requests are refused (and counted), so that an
+# offered rate the target cannot serve ends as a report, not as unbounded memory.
+MAX_QUEUE = 100_000
+
+
 def run_point(
     fn: Callable[[list[Any]], Any],
     make_item: Callable[[int], Any],
@@ -150,16 +183,42 @@ def run_point(
     concurrency: int | None = 64,
     rate: float | None = None,
     duration_s: float = 2.0,
+    timeout_s: float = 60.0,
     seed: int = 0,
 ) -> BenchPoint:
-    """Serve ``fn`` at one batch size for ``duration_s`` and measure (closed loop, or open with ``rate``)."""
-    b = DynamicBatcher(fn, max_batch_size=batch_size, max_wait_ms=max_wait_ms, max_queue=1_000_000)
-    items = [make_item(i) for i in range(256)]
+    """Serve ``fn`` at one batch size for ``duration_s`` and measure (closed loop, or open with ``rate``).
+
+    In the closed loop every caller sends at least one request, so a point is never empty.
+
+    Raises:
+        ValueError: a size, rate, duration or timeout out of range.
+        BatchTimeout: one call of ``fn`` ran longer than ``timeout_s``.
+        TimeoutError: the point did not finish within ``duration_s`` plus the waits it allows.
+        Exception: the first exception ``fn`` (or ``make_item``) raised.
+    """
+    _check_positive("duration_s", duration_s)
+    _check_positive("timeout_s", timeout_s)
+    n_callers = 0
+    if rate is None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be an int >= 1 (or pass rate), got {concurrency!r}")
+        n_callers = concurrency
+    else:
+        _check_positive("rate", rate)
+    b = DynamicBatcher(
+        fn,
+        max_batch_size=batch_size,
+        max_wait_ms=max_wait_ms,
+        max_queue=MAX_QUEUE,
+        batch_timeout_s=timeout_s,
+    )
     lat: list[float] = []
     area = 0.0
     in_system = 0
+    rejected = 0
     last = 0.0
     t0 = 0.0
+    failure: list[BaseException] = []
 
     def change(delta: int) -> None:
         nonlocal area, in_system, last
@@ -168,59 +227,89 @@ def run_point(
         last = now
         in_system += delta
 
-    async def one(i: int, scheduled: float | None) -> None:
-        start = time.perf_counter() if scheduled is None else scheduled
-        change(+1)
-        await b.asubmit(items[i % len(items)])
-        change(-1)
-        lat.append(time.perf_counter() - start)
-
-    async def main() -> None:
-        nonlocal t0, last
-        t0 = last = time.perf_counter()
-        stop = t0 + duration_s
-        async with anyio.create_task_group() as tg:
-            if rate is None:
-                assert concurrency is not None
-
-                async def caller(k: int) -> None:
-                    i = k
-                    while time.perf_counter() < stop:
-                        await one(i, None)
-                        i += concurrency
-
-                for k in range(concurrency):
-                    tg.start_soon(caller, k)
-            else:
-                rng = random.Random(seed)
-                t = t0
-                i = 0
-                while True:
-                    t += rng.expovariate(rate)
-                    if t >= stop:
-                        break
-                    delay = t - time.perf_counter()
-                    if delay > 0:
-                        await anyio.sleep(delay)
-                    tg.start_soon(one, i, t)
-                    i += 1
-
     try:
-        anyio.run(main)
+        items = [make_item(i) for i in range(256)]
+
+        async def main() -> None:
+            nonlocal t0, last
+            t0 = last = time.perf_counter()
+            stop = t0 + duration_s
+            async with anyio.create_task_group() as tg:
+
+                async def one(i: int, scheduled: float | None) -> None:
+                    nonlocal rejected
+                    start = time.perf_counter() if scheduled is None else scheduled
+                    change(+1)
+                    try:
+                        await b.asubmit(items[i % len(items)])
+                    except QueueFull:
+                        rejected += 1
+                        return
+                    except Exception as exc:  # noqa: BLE001 - the target failed: stop the run, keep the cause
+                        if not failure:
+                            failure.append(exc)
+                        tg.cancel_scope.cancel()
+                        return
+                    finally:
+                        change(-1)
+                    lat.append(time.perf_counter() - start)
+
+                if rate is None:
+
+                    async def caller(k: int) -> None:
+                        i = k
+                        while True:
+                            await one(i, None)
+                            i += n_callers
+                            if time.perf_counter() >= stop:
+                                return
+
+                    for k in range(n_callers):
+                        tg.start_soon(caller, k)
+                else:
+                    rng = random.Random(seed)
+                    t = t0
+                    i = 0
+                    while True:
+                        t += rng.expovariate(rate)
+                        if t >= stop:
+                            break
+                        # Yield even when behind schedule, so that queued requests reach the batcher.
+                        await anyio.sleep(max(t - time.perf_counter(), 0.0))
+                        tg.start_soon(one, i, t)
+                        i += 1
+
+        # Every request is bounded by the queue wait and timeout_s per batch; this guard is the last resort.
+        limit = duration_s + max_wait_ms / 1e3 + 3 * timeout_s + 10.0
+
+        async def guarded() -> bool:
+            with anyio.move_on_after(limit):
+                await main()
+                return True
+            return False
+
+        finished = anyio.run(guarded)
         seconds = time.perf_counter() - t0
         stats = b.statistics()
     finally:
-        b.close()
+        b.close(drain=False, timeout=timeout_s)
+    if failure:
+        raise failure[0]
+    if not finished:
+        raise TimeoutError(f"the run at batch size {batch_size} did not finish within {limit:g} s")
     p50, p90, p99 = percentiles(lat, [50, 90, 99])
     mean_lat = sum(lat) / len(lat) if lat else float("nan")
     thr = len(lat) / seconds
-    t_batch = stats.batch_time.mean_ms if stats.batch_time is not None else float("nan")
-    busy = (t_batch / 1e3) * stats.batches
+    if stats.batch_time is not None and stats.batches:
+        t_batch = stats.batch_time.mean_ms
+        utilisation = min(1.0, (t_batch / 1e3) * stats.batches / seconds)
+    else:
+        t_batch, utilisation = float("nan"), 0.0  # no batch ran: nothing was busy
     return BenchPoint(
         batch_size=batch_size,
         max_wait_ms=max_wait_ms,
         mode="closed" if rate is None else "open",
-        load=float(concurrency if rate is None else rate),  # type: ignore[arg-type]
+        load=float(n_callers) if rate is None else float(rate),
         requests=len(lat),
         seconds=seconds,
         throughput=thr,
@@ -229,10 +318,16 @@ def run_point(
         p99_ms=p99 * 1e3,
         mean_batch_size=stats.mean_batch_size,
         t_batch_ms=t_batch,
-        utilisation=min(1.0, busy / seconds),
+        utilisation=utilisation,
         little_l=area / seconds,
         little_lambda_w=thr * mean_lat,
+        rejected=rejected,
     )
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def sweep(
@@ -244,41 +339,76 @@ def sweep(
     concurrency: int | None = 64,
     rate: float | None = None,
     duration_s: float = 2.0,
+    timeout_s: float = 60.0,
     sla_ms: float | None = None,
     price_per_hour: float | None = None,
     tokens_per_item: float = 1.0,
     progress: bool = False,
 ) -> BenchReport:
-    """Measure every batch size and derive B_knee, B_SLA, B_opt, QPS_max and the cost per token."""
-    if not batch_sizes:
+    """Measure every batch size (each once, in increasing order) and derive B_knee, B_SLA, B_opt,
+    QPS_max and the cost per token.
+
+    Raises:
+        ValueError: an empty list or a batch size that is not an int >= 1, and what :func:`run_point` raises.
+    """
+    for bsz in batch_sizes:
+        if isinstance(bsz, bool) or not isinstance(bsz, int) or bsz < 1:
+            raise ValueError(f"batch sizes must be ints >= 1, got {bsz!r}")
+    sizes = sorted(set(batch_sizes))
+    if not sizes:
         raise ValueError("batch_sizes is empty")
     bar = None
     if progress:
         from .decorator import _progress_bar
 
-        bar = _progress_bar(len(batch_sizes), "bench")
+        bar = _progress_bar(len(sizes), "bench")
     points = []
-    for bsz in sorted(batch_sizes):
-        points.append(
-            run_point(
-                fn, make_item, bsz, max_wait_ms=max_wait_ms, concurrency=concurrency, rate=rate, duration_s=duration_s
+    try:
+        for bsz in sizes:
+            points.append(
+                run_point(
+                    fn,
+                    make_item,
+                    bsz,
+                    max_wait_ms=max_wait_ms,
+                    concurrency=concurrency,
+                    rate=rate,
+                    duration_s=duration_s,
+                    timeout_s=timeout_s,
+                )
             )
-        )
+            if bar is not None:
+                bar.update(1)
+    finally:
         if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    best = max(p.throughput for p in points)
-    b_knee = min(p.batch_size for p in points if p.throughput >= 0.9 * best)
-    meets = [p.batch_size for p in points if sla_ms is None or p.p99_ms <= sla_ms]
-    b_sla = max(meets) if meets else None
-    b_opt = None if b_sla is None else min(b_knee, b_sla)
-    report = BenchReport(points, sla_ms=sla_ms, b_knee=b_knee, b_sla=b_sla, b_opt=b_opt, price_per_hour=price_per_hour)
-    if b_opt is None:
+            bar.close()
+    report = BenchReport(points, sla_ms=sla_ms, price_per_hour=price_per_hour)
+    if rate is None and concurrency is not None and sizes[-1] > concurrency:
+        report.notes.append(
+            f"batch sizes above the concurrency ({concurrency}) cannot fill: each batch holds at most "
+            f"{concurrency} requests"
+        )
+    for p in points:
+        if p.rejected:
+            report.notes.append(
+                f"B={p.batch_size}: {p.rejected:,} arrivals refused (more than {MAX_QUEUE:,} waiting): "
+                "the offered rate exceeds what this batch size serves"
+            )
+    served = [p for p in points if p.requests > 0]
+    if not served:
+        report.notes.append("no request completed: lengthen the duration or raise the rate")
+        return report
+    best = max(p.throughput for p in served)
+    report.b_knee = min(p.batch_size for p in served if p.throughput >= 0.9 * best)
+    meets = [p.batch_size for p in served if sla_ms is None or p.p99_ms <= sla_ms]
+    report.b_sla = max(meets) if meets else None
+    report.b_opt = None if report.b_sla is None else min(report.b_knee, report.b_sla)
+    if report.b_opt is None:
         report.notes.append("no batch size met the SLA: add capacity or relax the SLA")
         return report
-    at = next(p for p in points if p.batch_size == b_opt)
-    report.qps_max = b_opt / (at.t_batch_ms / 1e3) if at.t_batch_ms > 0 else None
+    at = next(p for p in points if p.batch_size == report.b_opt)
+    # The batch the load actually formed at B_opt, not the nominal limit (it may never fill).
+    report.qps_max = at.mean_batch_size / (at.t_batch_ms / 1e3) if at.t_batch_ms > 0 else None
     if price_per_hour is not None:
         report.cost_per_token = price_per_hour / 3600 * at.seconds / (at.requests * tokens_per_item)
     return report
