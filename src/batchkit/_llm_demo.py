@@ -59,6 +59,17 @@ def make_model(seed: int = 0, threads: int = 2) -> Any:
 def make_requests(
     n: int, out_min: int, out_max: int, prompt_min: int = 8, prompt_max: int = 32, seed: int = 0
 ) -> list[DemoRequest]:
+    """``n`` seeded requests with prompts of ``prompt_min..prompt_max`` tokens and outputs of
+    ``out_min..out_max`` tokens.
+
+    Raises:
+        ValueError: ``n < 1``, or a range that is empty or starts below 1.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for name, lo, hi in (("out", out_min, out_max), ("prompt", prompt_min, prompt_max)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name}_min..{name}_max must satisfy 1 <= min <= max, got {lo}..{hi}")
     rng = random.Random(seed)
     vocab = MODEL_SHAPE["vocab_size"]
     return [
@@ -130,8 +141,24 @@ def _report(
     return ServeReport(name, tokens, seconds, t50 * 1e3, t99 * 1e3, p50 * 1e3, p99 * 1e3, utilisation)
 
 
-def serve(model: Any, requests: list[DemoRequest], mode: str, batch: int = 32, num_blocks: int = 2048) -> ServeReport:
-    """Serve ``requests`` one at a time (``"single"``), in static batches or continuously."""
+def serve(
+    model: Any, requests: list[DemoRequest], mode: str, batch: int = 32, num_blocks: int | None = None
+) -> ServeReport:
+    """Serve ``requests`` one at a time (``"single"``), in static batches or continuously.
+
+    ``num_blocks`` defaults to enough KV blocks (of 16 tokens, at least 2048) for ``batch`` of the
+    longest requests at once, so that no policy is slowed by preemption.
+
+    Raises:
+        ValueError: an unknown mode, no requests, or ``batch < 1``.
+    """
+    if not requests:
+        raise ValueError("requests is empty")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if num_blocks is None:
+        longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        num_blocks = max(2048, batch * -(-longest // 16) + 1)
     useful = sum(r.max_new_tokens for r in requests)
     if mode == "single":
         times, _, secs = _run(model, requests, 1, None, num_blocks)
