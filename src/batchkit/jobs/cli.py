@@ -87,41 +87,51 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         help="where failed records go, with their error; default: OUTPUT's stem + .dead.jsonl",
     )
     ids = p.add_mutually_exclusive_group()
-    ids.add_argument("--id-field", default="id", help="the field that identifies a record (a string or an integer)")
+    ids.add_argument(
+        "--id-field", default="id", metavar="FIELD", help="the field that identifies a record (a string or an integer)"
+    )
     ids.add_argument("--line-ids", action="store_true", help="use line numbers as ids instead of a field")
-    p.add_argument("--max-batch", type=_int_in(1, MAX_BATCH), default=32, help=f"records per call, 1..{MAX_BATCH:,}")
+    p.add_argument(
+        "--max-batch", metavar="N", type=_int_in(1, MAX_BATCH), default=32, help=f"records per call, 1..{MAX_BATCH:,}"
+    )
     p.add_argument(
         "--max-wait-ms",
+        metavar="MS",
         type=_float_in(0, MAX_WAIT_MS),
         default=20.0,
         help=f"longest a record waits for a full batch, in [0, {MAX_WAIT_MS:g}]",
     )
     p.add_argument(
         "--concurrency",
+        metavar="C",
         type=_int_in(1, MAX_CONCURRENCY),
         default=1,
         help=f"batches running at once, 1..{MAX_CONCURRENCY:,}",
     )
     p.add_argument(
         "--max-in-flight",
+        metavar="K",
         type=_int_in(1, 1 << 30),
         default=None,
         help="records read but not yet written, at most; default: 2 * max-batch * concurrency",
     )
     p.add_argument(
         "--retries",
+        metavar="R",
         type=_int_in(0, MAX_RETRIES),
         default=2,
         help=f"further tries of a failed record before it is dead-lettered, 0..{MAX_RETRIES}",
     )
     p.add_argument(
         "--backoff-s",
+        metavar="S",
         type=_float_in(0, MAX_SECONDS),
         default=0.5,
         help=f"wait before the first retry (doubling for each next one), in [0, {MAX_SECONDS:g}]",
     )
     p.add_argument(
         "--batch-timeout-s",
+        metavar="S",
         type=_float_in(0, MAX_SECONDS, lo_open=True),
         default=None,
         help=f"fail a call that runs longer (its records are retried), in (0, {MAX_SECONDS:g}]; default: no limit",
@@ -134,6 +144,7 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
     )
     p.add_argument(
         "--price-per-hour",
+        metavar="P",
         type=_float_in(0, 1e6),
         default=None,
         help="accelerator price per hour, in [0, 1e6], for the cost per 1k tokens in the report",

@@ -33,19 +33,19 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, An
             if not raw.strip():
                 continue  # blank lines (a trailing empty line, say) are not records
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as exc:
                 yield n, Malformed(f"not UTF-8: {exc.reason} at byte {exc.start}", raw.decode("utf-8", "replace"))
                 continue
             try:
                 rec = json.loads(text)
             except ValueError as exc:
-                yield n, Malformed(f"malformed JSON: {exc}", text.rstrip("\r\n")[:MAX_QUOTED])
+                yield n, Malformed(f"malformed JSON: {exc}", text[:MAX_QUOTED])
                 continue
             if not isinstance(rec, dict):
                 yield (
                     n,
-                    Malformed(f"expected a JSON object, got {type(rec).__name__}", text.rstrip("\r\n")[:MAX_QUOTED]),
+                    Malformed(f"expected a JSON object, got {type(rec).__name__}", text[:MAX_QUOTED]),
                 )
                 continue
             yield n, rec
