@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..continuous.step import StepBatch
+from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
 
 __all__ = ["LlamaConfig", "LlamaModel"]
@@ -106,7 +107,14 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, batch: StepBatch, kv: PagedKVCache
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index: int,
+        batch: StepBatch,
+        kv: PagedKVCache,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         attn = self.self_attn
         n = x.shape[0]
@@ -117,7 +125,7 @@ class _Layer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         kv.scatter(index, k, v, batch.slot_mapping)
-        o = kv.paged_attention(index, q, batch.block_tables, batch.seq_lens, batch.query_lens)
+        o = planned_attention(q, kv.key(index), kv.value(index), plan)
         x = x + attn.o_proj(o.reshape(n, attn.num_heads * attn.head_dim))
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
@@ -204,8 +212,10 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
         sin = emb.sin().to(x.dtype)[:, None, :]
+        # Tables, lengths and masks are the same in every layer: plan them once per step.
+        plan = plan_attention(batch.block_tables.to(kv.device), batch.seq_lens, batch.query_lens, kv.block_size)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, batch, kv)
+            x = layer(x, cos, sin, i, batch, kv, plan)
         last = self.model.norm(x.index_select(0, batch.sample_indices))
         logits: torch.Tensor = self.lm_head(last)
         return logits

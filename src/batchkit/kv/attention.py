@@ -1,0 +1,147 @@
+"""Paged attention with its per-step metadata planned once, not once per layer.
+
+Every layer of a step attends over the same sequences, block tables and lengths; only the query
+and the layer's K/V differ. :func:`plan_attention` turns a step's block tables and lengths into the
+index tensors and masks that attention needs (one host round trip per step), and
+:func:`planned_attention` runs one layer with them: the decodes (one new token each) in one
+batched ``scaled_dot_product_attention`` over their pages, the prefill chunks in another, each
+padded to its longest member. :func:`batchkit.kv.ops.paged_attention` stays the plain reference;
+the two agree (tests hold them to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AttentionPlan", "plan_attention", "planned_attention"]
+
+Tensor = Any
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Sequences attended together: their pages, query rows and mask."""
+
+    tables: Tensor  # [S, nb] int64 block ids
+    query_index: Tensor  # [S, q_max] int64 rows of the flattened query (padding: row 0)
+    mask: Tensor  # [S, 1, q_max, nb * block_size] bool, True where a query may attend
+    out_rows: Tensor  # [n] rows of the flattened output that real queries fill
+    out_select: Tensor  # [n] their positions in the flattened [S * q_max] result
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """One step's attention metadata (see :func:`plan_attention`)."""
+
+    num_tokens: int
+    groups: tuple[_Group, ...]
+
+
+def plan_attention(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, block_size: int) -> AttentionPlan:
+    """Build the attention metadata of a step, on ``block_tables``' device.
+
+    Args:
+        block_tables: ``[num_seqs, max_blocks]`` block ids, padded with the null block.
+        seq_lens: context length of each sequence after this step (new tokens included).
+        query_lens: new tokens of each sequence; a sequence's queries are its last positions.
+        block_size: token slots per block.
+
+    Raises:
+        ValueError: a sequence with more new tokens than context, or an empty context.
+    """
+    import torch
+
+    device = block_tables.device
+    q_lens = [int(x) for x in query_lens.tolist()]
+    ctx = [int(x) for x in seq_lens.tolist()]
+    if len(q_lens) != len(ctx) or len(ctx) != block_tables.shape[0]:
+        raise ValueError(
+            f"block_tables ({block_tables.shape[0]} rows), seq_lens ({len(ctx)}) and query_lens ({len(q_lens)}) "
+            "must describe the same sequences"
+        )
+    starts = [0] * len(q_lens)
+    total = 0
+    for i, (ql, length) in enumerate(zip(q_lens, ctx, strict=True)):
+        if length < 1 or not 1 <= ql <= length:
+            raise ValueError(f"sequence {i}: {ql} new tokens with context length {length}")
+        starts[i] = total
+        total += ql
+    decodes = [i for i, ql in enumerate(q_lens) if ql == 1]
+    prefills = [i for i, ql in enumerate(q_lens) if ql > 1]
+    groups = []
+    for members in (decodes, prefills):
+        if not members:
+            continue
+        q_max = max(q_lens[i] for i in members)
+        nb = -(-max(ctx[i] for i in members) // block_size)
+        width = nb * block_size
+        rows = torch.tensor(members, dtype=torch.int64)
+        tables = block_tables.index_select(0, rows.to(device))[:, :nb].long()
+        qpos = torch.arange(q_max)
+        lens = torch.tensor([ctx[i] for i in members])
+        qls = torch.tensor([q_lens[i] for i in members])
+        valid = qpos[None, :] < qls[:, None]  # [S, q_max]
+        first = torch.tensor([starts[i] for i in members])
+        query_index = torch.where(valid, first[:, None] + qpos[None, :], 0)
+        # Query j of a sequence sits at position len - ql + j and sees keys up to it (causal);
+        # padded queries see key 0 only, so that no softmax row is empty (their output is dropped).
+        q_abs = (lens - qls)[:, None] + qpos[None, :]  # [S, q_max]
+        k_pos = torch.arange(width)
+        mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
+        mask = torch.where(valid[:, :, None], mask, k_pos[None, None, :] == 0)
+        flat_valid = valid.reshape(-1)
+        groups.append(
+            _Group(
+                tables=tables,
+                query_index=query_index.to(device),
+                mask=mask[:, None].to(device),
+                out_rows=query_index.reshape(-1)[flat_valid].to(device),
+                out_select=torch.nonzero(flat_valid).reshape(-1).to(device),
+            )
+        )
+    return AttentionPlan(num_tokens=total, groups=tuple(groups))
+
+
+def planned_attention(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan, scale: float | None = None
+) -> Tensor:
+    """Attention of a step's new tokens over one layer's paged K/V, using a :func:`plan_attention` plan.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``, the sequences' new tokens in order.
+        key_cache, value_cache: one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+            the new tokens' K/V must already be scattered.
+        plan: the step's plan.
+        scale: softmax scale (default ``head_dim ** -0.5``).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype (computed in float32 at least).
+
+    Raises:
+        ValueError: a query that does not match the plan, or heads that do not group.
+    """
+    import torch
+
+    if query.shape[0] != plan.num_tokens:
+        raise ValueError(f"query has {query.shape[0]} tokens but the plan was made for {plan.num_tokens}")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv = key_cache.shape[2]
+    if num_heads % num_kv:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv})")
+    scale = head_dim**-0.5 if scale is None else scale
+    acc = torch.promote_types(query.dtype, torch.float32)
+    out = torch.empty_like(query)
+    for g in plan.groups:
+        s_, q_max = g.query_index.shape
+        width = g.mask.shape[-1]
+        # Whole blocks (contiguous runs of block_size rows), not single tokens: [S, Hkv, W, D].
+        k = key_cache[g.tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
+        v = value_cache[g.tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
+        q = query[g.query_index].to(acc).transpose(1, 2)  # [S, H, q_max, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv
+        )
+        o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim)
+        out[g.out_rows] = o.index_select(0, g.out_select).to(query.dtype)
+    return out
