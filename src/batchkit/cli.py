@@ -1,28 +1,178 @@
-"""``batchkit`` command line: ``batchkit demo``, ``batchkit plan`` and ``batchkit bench``."""
+"""``batchkit`` command line: ``batchkit demo``, ``batchkit plan`` and ``batchkit bench``.
+
+Every argument is checked before any work starts: ranges, finite numbers, readable input and
+writable output paths, importable targets and the optional extras a command needs. A usage error
+prints one line on stderr that names the argument and the fix, and exits with status 2. A target
+(or model) that fails while running prints its one-line cause and exits with status 1;
+``--traceback`` prints the full traceback as well. Every wait has a limit (``bench --timeout``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 __all__ = ["main"]
 
+GIB = 1024**3
 
-def _demo(args: argparse.Namespace) -> int:
+# Upper bounds: generous for real use, small enough that a typo cannot hang the machine or
+# exhaust its memory. --help states each one.
+MAX_GIB = 16384.0  # device, weights and activation memory (16 TiB)
+MAX_BLOCK_SIZE = 1024
+MAX_SEQ_LEN = 1 << 20
+MAX_CALLERS = 1024  # demo: one thread each
+MAX_THREADS = 256
+MAX_DEMO_BATCH = 4096
+MAX_WAIT_MS = 10_000.0
+MAX_SECONDS = 3600.0
+MAX_LLM_REQUESTS = 1024
+MAX_LLM_OUT = 2048
+MAX_LLM_BATCH = 64
+MAX_BENCH_BATCH = 65536
+MAX_CONCURRENCY = 10_000  # bench: one task each
+MAX_RATE = 100_000.0
+
+
+class _UsageError(Exception):
+    """A bad argument found after parsing; its message names the argument and the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        if not action.option_strings and action.nargs not in ("?", "*"):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# ---------------------------------------------------------------------- argument types
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number in {lo}..{hi:,}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi:,}, got {text}")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
+    bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}") from None
+        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
+            raise argparse.ArgumentTypeError(f"must be a finite number in {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _batch_sizes(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``: sorted, each size once."""
+    one = _int_in(1, MAX_BENCH_BATCH)
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes such as 1,2,4,8, got {text!r}")
+    return sorted({one(p) for p in parts})
+
+
+def _config_file(text: str) -> tuple[str, dict[str, Any]]:
+    from .kv.planner import read_hf_config
+
     try:
-        import torch
+        return text, read_hf_config(text)
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"no such file {text!r}: pass the path of a config.json") from None
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Prove ``path`` can be written now, before a long run: open it (creating, then removing it
+    if it did not exist), so that the run does not fail at its end."""
+    p = Path(path)
+    if p.is_dir():
+        raise _UsageError(f"argument {option}: {path!r} is a folder: pass a file name")
+    existed = p.exists()
+    try:
+        with p.open("ab"):
+            pass
+    except OSError as exc:
+        raise _UsageError(
+            f"argument {option}: cannot write {path!r} ({exc.strerror or exc}): pick another path"
+        ) from None
+    if not existed:
+        p.unlink()
+
+
+def _require(module: str, what: str, extra: str) -> Any:
+    try:
+        return __import__(module)
     except ImportError:
-        print("batchkit demo needs torch: pip install 'batchkit[torch]'", file=sys.stderr)
-        return 1
-    if args.part in ("all", "dynamic"):
-        _demo_dynamic(args, torch)
-    if args.part in ("all", "llm"):
-        if args.part == "all":
-            print()
-        _demo_llm(args)
-    return 0
+        raise _UsageError(f"{what} needs {module}: pip install 'batchkit[{extra}]'") from None
+
+
+def _import_from_cwd() -> None:
+    """Let ``module:function`` name a module in the current folder, as ``python -m batchkit`` does
+    (the ``batchkit`` console script starts with its own folder on ``sys.path`` instead)."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _load(spec: str, option: str) -> Callable[..., Any]:
+    from .bench import load_callable
+
+    _import_from_cwd()
+    try:
+        return load_callable(spec)
+    except ValueError as exc:
+        raise _UsageError(f"argument {option}: {exc}") from None
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def _prepare_demo(args: argparse.Namespace) -> Callable[[], int]:
+    torch = _require("torch", "the demo", "torch")
+
+    def run() -> int:
+        if args.part in ("all", "dynamic"):
+            _demo_dynamic(args, torch)
+        if args.part in ("all", "llm"):
+            if args.part == "all":
+                print()
+            _demo_llm(args)
+        return 0
+
+    return run
 
 
 def _demo_dynamic(args: argparse.Namespace, torch: Any) -> None:
@@ -30,7 +180,7 @@ def _demo_dynamic(args: argparse.Namespace, torch: Any) -> None:
 
     model = _demo.make_mlp(threads=args.threads)
     torch.manual_seed(1)
-    inputs = [torch.randn(1024) for _ in range(args.callers)]
+    inputs = [torch.randn(1024) for _ in range(min(args.callers, 256))]
     print(
         f"Dynamic batching: a 1024->4096->1024 torch MLP on CPU ({args.threads} threads), {args.callers} "
         f"concurrent callers, {args.seconds:g} s per row."
@@ -68,124 +218,432 @@ def _demo_llm(args: argparse.Namespace) -> None:
         )
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from .kv.planner import PRESETS, ModelShape, plan
+# ---------------------------------------------------------------------- plan
 
-    if args.config:
-        source: object = args.config
-    elif args.preset in PRESETS:
-        source = PRESETS[args.preset]
+
+def _prepare_plan(args: argparse.Namespace) -> Callable[[], int]:
+    from .kv.planner import PRESETS, ModelShape, dtype_bytes_of, plan
+
+    if args.config is not None:
+        name, config = args.config
+        option = "--config"
     else:
-        print(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)} or pass --config", file=sys.stderr)
-        return 2
-    shape = ModelShape.from_hf_config(source)
-    gib = 1024**3
+        name, config = args.preset, PRESETS[args.preset]
+        option = "--preset"
+    dtype_bytes = args.dtype_bytes
+    if dtype_bytes is None:
+        try:
+            dtype_bytes = dtype_bytes_of(config.get("torch_dtype") or config.get("dtype") or "float16")
+        except ValueError as exc:
+            raise _UsageError(f"argument {option}: {exc}".replace("pass dtype_bytes", "pass --dtype-bytes")) from None
+    try:
+        shape = ModelShape.from_hf_config(config, dtype_bytes=dtype_bytes)
+    except ValueError as exc:
+        raise _UsageError(f"argument {option}: {exc}") from None
+    if args.weights_gib is None and shape.num_params is None:
+        raise _UsageError(
+            f"argument --weights-gib: {name} has no hidden_size to estimate the weights from: pass --weights-gib"
+        )
     try:
         p = plan(
             shape,
-            device_bytes=int(args.device_gib * gib),
+            device_bytes=max(1, int(args.device_gib * GIB)),
             gpu_memory_utilization=args.gpu_memory_utilization,
-            weight_bytes=None if args.weights_gib is None else int(args.weights_gib * gib),
-            activation_bytes=int(args.activation_gib * gib),
+            weight_bytes=None if args.weights_gib is None else int(args.weights_gib * GIB),
+            activation_bytes=int(args.activation_gib * GIB),
             block_size=args.block_size,
             mean_seq_len=args.mean_len,
         )
     except ValueError as exc:
-        print(f"batchkit plan: {exc}", file=sys.stderr)
-        return 2
-    name = args.config or args.preset
-    print(
-        f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim}, "
-        f"{shape.dtype_bytes} bytes per value"
-    )
-    print(p.table())
-    return 0
+        msg = str(exc)
+        if msg.startswith("no memory left"):
+            msg += ": lower --weights-gib or --activation-gib, or raise --device-gib or --gpu-memory-utilization"
+        elif "block_size" in msg:
+            msg = msg.replace("use a smaller block_size", "lower --block-size")
+        raise _UsageError(msg) from None
+
+    def run() -> int:
+        print(
+            f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim}, "
+            f"{shape.dtype_bytes} bytes per value"
+        )
+        print(p.table())
+        return 0
+
+    return run
 
 
-def _bench(args: argparse.Namespace) -> int:
+# ---------------------------------------------------------------------- bench
+
+
+def _prepare_bench(args: argparse.Namespace) -> Callable[[], int]:
     from . import bench
 
+    # Cheap checks first: a bad output path must not wait for a model to load.
+    if args.plot is not None:
+        _require("matplotlib", "argument --plot", "plot")
+        _check_writable(args.plot, "--plot")
+    if args.json is not None:
+        _check_writable(args.json, "--json")
+    make_item: Callable[[int], Any] | None = None
+    if args.make_item is not None:
+        make_item = _load(args.make_item, "--make-item")
     if args.target == "demo":
-        import torch
-
+        torch = _require("torch", "argument target: 'demo' (the built-in MLP)", "torch")
         from . import _demo
 
         model = _demo.make_mlp(threads=args.threads)
-        fn = _demo.batch_fn_for(model)
-        gen = torch.Generator().manual_seed(0)
+        fn: Callable[..., Any] = _demo.batch_fn_for(model)
+        if make_item is None:
+            gen = torch.Generator().manual_seed(0)
 
-        def make_item(i: int) -> object:
-            return torch.randn(1024, generator=gen)
+            def make_item(i: int) -> object:
+                return torch.randn(1024, generator=gen)
 
     else:
-        fn = bench.load_callable(args.target)
-        make_item = bench.load_callable(args.make_item) if args.make_item else (lambda i: i)
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    report = bench.sweep(
-        fn,
-        make_item,
-        sizes,
-        max_wait_ms=args.max_wait_ms,
-        concurrency=None if args.rate else args.concurrency,
-        rate=args.rate,
-        duration_s=args.duration,
-        sla_ms=args.sla_ms,
-        price_per_hour=args.price_per_hour,
-        tokens_per_item=args.tokens_per_item,
-        progress=not args.no_progress,
+        fn = _load(args.target, "target")
+    if make_item is None:
+
+        def make_item(i: int) -> object:
+            return i
+
+    concurrency = None if args.rate is not None else (args.concurrency or 64)
+    item_fn = make_item
+
+    def run() -> int:
+        report = bench.sweep(
+            fn,
+            item_fn,
+            args.batch_sizes,
+            max_wait_ms=args.max_wait_ms,
+            concurrency=concurrency,
+            rate=args.rate,
+            duration_s=args.duration,
+            timeout_s=args.timeout,
+            sla_ms=args.sla_ms,
+            price_per_hour=args.price_per_hour,
+            tokens_per_item=args.tokens_per_item,
+            progress=not args.no_progress,
+        )
+        load = f"open loop, Poisson {args.rate:g}/s" if args.rate is not None else f"closed loop, {concurrency} callers"
+        print(f"{args.target}: {load}, max_wait_ms={args.max_wait_ms:g}, {args.duration:g} s per point")
+        print(report.table())
+        if args.json is not None:
+            report.to_json(args.json)
+            print(f"wrote {args.json}")
+        if args.plot is not None:
+            report.plot(args.plot)
+            print(f"wrote {args.plot}")
+        return 0
+
+    return run
+
+
+# ---------------------------------------------------------------------- the parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--traceback", action="store_true", help="on a failure (exit status 1), print the full traceback too"
     )
-    load = f"open loop, Poisson {args.rate:g}/s" if args.rate else f"closed loop, {args.concurrency} callers"
-    print(f"{args.target}: {load}, max_wait_ms={args.max_wait_ms:g}, {args.duration:g} s per point")
-    print(report.table())
-    if args.json:
-        report.to_json(args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        report.plot(args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    parser = _Parser(
+        prog="batchkit",
+        description="Batching for any model callable.",
+        epilog="exit status: 0 done, 1 the target or model failed (one-line cause; --traceback for more), "
+        "2 a usage error (one line naming the argument and the fix)",
+        formatter_class=_HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench}")
+
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        formatter_class=_HelpFormatter,
+        help="show dynamic and continuous batching paying off on CPU torch models (needs torch)",
+        description="Serve a CPU torch MLP one request at a time (a FIFO queue, one worker) and through "
+        "batchkit; then a small Llama-style model one at a time, in static batches and continuously. "
+        "Needs torch: pip install 'batchkit[torch]'.",
+    )
+    demo.add_argument("--part", choices=["all", "dynamic", "llm"], default="all", help="which half of the demo to run")
+    demo.add_argument(
+        "--callers",
+        metavar="N",
+        type=_int_in(1, MAX_CALLERS),
+        default=64,
+        help=f"concurrent callers (threads) of the MLP, 1..{MAX_CALLERS}",
+    )
+    demo.add_argument(
+        "--seconds",
+        metavar="S",
+        type=_float_in(0, MAX_SECONDS, lo_open=True),
+        default=3.0,
+        help=f"seconds each MLP row runs, in (0, {MAX_SECONDS:g}]",
+    )
+    demo.add_argument(
+        "--threads",
+        metavar="N",
+        type=_int_in(1, MAX_THREADS),
+        default=2,
+        help=f"torch intra-op threads, 1..{MAX_THREADS}",
+    )
+    demo.add_argument(
+        "--max-batch",
+        metavar="N",
+        type=_int_in(1, MAX_DEMO_BATCH),
+        default=32,
+        help=f"batchkit's max_batch_size for the MLP, 1..{MAX_DEMO_BATCH}",
+    )
+    demo.add_argument(
+        "--max-wait-ms",
+        metavar="MS",
+        type=_float_in(0, MAX_WAIT_MS),
+        default=5.0,
+        help=f"batchkit's max_wait_ms for the MLP, in [0, {MAX_WAIT_MS:g}]",
+    )
+    demo.add_argument(
+        "--llm-requests",
+        metavar="N",
+        type=_int_in(1, MAX_LLM_REQUESTS),
+        default=24,
+        help=f"LLM requests, all arriving at once, 1..{MAX_LLM_REQUESTS}",
+    )
+    demo.add_argument(
+        "--llm-max-out",
+        metavar="TOKENS",
+        type=_int_in(8, MAX_LLM_OUT),
+        default=128,
+        help=f"longest LLM output in tokens (outputs are 8..this), 8..{MAX_LLM_OUT}",
+    )
+    demo.add_argument(
+        "--llm-batch",
+        metavar="N",
+        type=_int_in(1, MAX_LLM_BATCH),
+        default=8,
+        help=f"LLM batch size (static batches and continuous max_num_seqs), 1..{MAX_LLM_BATCH}",
+    )
+    demo.set_defaults(prepare=_prepare_demo)
+
+    from .kv.planner import PRESETS
+
+    pl = sub.add_parser(
+        "plan",
+        parents=[common],
+        formatter_class=_HelpFormatter,
+        help="print the KV-cache memory budget for a model on a device",
+        description="How many KV-cache blocks fit on a device after the weights and the activation "
+        "peak, and how many sequences of a mean length they hold.",
+    )
+    src = pl.add_mutually_exclusive_group()
+    src.add_argument(
+        "--config",
+        type=_config_file,
+        metavar="PATH",
+        help="a Hugging Face config.json (needs num_hidden_layers, num_attention_heads and hidden_size "
+        "or head_dim); default: --preset",
+    )
+    src.add_argument("--preset", choices=list(PRESETS), default="llama-2-7b", help="a built-in model config")
+    pl.add_argument(
+        "--dtype-bytes",
+        type=int,
+        choices=[1, 2, 4, 8],
+        default=None,
+        help="bytes per weight and KV value (1 fp8/int8, 2 fp16/bf16, 4 fp32); default: from the config's torch_dtype",
+    )
+    pl.add_argument(
+        "--device-gib",
+        metavar="GIB",
+        type=_float_in(0, MAX_GIB, lo_open=True),
+        default=80.0,
+        help=f"device memory in GiB, in (0, {MAX_GIB:g}]",
+    )
+    pl.add_argument(
+        "--gpu-memory-utilization",
+        metavar="FRACTION",
+        type=_float_in(0, 1, lo_open=True),
+        default=0.9,
+        help="share of device memory batchkit may plan with, in (0, 1]",
+    )
+    pl.add_argument(
+        "--weights-gib",
+        metavar="GIB",
+        type=_float_in(0, MAX_GIB),
+        default=None,
+        help=f"weights in GiB, in [0, {MAX_GIB:g}]; default: estimated from the config's parameter count",
+    )
+    pl.add_argument(
+        "--activation-gib",
+        metavar="GIB",
+        type=_float_in(0, MAX_GIB),
+        default=2.0,
+        help=f"activation peak in GiB, in [0, {MAX_GIB:g}]",
+    )
+    pl.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        type=_int_in(1, MAX_BLOCK_SIZE),
+        default=16,
+        help=f"tokens per KV block, 1..{MAX_BLOCK_SIZE}",
+    )
+    pl.add_argument(
+        "--mean-len",
+        metavar="TOKENS",
+        type=_int_in(1, MAX_SEQ_LEN),
+        default=1024,
+        help=f"mean sequence length in tokens (prompt + output), 1..{MAX_SEQ_LEN:,}",
+    )
+    pl.set_defaults(prepare=_prepare_plan)
+
+    be = sub.add_parser(
+        "bench",
+        parents=[common],
+        formatter_class=_HelpFormatter,
+        help="load-test a batch function and find B_opt under a P99 SLA",
+        description="Serve a batch function through a DynamicBatcher at each batch size, measure throughput "
+        "and latency, and recommend B_opt = min(B_knee, B_SLA) and QPS_max = mean batch at B_opt / "
+        "t_batch(B_opt). A module:function target is imported from the current folder first.",
+    )
+    be.add_argument(
+        "target",
+        nargs="?",
+        default="demo",
+        help="module:function, a batch function fn(list) -> list; 'demo' is the built-in CPU MLP (needs torch)",
+    )
+    be.add_argument(
+        "--make-item",
+        metavar="MODULE:FUNCTION",
+        help="fn(i) -> the input of request i; default: i for a module:function target, a random "
+        "1024-float tensor for demo",
+    )
+    be.add_argument(
+        "--batch-sizes",
+        type=_batch_sizes,
+        default="1,2,4,8,16,32,64",
+        metavar="B1,B2,...",
+        help=f"max batch sizes to measure, each 1..{MAX_BENCH_BATCH:,} (duplicates are measured once)",
+    )
+    be.add_argument(
+        "--max-wait-ms",
+        metavar="MS",
+        type=_float_in(0, MAX_WAIT_MS),
+        default=5.0,
+        help=f"the batcher's max_wait_ms, in [0, {MAX_WAIT_MS:g}]",
+    )
+    load = be.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency",
+        metavar="N",
+        type=_int_in(1, MAX_CONCURRENCY),
+        default=None,
+        help=f"closed loop: callers each sending their next request when the last returns, "
+        f"1..{MAX_CONCURRENCY:,}; default: 64 unless --rate is given",
+    )
+    load.add_argument(
+        "--rate",
+        metavar="PER_S",
+        type=_float_in(0, MAX_RATE, lo_open=True),
+        default=None,
+        help=f"open loop instead: Poisson arrivals per second, in (0, {MAX_RATE:g}]; arrivals finding "
+        f"100,000 requests waiting are refused and counted; default: closed loop",
+    )
+    be.add_argument(
+        "--duration",
+        metavar="S",
+        type=_float_in(0, MAX_SECONDS, lo_open=True),
+        default=2.0,
+        help=f"seconds per batch size, in (0, {MAX_SECONDS:g}]",
+    )
+    be.add_argument(
+        "--timeout",
+        metavar="S",
+        type=_float_in(0, MAX_SECONDS, lo_open=True),
+        default=60.0,
+        help=f"seconds one call of the target may run before the bench stops with an error, in (0, {MAX_SECONDS:g}]",
+    )
+    be.add_argument(
+        "--sla-ms",
+        metavar="MS",
+        type=_float_in(0, 1e7, lo_open=True),
+        default=None,
+        help="P99 latency SLA in ms, in (0, 1e7]; default: none (every size qualifies)",
+    )
+    be.add_argument(
+        "--price-per-hour",
+        metavar="PRICE",
+        type=_float_in(0, 1e6),
+        default=None,
+        help="accelerator price per hour, in [0, 1e6], for the cost per token; default: no cost line",
+    )
+    be.add_argument(
+        "--tokens-per-item",
+        metavar="N",
+        type=_float_in(0, 1e9, lo_open=True),
+        default=1.0,
+        help="tokens each request stands for, in the cost per token, in (0, 1e9]",
+    )
+    be.add_argument(
+        "--threads",
+        metavar="N",
+        type=_int_in(1, MAX_THREADS),
+        default=2,
+        help=f"torch intra-op threads of the demo target, 1..{MAX_THREADS}",
+    )
+    be.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the report as JSON (checked writable before the run); default: not written",
+    )
+    be.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write throughput and P99 against batch size as a PNG (needs matplotlib: "
+        "pip install 'batchkit[plot]'; checked before the run); default: not drawn",
+    )
+    be.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    be.set_defaults(prepare=_prepare_bench)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batchkit", description="batching for any model callable")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="show dynamic batching paying off on a CPU torch model")
-    demo.add_argument("--callers", type=int, default=64)
-    demo.add_argument("--seconds", type=float, default=3.0)
-    demo.add_argument("--threads", type=int, default=2)
-    demo.add_argument("--max-batch", type=int, default=32)
-    demo.add_argument("--max-wait-ms", type=float, default=5.0)
-    demo.add_argument("--part", choices=["all", "dynamic", "llm"], default="all")
-    demo.add_argument("--llm-requests", type=int, default=24)
-    demo.add_argument("--llm-max-out", type=int, default=128)
-    demo.add_argument("--llm-batch", type=int, default=8)
-    demo.set_defaults(run=_demo)
-    pl = sub.add_parser("plan", help="print the KV-cache memory budget for a model on a device")
-    src = pl.add_mutually_exclusive_group()
-    src.add_argument("--config", help="path to a Hugging Face config.json")
-    src.add_argument("--preset", default="llama-2-7b", help="llama-2-7b, llama-3-8b or llama-2-70b")
-    pl.add_argument("--device-gib", type=float, default=80.0)
-    pl.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    pl.add_argument("--weights-gib", type=float, default=None, help="default: estimated from the config")
-    pl.add_argument("--activation-gib", type=float, default=2.0)
-    pl.add_argument("--block-size", type=int, default=16)
-    pl.add_argument("--mean-len", type=int, default=1024)
-    pl.set_defaults(run=_plan)
-    be = sub.add_parser("bench", help="load-test a batch function and find B_opt under a P99 SLA")
-    be.add_argument("target", nargs="?", default="demo", help="module:function (a batch function), or 'demo'")
-    be.add_argument("--make-item", help="module:function(i) -> one request's input (default: i)")
-    be.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
-    be.add_argument("--max-wait-ms", type=float, default=5.0)
-    be.add_argument("--concurrency", type=int, default=64)
-    be.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    be.add_argument("--duration", type=float, default=2.0, help="seconds per batch size")
-    be.add_argument("--sla-ms", type=float, default=None, help="P99 latency SLA")
-    be.add_argument("--price-per-hour", type=float, default=None, help="accelerator price, for cost per token")
-    be.add_argument("--tokens-per-item", type=float, default=1.0)
-    be.add_argument("--threads", type=int, default=2)
-    be.add_argument("--json", help="write the report as JSON")
-    be.add_argument("--plot", help="write throughput and P99 vs batch size as a PNG (needs matplotlib)")
-    be.add_argument("--no-progress", action="store_true")
-    be.set_defaults(run=_bench)
-    args = parser.parse_args(argv)
-    return int(args.run(args))
+    """Run the command line; return the exit status (0 done, 1 the target failed, 2 usage error)."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    prog = f"batchkit {args.command}"
+    try:
+        try:
+            run = args.prepare(args)
+        except _UsageError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
+        return int(run())
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the target failed: one line, the traceback on request
+        from ._errors import BatchTimeout
+
+        if args.traceback:
+            traceback.print_exc()
+        if isinstance(exc, BatchTimeout):
+            cause = (
+                f"the target ran longer than --timeout {args.timeout:g} s in one call: "
+                "raise --timeout if it is only slow"
+            )
+        elif args.command == "bench":
+            cause = f"{args.target} failed: {_one_line(exc)}"
+        else:
+            cause = f"failed: {_one_line(exc)}"
+        hint = "" if args.traceback else " (--traceback shows where)"
+        print(f"{prog}: {cause}{hint}", file=sys.stderr)
+        return 1
