@@ -1,0 +1,882 @@
+"""The OpenAI-compatible ASGI app: chat and text completions on a ContinuousDecodeLoop, embeddings
+on an ``@batched`` encoder, health and readiness, Prometheus metrics.
+
+:func:`create_app` builds a Starlette app around a :class:`ModelServer`, which owns the models,
+the decode loop and the embedding batcher and is reachable as ``app.state.batchkit``. Models load
+and warm up in the background after start-up: ``/health`` answers at once, ``/ready`` and the
+``/v1`` routes answer 503 (with ``Retry-After``) until the models are warm.
+
+A request's life: validate (400/422) -> tokenize -> check the prompt against the model's context
+and the KV pool (400) -> submit to the loop (503 + ``Retry-After`` when ``max_waiting`` requests
+already wait) -> wait for the first token, watching for the client leaving -> stream or collect.
+A client that disconnects, at any point, aborts its request: the loop frees its KV blocks at the
+next step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .._errors import BatcherClosed, KVCacheExhausted, QueueFull
+from ..continuous.loop import ContinuousDecodeLoop
+from ..decorator import BatchedFunction, batched
+from .metrics import BatchkitCollector
+from .protocol import (
+    ApiError,
+    GenerationRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    embedding_response,
+    new_id,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from ..models.pretrained import PretrainedLM, SentenceEncoder
+
+__all__ = ["ModelServer", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+TENANT_HEADER = "x-batchkit-tenant"
+PRIORITY_HEADER = "x-batchkit-priority"
+MAX_TENANT_LENGTH = 64
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+ModelSource = Any  # a PretrainedLM / SentenceEncoder, or a source for load_pretrained / load_encoder
+
+
+class _ServerMetrics:
+    """The server's own request metrics (the primitives' come from :class:`BatchkitCollector`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "batchkit_http_requests",
+            "HTTP requests answered, by route and status.",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "batchkit_http_rejections", "Requests refused before running, by reason.", ["reason"], registry=registry
+        )
+        self.in_flight = Gauge("batchkit_http_in_flight", "Requests being served.", registry=registry)
+        self.ready = Gauge("batchkit_ready", "1 once the models are loaded and warm.", registry=registry)
+        self.prompt_tokens = Counter(
+            "batchkit_request_prompt_tokens", "Prompt tokens of accepted requests.", ["route"], registry=registry
+        )
+        self.generation_tokens = Counter(
+            "batchkit_request_generation_tokens", "Tokens generated for clients.", ["route"], registry=registry
+        )
+        self.ttft = Histogram(
+            "batchkit_request_time_to_first_token_seconds",
+            "From a request's arrival to its first token.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "batchkit_request_inter_token_latency_seconds",
+            "Between a request's consecutive tokens.",
+            ["route"],
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "batchkit_request_duration_seconds",
+            "From a request's arrival to its last byte (successful requests).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
+class _TextTail:
+    """Turns a request's tokens into text deltas: incremental detokenisation and stop strings.
+
+    Text is emitted only when it is final: not while the decoded text ends in an incomplete
+    UTF-8 sequence (U+FFFD), and not while its end could be the start of a stop string. A stop
+    string ends the text before it (it is not part of the output), as OpenAI does.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
+        self.decode = decode
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        self.text = text
+        if self.stop:
+            longest = max(len(s) for s in self.stop)
+            start = max(0, self.sent - longest)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                self.text = text[: min(hits)]
+                return self._take(len(self.text))
+            return self._take(len(text) - self._held_back(text))
+        return self._take(len(text))
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that begins some stop string."""
+        for n in range(min(len(text), max(len(s) for s in self.stop) - 1), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def finish(self) -> str:
+        """What is left to send once the request has ended."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+class _Generation:
+    """One accepted generation request: its token stream, text, timings and outcome."""
+
+    def __init__(
+        self,
+        server: ModelServer,
+        route: str,
+        tokens: AsyncIterator[int],
+        prompt_tokens: int,
+        max_tokens: int,
+        stop: Sequence[str],
+        stop_token_ids: Sequence[int],
+        t_arrival: float,
+    ) -> None:
+        lm = server.lm
+        assert lm is not None
+        self.server = server
+        self.route = route
+        self.tokens = tokens
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.stop_token_ids = set(stop_token_ids)
+        self.tail = _TextTail(lm.decode, stop)
+        self.t_arrival = t_arrival
+        self.t_last: float | None = None
+        self.completion_tokens = 0
+        self.last_token: int | None = None
+        self.rid = new_id("chatcmpl" if route == "chat" else "cmpl")
+        self.created = int(time.time())
+
+    async def next_text(self) -> str | None:
+        """The next piece of text (possibly empty), or None once the request has ended."""
+        if self.tail.stopped:
+            return None
+        try:
+            token = await self.tokens.__anext__()
+        except StopAsyncIteration:
+            return None
+        now = time.perf_counter()
+        m = self.server.metrics
+        if self.t_last is None:
+            m.ttft.labels(self.route).observe(now - self.t_arrival)
+        else:
+            m.itl.labels(self.route).observe(now - self.t_last)
+        self.t_last = now
+        self.completion_tokens += 1
+        self.last_token = token
+        m.generation_tokens.labels(self.route).inc()
+        text = self.tail.push(token)
+        if self.tail.stopped:
+            await self.close()  # the loop stops it at the same token; this frees it at once regardless
+        return text
+
+    @property
+    def finish_reason(self) -> str:
+        if self.tail.stopped or self.last_token in self.stop_token_ids:
+            return "stop"
+        return "length" if self.completion_tokens >= self.max_tokens else "stop"
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self.tokens, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def _sse(data: Mapping[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+class _EventStream(Response):
+    """A ``text/event-stream`` response whose producer is cancelled when the client disconnects.
+
+    Starlette's StreamingResponse notices a departed client only on its next write on newer ASGI
+    servers; a generation waiting for its next token would hold its KV blocks until then. Here a
+    task watches ``receive()`` for ``http.disconnect`` and cancels the producer at once, and the
+    producer's ``finally`` aborts the request.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+        # No body attribute: Response would declare a Content-Length for it.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                async for chunk in self.events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        except OSError:
+            pass  # the client went away mid-write
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self.on_close()
+
+
+class ModelServer:
+    """The models, the decode loop and the embedding batcher behind the OpenAI routes.
+
+    Args:
+        model: a :class:`~batchkit.models.pretrained.PretrainedLM`, or a source for
+            :func:`~batchkit.models.load_pretrained` (loaded in the background at start-up), or None
+            for an embeddings-only server.
+        embedding_model: a :class:`~batchkit.models.pretrained.SentenceEncoder` or a source for
+            :func:`~batchkit.models.pretrained.load_encoder`, or None.
+        model_name, embedding_model_name: the names clients pass as ``model`` (default: the
+            models' own names). A request naming another model gets 404.
+        num_blocks, block_size: the KV pool (``num_blocks * block_size`` tokens in all).
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching: the loop's scheduling.
+        max_waiting: requests that may wait for admission before new ones get 503.
+        default_max_tokens: output limit of a request that gives none (also capped by the context).
+        embedding_max_batch, embedding_max_wait_ms, embedding_max_queue: the embedding batcher.
+        retry_after_s: the ``Retry-After`` header of 503 answers.
+        shutdown_grace_s: on shutdown, how long requests in flight may finish before they are aborted.
+        warmup: run one short generation and one embedding before reporting ready.
+        dtype, device: where the models are loaded (sources only).
+    """
+
+    def __init__(
+        self,
+        model: ModelSource = None,
+        *,
+        embedding_model: ModelSource = None,
+        model_name: str | None = None,
+        embedding_model_name: str | None = None,
+        num_blocks: int = 512,
+        block_size: int = 16,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 1024,
+        enable_prefix_caching: bool = True,
+        max_waiting: int | None = 64,
+        default_max_tokens: int = 256,
+        embedding_max_batch: int = 32,
+        embedding_max_wait_ms: float = 5.0,
+        embedding_max_queue: int = 1024,
+        retry_after_s: int = 1,
+        shutdown_grace_s: float = 10.0,
+        warmup: bool = True,
+        dtype: Any = None,
+        device: Any = "cpu",
+    ) -> None:
+        if model is None and embedding_model is None:
+            raise ValueError("give a model, an embedding_model, or both")
+        self._model_source = model
+        self._embedding_source = embedding_model
+        self._model_name = model_name
+        self._embedding_model_name = embedding_model_name
+        self.loop_options: dict[str, Any] = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "enable_prefix_caching": enable_prefix_caching,
+            "max_waiting": max_waiting,
+        }
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.default_max_tokens = default_max_tokens
+        self.embedding_options: dict[str, Any] = {
+            "max_batch": embedding_max_batch,
+            "max_wait_ms": embedding_max_wait_ms,
+            "max_queue": embedding_max_queue,
+            "on_full": "reject",
+        }
+        self.retry_after_s = retry_after_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.warmup = warmup
+        self.dtype = dtype
+        self.device = device
+        self.lm: PretrainedLM | None = None
+        self.encoder: SentenceEncoder | None = None
+        self.loop: ContinuousDecodeLoop | None = None
+        self.embed: BatchedFunction[str, tuple[list[float], int]] | None = None
+        self.ready = False
+        self.accepting = True
+        self.load_error: BaseException | None = None
+        self.registry = CollectorRegistry()
+        self.collector = BatchkitCollector().register(self.registry)
+        self.metrics = _ServerMetrics(self.registry)
+        self._in_flight = 0
+        self._idle: anyio.Event | None = None  # set when the last request in flight leaves
+
+    # ------------------------------------------------------------------ names
+
+    @property
+    def model_name(self) -> str | None:
+        if self._model_name:
+            return self._model_name
+        return self.lm.name if self.lm is not None else _source_name(self._model_source)
+
+    @property
+    def embedding_model_name(self) -> str | None:
+        if self._embedding_model_name:
+            return self._embedding_model_name
+        return self.encoder.name if self.encoder is not None else _source_name(self._embedding_source)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _load(self) -> None:
+        """Load the models (worker thread) and build the loop and the batcher."""
+        from ..models import pretrained
+
+        kwargs: dict[str, Any] = {"device": self.device}
+        if self.dtype is not None:
+            kwargs["dtype"] = self.dtype
+        if self._model_source is not None:
+            src = self._model_source
+            self.lm = src if isinstance(src, pretrained.PretrainedLM) else pretrained.load_pretrained(src, **kwargs)
+            self.loop = self.lm.make_loop(self.num_blocks, self.block_size, **self.loop_options)
+            self.collector.add_loop("chat", self.loop)
+        if self._embedding_source is not None:
+            src = self._embedding_source
+            self.encoder = (
+                src if isinstance(src, pretrained.SentenceEncoder) else pretrained.load_encoder(src, **kwargs)
+            )
+            encoder = self.encoder
+
+            def embed_batch(texts: list[str]) -> list[tuple[list[float], int]]:
+                vectors, counts = encoder.encode(texts)
+                return list(zip(vectors.tolist(), counts, strict=True))
+
+            self.embed = batched(**self.embedding_options)(embed_batch)
+            self.collector.add_batcher("embeddings", self.embed)
+
+    async def start(self) -> None:
+        """Load and warm the models; then report ready. Errors are logged and kept in ``load_error``."""
+        try:
+            await anyio.to_thread.run_sync(self._load)
+            if self.warmup:
+                if self.loop is not None and self.lm is not None:
+                    await self.loop.agenerate_all(self.lm.encode("Hello"), max_new_tokens=2)
+                if self.embed is not None:
+                    await self.embed.acall("Hello")
+        except Exception as exc:
+            logger.exception("batchkit.serve: loading the models failed")
+            self.load_error = exc
+            return
+        self.ready = True
+        self.metrics.ready.set(1)
+        logger.info(
+            "batchkit.serve: ready (chat model %s, embedding model %s)", self.model_name, self.embedding_model_name
+        )
+
+    async def shutdown(self) -> None:
+        """Stop admitting; give requests in flight ``shutdown_grace_s`` to finish; abort the rest; close."""
+        self.accepting = False
+        self.ready = False
+        self.metrics.ready.set(0)
+        if self._in_flight and self._idle is not None:
+            with anyio.move_on_after(self.shutdown_grace_s):
+                await self._idle.wait()
+        if self.loop is not None:
+            await self.loop.aclose()
+        if self.embed is not None:
+            await self.embed.aclose()
+
+    @asynccontextmanager
+    async def lifespan(self, app: Any = None) -> AsyncIterator[None]:
+        """Start loading in the background; on exit, :meth:`shutdown`. Enter it from a parent app's
+        lifespan when this app is mounted (Starlette does not run a mounted app's lifespan)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.start)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self.shutdown()
+
+    def _enter(self) -> None:
+        self._in_flight += 1
+        if self._in_flight == 1:
+            self._idle = anyio.Event()
+        self.metrics.in_flight.set(self._in_flight)
+
+    async def _leave(self) -> None:
+        self._in_flight -= 1
+        self.metrics.in_flight.set(self._in_flight)
+        if self._in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ common checks
+
+    def _check_available(self, what: str) -> None:
+        if not self.accepting:
+            self._reject("shutting_down")
+            raise ApiError(
+                503,
+                "the server is shutting down",
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        if not self.ready:
+            if self.load_error is not None:
+                raise ApiError(
+                    503, f"the models failed to load: {self.load_error}", type="server_error", code="load_failed"
+                )
+            self._reject("loading")
+            raise ApiError(
+                503,
+                "the models are still loading; retry shortly",
+                type="server_error",
+                code="loading",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        if (what == "chat" and self.loop is None) or (what == "embeddings" and self.embed is None):
+            raise ApiError(404, f"this server has no {what} model", code="model_not_found")
+
+    def _check_model(self, requested: str | None, served: str | None) -> None:
+        if requested is not None and requested != served:
+            raise ApiError(
+                404,
+                f"the model {requested!r} does not exist; this server serves {served!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _reject(self, reason: str) -> None:
+        self.metrics.rejections.labels(reason).inc()
+
+    def _queue_full(self, exc: BaseException) -> ApiError:
+        self._reject("queue_full")
+        return ApiError(
+            503,
+            f"the server is busy: {exc}",
+            type="server_error",
+            code="queue_full",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
+    @staticmethod
+    def _routing(request: Request) -> tuple[int, str | None]:
+        raw = request.headers.get(PRIORITY_HEADER)
+        priority = 0
+        if raw is not None:
+            try:
+                priority = int(raw)
+            except ValueError:
+                raise ApiError(
+                    400, f"{PRIORITY_HEADER} must be an integer (lower runs first), got {raw!r}", code="invalid_header"
+                ) from None
+        tenant = request.headers.get(TENANT_HEADER) or None
+        if tenant is not None and len(tenant) > MAX_TENANT_LENGTH:
+            raise ApiError(400, f"{TENANT_HEADER} is longer than {MAX_TENANT_LENGTH} characters", code="invalid_header")
+        return priority, tenant
+
+    def _limit(self, prompt_len: int, requested: int | None) -> int:
+        """The request's output limit, checked against the model's context and the KV pool."""
+        lm = self.lm
+        loop = self.loop
+        assert lm is not None
+        assert loop is not None
+        alloc = loop.allocator
+        kv_tokens = (alloc.total_blocks - alloc.watermark_blocks) * alloc.block_size - 1
+        room_ctx = lm.max_model_len - prompt_len
+        room_kv = kv_tokens - prompt_len
+        if room_ctx < 1:
+            self._reject("prompt_too_long")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {lm.max_model_len} tokens; the prompt has {prompt_len}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if room_kv < 1:
+            self._reject("prompt_too_long")
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens but the KV pool holds {kv_tokens}; shorten the prompt",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return max(1, min(self.default_max_tokens, room_ctx, room_kv))
+        if requested > room_ctx:
+            self._reject("prompt_too_long")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {lm.max_model_len} tokens; the prompt ({prompt_len}) plus "
+                f"max_tokens ({requested}) asks for {prompt_len + requested}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if requested > room_kv:
+            self._reject("prompt_too_long")
+            raise ApiError(
+                400,
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({requested}) needs more than the KV pool's "
+                f"{kv_tokens} tokens; lower max_tokens or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    # ------------------------------------------------------------------ routes
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readiness(self, request: Request) -> Response:
+        if self.ready:
+            return JSONResponse({"status": "ready"})
+        status = "failed" if self.load_error is not None else ("stopping" if not self.accepting else "loading")
+        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": str(self.retry_after_s)})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        body = await anyio.to_thread.run_sync(generate_latest, self.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        created = int(time.time())
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "batchkit"}
+            for name, present in (
+                (self.model_name, self._model_source),
+                (self.embedding_model_name, self._embedding_source),
+            )
+            if present is not None and name
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._answer(request, "chat", self._generate)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._answer(request, "completions", self._generate)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self._answer(request, "embeddings", self._embeddings)
+
+    async def _answer(
+        self, request: Request, route: str, handler: Callable[[Request, str, Any, float], Awaitable[Response]]
+    ) -> Response:
+        t_arrival = time.perf_counter()
+        try:
+            body = await _json_body(request)
+            response = await handler(request, route, body, t_arrival)
+        except ApiError as err:
+            response = _error_response(err)
+        self.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    async def _generate(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
+        self._check_available("chat")
+        req = parse_chat(body) if route == "chat" else parse_completion(body)
+        self._check_model(req.model, self.model_name)
+        priority, tenant = self._routing(request)
+        lm, loop = self.lm, self.loop
+        assert lm is not None
+        assert loop is not None
+        if req.messages is not None:
+            try:
+                prompt = lm.chat_prompt(req.messages)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+        elif isinstance(req.prompt, str):
+            prompt = lm.encode(req.prompt)
+        else:
+            prompt = list(req.prompt or ())
+            vocab = lm.model.config.vocab_size
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        max_tokens = self._limit(len(prompt), req.max_tokens)
+        stop_ids = () if req.ignore_eos else lm.stop_token_ids
+        sampling: dict[str, Any] = {
+            "max_new_tokens": max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "ignore_eos": req.ignore_eos,
+            "seed": req.seed,
+            "stop_token_ids": stop_ids,
+        }
+        if req.stop:
+            sampling["stop"] = req.stop
+        tokens = loop.generate(prompt, priority=priority, tenant=tenant, **sampling)
+        gen = _Generation(self, route, tokens, len(prompt), max_tokens, req.stop, stop_ids, t_arrival)
+        self._enter()
+        handed_over = False
+        try:
+            # The first token is awaited before the response starts, so that refusals (queue
+            # full, a prompt the pool can never hold) get their own status code.
+            first = await _unless_disconnected(request, self._first_text(gen))
+            if first is None:  # the client left
+                return Response(status_code=499)
+            self.metrics.prompt_tokens.labels(route).inc(len(prompt))
+            if req.stream:
+                handed_over = True
+
+                async def on_close() -> None:
+                    await gen.close()
+                    await self._leave()
+
+                return _EventStream(self._stream(gen, req, first), on_close)
+            collected = await _unless_disconnected(request, self._collect(gen, first))
+            if collected is None:
+                return Response(status_code=499)
+            make = chat_response if route == "chat" else completion_response
+            self.metrics.e2e.labels(route).observe(time.perf_counter() - t_arrival)
+            return JSONResponse(make(gen.rid, self.model_name or "", collected, gen.finish_reason, gen.usage()))
+        finally:
+            if not handed_over:
+                await gen.close()
+                await self._leave()
+
+    async def _first_text(self, gen: _Generation) -> list[str]:
+        try:
+            text = await gen.next_text()
+        except QueueFull as exc:
+            raise self._queue_full(exc) from None
+        except KVCacheExhausted as exc:
+            self._reject("kv_exhausted")
+            raise ApiError(400, str(exc), code="context_length_exceeded") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        except BatcherClosed as exc:
+            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+        return [] if text is None else [text]
+
+    async def _collect(self, gen: _Generation, first: list[str]) -> str:
+        parts = list(first)
+        try:
+            while (text := await gen.next_text()) is not None:
+                parts.append(text)
+        except KVCacheExhausted as exc:
+            raise ApiError(400, str(exc), code="context_length_exceeded") from None
+        except BatcherClosed as exc:
+            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+        parts.append(gen.tail.finish())
+        return "".join(parts)
+
+    async def _stream(self, gen: _Generation, req: GenerationRequest, first: list[str]) -> AsyncIterator[bytes]:
+        model = self.model_name or ""
+        chat = gen.route == "chat"
+
+        def piece(text: str) -> bytes:
+            if chat:
+                return _sse(chat_chunk(gen.rid, gen.created, model, {"content": text}))
+            return _sse(completion_chunk(gen.rid, gen.created, model, text))
+
+        try:
+            if chat:
+                yield _sse(chat_chunk(gen.rid, gen.created, model, {"role": "assistant", "content": ""}))
+            for text in first:
+                if text:
+                    yield piece(text)
+            try:
+                while (more := await gen.next_text()) is not None:
+                    if more:
+                        yield piece(more)
+            except (KVCacheExhausted, BatcherClosed) as exc:
+                err = ApiError(503 if isinstance(exc, BatcherClosed) else 400, str(exc), type="server_error")
+                yield _sse(err.body())
+                yield _sse("[DONE]")
+                return
+            rest = gen.tail.finish()
+            if rest:
+                yield piece(rest)
+            final_usage = None if req.include_usage else gen.usage()
+            if chat:
+                yield _sse(chat_chunk(gen.rid, gen.created, model, {}, gen.finish_reason, final_usage))
+            else:
+                yield _sse(completion_chunk(gen.rid, gen.created, model, "", gen.finish_reason, final_usage))
+            if req.include_usage:
+                make = chat_chunk if chat else completion_chunk
+                yield _sse(make(gen.rid, gen.created, model, None, None, gen.usage()))
+            yield _sse("[DONE]")
+            self.metrics.e2e.labels(gen.route).observe(time.perf_counter() - gen.t_arrival)
+        finally:
+            await gen.close()
+
+    async def _embeddings(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
+        self._check_available("embeddings")
+        req = parse_embedding(body)
+        self._check_model(req.model, self.embedding_model_name)
+        embed = self.embed
+        assert embed is not None
+        self._enter()
+        try:
+            results = await _unless_disconnected(request, self._embed_all(embed, req.inputs))
+        finally:
+            await self._leave()
+        if results is None:
+            return Response(status_code=499)
+        vectors = [v for v, _ in results]
+        n_tokens = sum(n for _, n in results)
+        self.metrics.prompt_tokens.labels(route).inc(n_tokens)
+        self.metrics.e2e.labels(route).observe(time.perf_counter() - t_arrival)
+        return JSONResponse(embedding_response(self.embedding_model_name or "", vectors, n_tokens, req.encoding_format))
+
+    async def _embed_all(self, embed: Any, inputs: list[str]) -> list[tuple[list[float], int]]:
+        results: list[Any] = [None] * len(inputs)
+        errors: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def one(i: int, text: str) -> None:
+                try:
+                    results[i] = await embed.acall(text)
+                except Exception as exc:  # noqa: BLE001 - reported below, once, for the whole request
+                    errors.append(exc)
+                    tg.cancel_scope.cancel()
+
+            for i, text in enumerate(inputs):
+                tg.start_soon(one, i, text)
+        if errors:
+            exc = errors[0]
+            if isinstance(exc, QueueFull):
+                raise self._queue_full(exc)
+            if isinstance(exc, BatcherClosed):
+                raise ApiError(503, str(exc), type="server_error", code="shutting_down")
+            raise ApiError(500, f"embedding failed: {exc}", type="server_error")
+        return results
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _source_name(source: Any) -> str | None:
+    if source is None:
+        return None
+    name = getattr(source, "name", None)
+    if isinstance(name, str):
+        return name
+    text: str = os.fspath(source)
+    base = os.path.basename(text.rstrip("/")) or text
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(422, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(422, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``, cancelling it if the client disconnects meanwhile (then return None)."""
+    outcome: list[Any] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            outcome.append(await work)
+        except ApiError as err:
+            outcome.append(err)
+        finally:
+            tg.cancel_scope.cancel()
+    if not outcome:
+        return None
+    if isinstance(outcome[0], ApiError):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+
+def create_app(model: ModelSource = None, **options: Any) -> Starlette:
+    """An OpenAI-compatible ASGI app serving ``model`` (chat and completions) and ``embedding_model``.
+
+    ``options`` are :class:`ModelServer` keyword arguments (``embedding_model``, ``num_blocks``,
+    ``max_waiting``, ...). The server object is ``app.state.batchkit``.
+
+    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
+    ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /metrics``.
+    """
+    server = ModelServer(model, **options)
+    routes = [
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/ready", server.readiness, methods=["GET"]),
+        Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=server.lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.batchkit = server
+    return app

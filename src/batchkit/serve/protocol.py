@@ -1,0 +1,369 @@
+"""The OpenAI wire format: request validation, response bodies and error bodies. No I/O here.
+
+Validation follows what OpenAI's API accepts for the fields batchkit implements; a field it
+does not implement is refused (400) when set to something other than its neutral value, never
+silently ignored. Unknown fields are ignored, as OpenAI does for fields it does not know.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ApiError",
+    "EmbeddingRequest",
+    "GenerationRequest",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "embedding_response",
+    "new_id",
+    "parse_chat",
+    "parse_completion",
+    "parse_embedding",
+    "usage",
+]
+
+MAX_STOP_STRINGS = 4
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _opt_number(
+    body: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *, lo_open: bool = False
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _invalid(name, f"'{name}' must be a number, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        interval = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise _invalid(name, f"'{name}' must be in {interval}, got {value!r}")
+    return float(value)
+
+
+def _opt_int(body: Mapping[str, Any], name: str, *, lo: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(name, f"'{name}' must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise _invalid(name, f"'{name}' must be >= {lo}, got {value!r}")
+    return value
+
+
+def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _invalid(name, f"'{name}' must be a boolean, got {value!r}")
+    return value
+
+
+def _opt_model(body: Mapping[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _invalid("model", f"'model' must be a string, got {model!r}")
+    return model
+
+
+def _unsupported(body: Mapping[str, Any], name: str, neutral: Sequence[Any]) -> None:
+    if name in body and body[name] not in neutral:
+        raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated chat or completion request (``messages`` for chat, ``prompt`` for completions)."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    top_k: int = 0
+    ignore_eos: bool = False
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+
+
+def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[str, Any]:
+    n = _opt_int(body, "n", lo=1)
+    if n not in (None, 1):
+        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _unsupported(body, name, (None, 0, 0.0))
+    _unsupported(body, "logprobs", (None, False))
+    _unsupported(body, "top_logprobs", (None, 0))
+    _unsupported(body, "logit_bias", (None, {}))
+    max_tokens = None
+    for name in max_tokens_names:
+        value = _opt_int(body, name, lo=1)
+        if value is not None:
+            max_tokens = value
+            break
+    stop_value = body.get("stop")
+    if stop_value is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(stop_value, str):
+        stop = (stop_value,) if stop_value else ()
+    elif isinstance(stop_value, list) and all(isinstance(s, str) for s in stop_value):
+        if len(stop_value) > MAX_STOP_STRINGS:
+            raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop_value)}")
+        stop = tuple(s for s in stop_value if s)
+    else:
+        raise _invalid("stop", f"'stop' must be a string or a list of strings, got {stop_value!r}")
+    stream = _opt_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid("stream_options", "'stream_options' must be an object")
+    include_usage = bool((options or {}).get("include_usage", False))
+    seed = _opt_int(body, "seed")
+    return {
+        "model": _opt_model(body),
+        "stream": stream,
+        "include_usage": include_usage,
+        "max_tokens": max_tokens,
+        # OpenAI's default temperature is 1 (sampling): pass 0 for greedy decoding.
+        "temperature": _opt_number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _opt_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "seed": seed,
+        "stop": stop,
+        # Extensions vLLM's server also takes (the openai client sends them with extra_body=).
+        "top_k": _opt_int(body, "top_k", lo=0) or 0,
+        "ignore_eos": _opt_bool(body, "ignore_eos"),
+    }
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _invalid(f"messages[{index}].content", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise _invalid(f"messages[{index}].content", "content must be a string or a list of text parts")
+
+
+def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
+    """Validate a ``/v1/chat/completions`` body.
+
+    Raises:
+        ApiError: 400 naming the offending field.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("messages", "'messages' must be a non-empty list of {role, content} objects")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _invalid(f"messages[{i}]", "each message needs a string 'role' and a 'content'")
+        clean.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    return GenerationRequest(messages=clean, **_common(body, ("max_completion_tokens", "max_tokens")))
+
+
+def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
+    """Validate a ``/v1/completions`` body (``prompt``: a string, or a list of token ids; one prompt).
+
+    Raises:
+        ApiError: 400 naming the offending field.
+    """
+    _unsupported(body, "echo", (None, False))
+    _unsupported(body, "best_of", (None, 1))
+    _unsupported(body, "suffix", (None, ""))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _invalid("prompt", "'prompt' must not be empty")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [int(t) for t in prompt]
+    else:
+        raise _invalid("prompt", "'prompt' must be one non-empty string or one list of token ids (n=1)")
+    return GenerationRequest(prompt=prompt, **_common(body, ("max_tokens",)))
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """A validated ``/v1/embeddings`` body."""
+
+    model: str | None
+    inputs: list[str]
+    encoding_format: str
+
+
+def parse_embedding(body: Mapping[str, Any]) -> EmbeddingRequest:
+    """Validate a ``/v1/embeddings`` body (``input``: a string or a list of strings).
+
+    Raises:
+        ApiError: 400 naming the offending field.
+    """
+    value = body.get("input")
+    if isinstance(value, str):
+        inputs = [value]
+    elif isinstance(value, list) and value and all(isinstance(s, str) for s in value):
+        inputs = list(value)
+    else:
+        raise _invalid("input", "'input' must be a string or a non-empty list of strings")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise _invalid("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(inputs)}")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise _invalid("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
+    _unsupported(body, "dimensions", (None,))
+    return EmbeddingRequest(model=_opt_model(body), inputs=inputs, encoding_format=fmt)
+
+
+# ---------------------------------------------------------------------------------------- bodies
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``delta`` None gives the usage-only chunk (no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A streamed ``text_completion``; ``text`` None gives the usage-only chunk (no choices)."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_,
+    }
+
+
+def embedding_response(
+    model: str, vectors: Sequence[Sequence[float]], prompt_tokens: int, encoding_format: str
+) -> dict[str, Any]:
+    data = []
+    for i, v in enumerate(vectors):
+        if encoding_format == "base64":
+            # OpenAI's base64 format: little-endian float32, what its clients decode with numpy.
+            packed = struct.pack(f"<{len(v)}f", *v)
+            embedding: Any = base64.b64encode(packed).decode("ascii")
+        else:
+            embedding = [float(x) for x in v]
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

