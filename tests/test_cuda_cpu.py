@@ -4,6 +4,7 @@ thread mapping compared with the torch reference."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -515,51 +516,42 @@ def test_emulator_detects_a_racing_copy_launch(cpu_as_cuda: list[_cuda.Launch]) 
         emulate.run(twice)
 
 
-class _FakeKernel:
+class _FakeFunction:
+    """Stands in for CuPy's low-level ``Function``: records each launch."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.kernel = object()
 
-    def __call__(self, grid: Any, block: Any, args: Any) -> None:
-        self.calls.append((grid, block, args))
+    def __call__(self, grid: Any, block: Any, args: Any, shared_mem: int = 0, stream: Any = None) -> None:
+        self.calls.append((grid, block, args, shared_mem, stream))
 
 
 def test_launch_passes_raw_pointers_and_caches_the_function(monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 10: a launch hands the kernel each tensor's ``data_ptr()`` and each int as int64,
-    makes no CuPy array (``from_dlpack`` would sync the legacy stream and break graph capture),
-    runs on torch's current stream, and looks the function up once per (device, name)."""
-    events: list[Any] = []
+    makes no CuPy array (``from_dlpack`` would sync the legacy stream and break graph capture)
+    and no CuPy stream object, runs on torch's current stream, and looks the function up once
+    per (device, name)."""
 
-    class _Ctx:
-        def __init__(self, *a: Any) -> None:
-            self.a = a
-
-        def __enter__(self) -> None:
-            events.append((type(self).__name__, self.a))
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-    class Device(_Ctx):
-        pass
-
-    class ExternalStream(_Ctx):
-        pass
-
-    def no_dlpack(*a: Any) -> None:
-        raise AssertionError("cupy.from_dlpack must not be called on the launch path")
+    def forbidden(*a: Any, **k: Any) -> None:
+        raise AssertionError("the launch path must not call this")
 
     fake = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(Device=Device, ExternalStream=ExternalStream), from_dlpack=no_dlpack
+        cuda=types.SimpleNamespace(
+            Device=lambda index: contextlib.nullcontext(),  # the one-time function lookup selects it
+            ExternalStream=forbidden,
+            Stream=forbidden,
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        ),
+        from_dlpack=forbidden,
     )
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    kernel = _FakeKernel()
+    function = _FakeFunction()
     lookups: list[str] = []
 
     class Module:
-        def get_function(self, name: str) -> _FakeKernel:
+        def get_function(self, name: str) -> Any:
             lookups.append(name)
-            return kernel
+            return types.SimpleNamespace(kernel=function)
 
     monkeypatch.setattr(_cuda, "_modules", {0: Module()})
     monkeypatch.setattr(_cuda, "_functions", {})
@@ -572,12 +564,12 @@ def test_launch_passes_raw_pointers_and_caches_the_function(monkeypatch: pytest.
     _cuda.scatter_kv(kc, vc, k, k, slots)
     launch = _cuda.plan_scatter(kc, vc, k, k, slots)
     assert lookups == [launch.kernel]
-    (grid, block, args), _ = kernel.calls
-    assert (grid, block) == (launch.grid, launch.block)
+    (grid, block, args, shared_mem, stream), _ = function.calls
+    assert (grid, block, shared_mem) == (launch.grid, launch.block, 0)
+    assert stream.ptr == 4242
     assert args[:5] == tuple(np.uint64(t.data_ptr()) for t in (k, k, kc, vc, slots))
     assert all(type(a) is np.uint64 for a in args[:5])
     assert all(type(a) is np.int64 for a in args[5:])
-    assert ("ExternalStream", (4242, 0)) in events
 
 
 def test_cache_scatter_leaves_the_slot_check_to_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,7 +83,8 @@ def test_misaligned_base_pointer_takes_the_scalar_path(dtype: torch.dtype, offse
     rk, rv = kc.clone(), vc.clone()
     slots = torch.randperm(32 * 16, generator=g, device="cuda")[:n]
     assert _cuda.plan_scatter(kc, vc, k, k, slots).vec is False
-    assert _cuda.plan_scatter(kc, vc, k.clone(), k, slots).vec is True
+    aligned = k.clone()
+    assert _cuda.plan_scatter(kc, vc, aligned, aligned, slots).vec is True
     _cuda.scatter_kv(kc, vc, k, k, slots)
     ops.scatter(rk, rv, k, k, slots)
     torch.cuda.synchronize()

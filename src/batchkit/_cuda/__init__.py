@@ -431,7 +431,8 @@ def _module(device_index: int) -> Any:
 
 
 def _function(device_index: int, name: str) -> Any:
-    """The loaded kernel ``name`` on a device, looked up once and cached."""
+    """The loaded kernel ``name`` on a device (CuPy's low-level ``Function``), looked up once
+    and cached: the module loads here, never inside a CUDA-graph capture."""
     fn = _functions.get((device_index, name))
     if fn is None:
         with _modules_lock:
@@ -441,10 +442,20 @@ def _function(device_index: int, name: str) -> Any:
 
                 mod = _module(device_index)
                 with cupy.cuda.Device(device_index):
-                    fn = mod.get_function(name)
-                    fn.kernel  # noqa: B018 - loads the module on this device now, not inside a capture
+                    fn = mod.get_function(name).kernel
                 _functions[device_index, name] = fn
     return fn
+
+
+class _Stream:
+    """All that CuPy's low-level launch reads of a stream: its handle. Passing the handle this
+    way avoids CuPy's stream objects (``ExternalStream`` is deprecated in CuPy 14) and their
+    current-stream bookkeeping."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
 
 
 def kernel_args(launch: Launch) -> tuple[Any, ...]:
@@ -462,9 +473,13 @@ def _launch(launch: Launch) -> None:
 
     index = launch.device.index if launch.device.index is not None else torch.cuda.current_device()
     fn = _function(index, launch.kernel)
-    stream = torch.cuda.current_stream(index).cuda_stream
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
-        fn(launch.grid, launch.block, kernel_args(launch))
+    stream = _Stream(torch.cuda.current_stream(index).cuda_stream)
+    args = kernel_args(launch)
+    if cupy.cuda.runtime.getDevice() == index:
+        fn(launch.grid, launch.block, args, 0, stream)
+    else:
+        with cupy.cuda.Device(index):
+            fn(launch.grid, launch.block, args, 0, stream)
 
 
 def scatter_kv(key_cache: Tensor, value_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
