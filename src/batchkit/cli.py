@@ -1,4 +1,4 @@
-"""``batchkit`` command line: ``batchkit demo``, ``batchkit plan`` and ``batchkit bench``.
+"""``batchkit`` command line: ``batchkit demo``, ``plan``, ``bench`` and ``run`` (:mod:`batchkit.jobs`).
 
 Every argument is checked before any work starts: ranges, finite numbers, readable input and
 writable output paths, importable targets and the optional extras a command needs. A usage error
@@ -354,7 +354,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "2 a usage error (one line naming the argument and the fix)",
         formatter_class=_HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench,run}")
 
     demo = sub.add_parser(
         "demo",
@@ -601,7 +601,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     be.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     be.set_defaults(prepare=_prepare_bench)
+
+    from .jobs import add_run_parser
+
+    # batchkit.jobs validates and reports for itself (the same exit statuses and one-line errors).
+    add_run_parser(sub, parents=[common], formatter_class=_HelpFormatter).set_defaults(prepare=_prepare_run)
     return parser
+
+
+def _prepare_run(args: argparse.Namespace) -> Callable[[], int]:
+    from .jobs import run_cli
+
+    return lambda: run_cli(args)
 
 
 def _one_line(exc: BaseException) -> str:
