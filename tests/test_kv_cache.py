@@ -128,3 +128,14 @@ def test_backend_choice_is_validated() -> None:
     cache = make_cache(backend="cuda")
     with pytest.raises(ValueError, match="needs the cache on a CUDA device"):
         cache.scatter(0, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.tensor([4]))
+
+
+def test_without_torch_the_cache_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without torch, PagedKVCache raises a ModuleNotFoundError that names the extra to install."""
+    import sys
+
+    from batchkit import PagedKVCache
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'batchkit\[torch\]'"):
+        PagedKVCache(1, 4, 2, 1, 2)

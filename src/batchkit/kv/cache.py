@@ -66,7 +66,13 @@ class PagedKVCache:
         device: Any = "cpu",
         backend: Backend = "auto",
     ) -> None:
-        import torch
+        try:
+            import torch
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch":
+                raise
+            # Still a ModuleNotFoundError (code that catches ImportError keeps working), naming the extra.
+            raise ModuleNotFoundError("PagedKVCache needs torch: pip install 'batchkit[torch]'", name="torch") from exc
 
         for name, v in (
             ("num_layers", num_layers),
