@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import batchkit
 
 EXPECTED = {
@@ -48,6 +50,8 @@ EXPECTED = {
     "__version__",
     "batched",
     "collate",
+    "continuous",
+    "kv",
     "testing",
 }
 
@@ -67,6 +71,37 @@ def test_import_loads_no_heavy_module_and_starts_no_thread() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["[]", "1"]
+
+
+def test_optional_submodules_load_on_first_access_only() -> None:
+    """``batchkit.bench``, ``.jobs``, ``.models`` and ``.serve`` (docs/api.md's promise: every name
+    is reachable from ``import batchkit``) load on first attribute access; a star import does not
+    load them, and bench, jobs and serve do not pull in torch."""
+    code = (
+        "import sys, batchkit\n"
+        "lazy = {'bench', 'jobs', 'models', 'serve'}\n"
+        "from batchkit import *\n"
+        "assert not any('batchkit.' + m in sys.modules for m in lazy)\n"
+        "assert lazy <= set(dir(batchkit))\n"
+        "assert callable(batchkit.bench.sweep) and callable(batchkit.jobs.run) and batchkit.serve\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["False"]
+
+
+def test_models_resolves_from_a_bare_import() -> None:
+    """``import batchkit; batchkit.models.LlamaModel`` works where torch is installed."""
+    pytest.importorskip("torch")
+    code = "import batchkit; print(batchkit.models.LlamaModel.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["LlamaModel"]
+
+
+def test_unknown_attributes_still_raise_attribute_error() -> None:
+    """The lazy loader answers only for its submodules; a typo is an AttributeError."""
+    with pytest.raises(AttributeError, match="no attribute 'Batcher'"):
+        _ = batchkit.Batcher  # type: ignore[attr-defined]
 
 
 def test_errors_share_one_root_and_their_builtin() -> None:

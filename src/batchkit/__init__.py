@@ -1,11 +1,18 @@
 """batchkit: batching for any model callable, with bounded latency, bounded memory and nothing lost.
 
-Importing batchkit starts no thread and imports neither torch nor cupy.
+Importing batchkit starts no thread and imports neither torch nor cupy. The submodules
+``batchkit.bench``, ``batchkit.jobs``, ``batchkit.models`` (which needs torch) and
+``batchkit.serve`` load on first attribute access, so that every name of docs/api.md is reachable
+after a bare ``import batchkit``.
 """
 
 from __future__ import annotations
 
-from . import collate, sim, testing
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from . import collate, continuous, kv, sim, testing
 from ._clock import Clock, MonotonicClock
 from ._errors import (
     BatcherClosed,
@@ -35,7 +42,29 @@ from .kv import (
 from .metrics import LatencySummary
 from .queue import BoundedQueue, QueueEntry, QueueStatistics
 
+if TYPE_CHECKING:  # for type checkers: the real imports are lazy (see __getattr__)
+    from . import bench as bench
+    from . import jobs as jobs
+    from . import models as models
+    from . import serve as serve
+
 __version__ = "0.1.0"
+
+# Submodules loaded on first access: not in __all__, so that ``from batchkit import *`` stays light.
+_LAZY_SUBMODULES = frozenset({"bench", "jobs", "models", "serve"})
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY_SUBMODULES:
+        module = importlib.import_module(f".{name}", __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})
+
 
 __all__ = [
     "AdaptiveBatchController",
@@ -76,6 +105,8 @@ __all__ = [
     "__version__",
     "batched",
     "collate",
+    "continuous",
+    "kv",
     "kv_cache_bytes",
     "sim",
     "testing",
