@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from batchkit import (
     CircuitOpen,
     DynamicBatcher,
 )
+from batchkit.adaptive import TunableTarget
 from batchkit.testing import MockClock
 
 WAIT = 10
@@ -197,7 +199,9 @@ def test_malformed_results_count_as_failures_for_the_circuit_breaker(bad_result:
     failure_threshold of them in a row open the circuit, and the next submit fails fast."""
     clock = MockClock()
     br = CircuitBreaker(failure_threshold=3, reset_timeout_s=30, clock=clock)
-    with DynamicBatcher(bad_result, max_batch_size=1, max_wait_ms=0, circuit_breaker=br, clock=clock) as b:
+    fn: Any = bad_result  # malformed on purpose: not a batch function's type
+    b: DynamicBatcher[int, Any]
+    with DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, circuit_breaker=br, clock=clock) as b:
         for i in range(3):
             with pytest.raises(BatchSizeMismatch):
                 b.submit(i).result(WAIT)
@@ -247,3 +251,44 @@ def test_a_probe_that_never_ran_frees_the_half_open_slot() -> None:
     br.release_probe()
     assert br.state == "half_open"
     assert br.allow_dispatch()
+
+
+def test_tuner_drives_any_tunable_target_through_its_public_protocol() -> None:
+    """AdaptiveTuner reads queue_depth() and the new latency samples of a TunableTarget and applies
+    the policy's size with set_batch_limit(); it passes each sample to the policy once."""
+
+    class Target:
+        def __init__(self) -> None:
+            self.samples = [0.1, 0.2]
+            self.limit = 0
+
+        def queue_depth(self) -> int:
+            return 7
+
+        def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+            return self.samples[since:], len(self.samples)
+
+        def set_batch_limit(self, size: int) -> None:
+            self.limit = size
+
+    seen: list[tuple[float, list[float]]] = []
+
+    class Policy:
+        def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int:
+            seen.append((queue_depth, latencies_s))
+            return 5
+
+    target = Target()
+    assert isinstance(target, TunableTarget)
+    tuner = AdaptiveTuner(target, Policy(), clock=MockClock())
+    assert tuner.step() == 5
+    target.samples.append(0.3)
+    tuner.step()
+    assert seen == [(7.0, [0.1, 0.2]), (7.0, [0.3])]
+    assert target.limit == 5
+
+
+def test_tuner_refuses_a_target_it_cannot_drive() -> None:
+    """A target that is neither a TunableTarget nor a decode loop is a TypeError naming the protocol."""
+    with pytest.raises(TypeError, match="needs a TunableTarget"):
+        AdaptiveTuner(object(), AdaptiveBatchController(target_queue=1))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import anyio
 import pytest
 
 from batchkit import BoundedQueue, DeadlineExceeded, QueueEmpty, QueueFull
+from batchkit._queue_core import QueueCore
 from batchkit.testing import MockClock
 
 
@@ -28,7 +30,7 @@ def drain(q: BoundedQueue[str]) -> list[str]:
         ({"maxsize": 2, "aging_s": 0}, "aging_s must be > 0"),
     ],
 )
-def test_bad_arguments_are_refused_with_the_fix(kwargs: dict, message: str) -> None:
+def test_bad_arguments_are_refused_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
     """Constructor arguments are validated with a message naming the argument."""
     with pytest.raises(ValueError, match=message):
         BoundedQueue(**kwargs)
@@ -131,7 +133,7 @@ def test_many_cancellations_keep_memory_bounded() -> None:
     keep = q.put_nowait(-1)
     for i in range(1000):
         q.cancel(q.put_nowait(i))
-    assert sum(len(d) for d in q._levels.values()) <= 2 * q.maxsize + 1
+    assert sum(len(d) for d in q.core._levels.values()) <= 2 * q.maxsize + 1
     assert keep.waiting
     assert len(q) == 1
 
@@ -227,3 +229,60 @@ def test_threads_put_and_get_concurrently_without_loss() -> None:
     s = q.statistics()
     assert s.depth == 0
     assert s.served == n_producers * per
+
+
+# ---------------------------------------------------------------------- the core, without a lock
+
+
+def test_core_take_by_group_leaves_other_groups_in_place_and_loads_exact() -> None:
+    """QueueCore.take(key=...) takes only that group, in order; the per-group loads (count, cost)
+    follow every take, cancel and expiry exactly."""
+    core: QueueCore[str] = QueueCore(10)
+    a1, _ = core.insert("a1", 0, None, "a", 2, now=0.0)
+    core.insert("b1", 0, 5.0, "b", 3, now=0.0)
+    core.insert("a2", 0, None, "a", 4, now=0.001)
+    assert core.loads() == {"a": [2, 6], "b": [1, 3]}
+    assert [e.item for e in core.take(8, 0.002, key="a")] == ["a1", "a2"]
+    assert core.loads() == {"b": [1, 3]}
+    assert not core.cancel(a1)  # already taken
+    drops = core.expire(0.005)
+    assert [(e.item, type(exc)) for e, exc in drops] == [("b1", DeadlineExceeded)]
+    assert core.loads() == {}
+    assert (core.depth, core.seq) == (0, 3)
+
+
+def test_core_announces_freed_slots_and_never_wakes_anyone_itself() -> None:
+    """QueueCore calls on_release(n) with the number of slots each removal frees, so that a shell
+    can wake exactly that many writers."""
+    core: QueueCore[int] = QueueCore(4)
+    freed: list[int] = []
+    core.on_release = freed.append
+    entries = [core.insert(i, 0, None, None, 1, now=0.0)[0] for i in range(4)]
+    core.cancel(entries[0])
+    core.take(2, now=0.0)
+    assert freed == [1, 2]
+    assert core.depth == 1
+
+
+def test_core_oldest_and_next_deadline_skip_entries_that_left() -> None:
+    """oldest() and next_deadline() ignore cancelled entries (lazy deletion stays invisible)."""
+    core: QueueCore[str] = QueueCore(4)
+    first, _ = core.insert("first", 1, 1.0, None, 1, now=0.0)
+    core.insert("second", 0, 3.0, None, 1, now=0.5)
+    assert core.oldest() is first
+    assert core.next_deadline() == pytest.approx(0.001)
+    core.cancel(first)
+    oldest = core.oldest()
+    assert oldest is not None
+    assert oldest.item == "second"
+    assert core.next_deadline() == pytest.approx(0.503)
+
+
+def test_wait_for_room_returns_at_once_when_there_is_room_and_false_on_timeout() -> None:
+    """BoundedQueue.wait_for_room is True immediately with room, False after the timeout when
+    full, and leaves no waiter behind."""
+    q: BoundedQueue[int] = BoundedQueue(1, "block")
+    assert q.wait_for_room(0)
+    q.put_nowait(1)
+    assert not q.wait_for_room(0.01)
+    assert len(q._space_waiters) == 0

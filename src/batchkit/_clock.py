@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Clock", "MonotonicClock"]
+__all__ = ["Clock", "ListenableClock", "MonotonicClock"]
 
 
 @runtime_checkable
@@ -13,6 +14,19 @@ class Clock(Protocol):
     """Anything with ``now() -> float`` seconds on a monotonic scale."""
 
     def now(self) -> float: ...
+
+
+@runtime_checkable
+class ListenableClock(Protocol):
+    """A clock that moves only when told (a test or simulation clock) and then notifies the
+    conditions registered with it, so that a runtime sleeping until a deadline on that clock is
+    woken when the deadline comes. :class:`batchkit.testing.MockClock` is one."""
+
+    def now(self) -> float: ...
+
+    def add_listener(self, cond: threading.Condition) -> None: ...
+
+    def remove_listener(self, cond: threading.Condition) -> None: ...
 
 
 class MonotonicClock:

@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -34,6 +34,7 @@ __all__ = [
     "BatchSizePolicy",
     "CircuitBreaker",
     "Decision",
+    "TunableTarget",
     "is_out_of_memory",
 ]
 
@@ -291,18 +292,71 @@ class _ControllerPolicy:
         return self.controller.update(queue_depth, now).batch_size
 
 
+@runtime_checkable
+class TunableTarget(Protocol):
+    """What :class:`AdaptiveTuner` drives: a runtime with a queue, a latency record and one batch
+    limit. :class:`~batchkit.DynamicBatcher` implements it (``max_batch_size``; end-to-end
+    latency); the continuous loop's role is ``max_num_seqs`` with TPOT as its latency."""
+
+    def queue_depth(self) -> int:
+        """Requests waiting now (not yet running)."""
+        ...
+
+    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+        """Latencies (seconds) recorded after the first ``since``, and the count to pass next."""
+        ...
+
+    def set_batch_limit(self, size: int) -> None:
+        """Apply a new limit on the requests that run together."""
+        ...
+
+
+class _LoopWithoutProtocol:
+    """Adapts a ContinuousDecodeLoop that does not implement :class:`TunableTarget` yet: its
+    queue is the scheduler's waiting list, its latency the time per output token."""
+
+    def __init__(self, loop: Any) -> None:
+        self.scheduler = loop.scheduler
+
+    def queue_depth(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+        # The scheduler keeps TPOT samples in a private window until the loop implements
+        # TunableTarget (see docs/architecture.md); tests/test_architecture.py allow-lists this.
+        samples: tuple[list[float], int] = self.scheduler._tpot.since(since)
+        return samples
+
+    def set_batch_limit(self, size: int) -> None:
+        self.scheduler.max_num_seqs = size
+
+
 class AdaptiveTuner:
     """Applies a policy to a live :class:`~batchkit.DynamicBatcher` (``max_batch_size``) or
     :class:`~batchkit.ContinuousDecodeLoop` (``max_num_seqs``), from their own statistics.
 
-    Call :meth:`step` periodically (or :meth:`start` a timer thread). ``policy`` is an
-    :class:`AdaptiveBatchController` or any object with ``decide(queue_depth, latencies_s, now)``.
+    ``target`` is any :class:`TunableTarget` (a decode loop that does not implement it yet is
+    adapted through its scheduler). Call :meth:`step` periodically (or :meth:`start` a timer
+    thread). ``policy`` is an :class:`AdaptiveBatchController` or any object with
+    ``decide(queue_depth, latencies_s, now)``.
+
+    Raises:
+        TypeError: ``target`` is neither a :class:`TunableTarget` nor a decode loop.
     """
 
     def __init__(
         self, target: Any, policy: AdaptiveBatchController | BatchSizePolicy, *, clock: Clock | None = None
     ) -> None:
         self.target = target
+        if isinstance(target, TunableTarget):
+            self._tunable: TunableTarget = target
+        elif hasattr(target, "scheduler"):
+            self._tunable = _LoopWithoutProtocol(target)
+        else:
+            raise TypeError(
+                f"AdaptiveTuner needs a TunableTarget (queue_depth, latency_samples, set_batch_limit), "
+                f"got {type(target).__name__}: pass a DynamicBatcher or a ContinuousDecodeLoop"
+            )
         self.policy: BatchSizePolicy = (
             _ControllerPolicy(policy) if isinstance(policy, AdaptiveBatchController) else policy
         )
@@ -311,23 +365,12 @@ class AdaptiveTuner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _snapshot(self) -> tuple[float, list[float]]:
-        t = self.target
-        if hasattr(t, "scheduler"):  # a ContinuousDecodeLoop: queue = waiting requests, latency = TPOT
-            s = t.scheduler
-            new, self._seen = s._tpot.since(self._seen)
-            return float(len(s.waiting)), new
-        new, self._seen = t._latency.since(self._seen)
-        return float(t.queue._depth), new
-
     def step(self) -> int:
         """Read the target, ask the policy, apply its batch size; return it."""
-        depth, lat = self._snapshot()
-        size = int(self.policy.decide(depth, lat, self.clock.now()))
-        if hasattr(self.target, "scheduler"):
-            self.target.scheduler.max_num_seqs = size
-        else:
-            self.target.max_batch_size = size
+        t = self._tunable
+        lat, self._seen = t.latency_samples(self._seen)
+        size = int(self.policy.decide(float(t.queue_depth()), lat, self.clock.now()))
+        t.set_batch_limit(size)
         return size
 
     def start(self, interval_s: float = 0.1) -> None:

@@ -1,13 +1,17 @@
 """DynamicBatcher: many small calls in, few large calls to the model, every caller answered once.
 
-Architecture (see docs/concepts.md):
+Architecture (see docs/architecture.md):
 
-- Callers (threads or async tasks, on asyncio or trio, mixed) put requests in a
-  :class:`~batchkit.BoundedQueue` under one lock and park on a waiter.
-- One dispatcher thread decides, from the queue's state and the clock, when a batch is due
+- The policy is a sans-I/O :class:`~batchkit.former.BatchFormer` over the queue's
+  :class:`~batchkit._queue_core.QueueCore`: it admits requests, decides when a batch is due
   (``max_batch_size`` reached, ``max_wait_ms`` since the *oldest* waiting item, ``flush()``,
-  ``close()``), and seals it only when a worker slot is free, so that while the model is busy the
-  next batch keeps growing. It also expires deadlines and enforces ``batch_timeout_s``.
+  ``close()``) and seals it only when a worker slot is free, so that while the model is busy the
+  next batch keeps growing. This module is its threaded shell, and ``batchkit.sim`` drives the
+  same former on virtual time.
+- Callers (threads or async tasks, on asyncio or trio, mixed) admit requests through the former
+  under the queue's lock (``queue.mutex``) and park on a waiter.
+- One dispatcher thread sleeps until the former's ``wake_at`` (or an arrival that changes the
+  plan), expires deadlines, enforces ``batch_timeout_s`` and hands due batches to the workers.
 - ``max_concurrent_batches`` worker threads call the batch function (an async one runs on the
   batcher's own event loop thread) and deliver results: per-item values or exceptions, one
   cross-thread wake per caller event loop per batch.
@@ -22,7 +26,6 @@ import contextlib
 import inspect
 import logging
 import threading
-from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from queue import SimpleQueue
@@ -31,12 +34,14 @@ from typing import Any, Generic, TypedDict, TypeVar
 
 import anyio
 
-from ._clock import Clock
+from ._clock import Clock, ListenableClock
 from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
+from ._queue_core import TAKEN, Drop, QueueEntry, check_put_args, check_queue_options
 from ._waiters import ThreadWaiter, new_async_waiter, wake_all
 from .adaptive import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
+from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
 from .metrics import LatencySummary, SampleWindow
-from .queue import _ANY, WAITING, BoundedQueue, OnFull, QueueEntry, _check_put_args, check_queue_options
+from .queue import BoundedQueue, OnFull
 
 __all__ = [
     "FLUSH_REASONS",
@@ -45,6 +50,7 @@ __all__ = [
     "BatcherStatistics",
     "DynamicBatcher",
     "check_batcher_options",
+    "is_async_callable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,24 +58,24 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-FLUSH_REASONS = ("size", "cost", "timeout", "flush", "close")
 _NO_FALLBACK: Any = object()
-_PENDING, _DISPATCHED, _DONE = range(3)
 
 
 class _Request(QueueEntry[Any]):
     """One caller's item, its place in the queue (it *is* the queue entry) and how to answer it.
 
-    The queue fields (priority, seq, arrival, ...) are filled in when it is admitted.
+    The queue fields (priority, seq, arrival, ...) are filled in when it is admitted; its queue
+    ``state`` says whether it waits or was taken into a batch, ``done`` whether it was answered
+    (or its caller gave up).
     """
 
-    __slots__ = ("error", "fallback", "phase", "sink", "value")
+    __slots__ = ("done", "error", "fallback", "sink", "value")
 
     def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
         self.item = item
         self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
         self.fallback = fallback
-        self.phase = _PENDING
+        self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
 
@@ -79,25 +85,7 @@ class _Request(QueueEntry[Any]):
         return self.value
 
 
-@dataclass(frozen=True, slots=True)
-class BatchInfo:
-    """How one batch was formed: its size, total cost, group key and why it was flushed."""
-
-    size: int
-    cost: float
-    key: Hashable
-    reason: str
-
-
-class _Batch:
-    __slots__ = ("abandoned", "info", "requests", "started", "thread")
-
-    def __init__(self, requests: list[_Request], info: BatchInfo, started: float) -> None:
-        self.requests = requests
-        self.info = info
-        self.started = started
-        self.abandoned = False
-        self.thread: threading.Thread | None = None
+_Batch = FormedBatch[_Request]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,25 +253,36 @@ class DynamicBatcher(Generic[T, R]):
             queue = BoundedQueue(max_queue, on_full, clock=clock)
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
-        self.max_batch_size = max_batch_size
-        self.max_wait_ms = float(max_wait_ms)
-        self.max_concurrent_batches = max_concurrent_batches
         self.size_fn = size_fn
-        self.max_batch_cost = max_batch_cost
         self.group_by = group_by
         self.isolate_errors = isolate_errors
-        self.controller = controller
-        self.circuit_breaker = circuit_breaker
-        if controller is not None:
-            self.max_batch_size = controller.batch_size
-        self._manual = False  # set by batchkit.sim: the cores are driven without threads
-        self.batch_timeout_s = batch_timeout_s
         self.clock: Clock = clock if clock is not None else queue.clock
         self._now = self.clock.now
         self.queue: BoundedQueue[_Request] = queue
         queue.on_drop = self._on_drop
-        self._is_async = _is_async_callable(fn)
-        self._mutex = queue._mutex
+        self.former: BatchFormer[_Request] = BatchFormer(
+            queue.core,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_batch_cost=max_batch_cost,
+            grouped=group_by is not None,
+            max_concurrent_batches=max_concurrent_batches,
+            batch_timeout_s=batch_timeout_s,
+            controller=controller,
+            circuit_breaker=circuit_breaker,
+        )
+        """The flush policy this batcher drives (under ``queue.mutex``)."""
+        # The settings the former was built with (they do not change; max_batch_size does).
+        self.max_wait_ms = self.former.max_wait_ms
+        self.max_batch_cost = max_batch_cost
+        self.max_concurrent_batches = max_concurrent_batches
+        self.batch_timeout_s = batch_timeout_s
+        self.controller = controller
+        self.circuit_breaker = circuit_breaker
+        self._core = queue.core
+        self._block = queue.on_full == "block"
+        self._is_async = is_async_callable(fn)
+        self._mutex = queue.mutex
         self._cond = threading.Condition(self._mutex)
         self._work: SimpleQueue[_Batch | None] = SimpleQueue()
         self._dispatcher: threading.Thread | None = None
@@ -292,12 +291,8 @@ class DynamicBatcher(Generic[T, R]):
         self._portal: Any = None
         self._portal_lock = threading.Lock()
         self._portal_stopped: str | None = None  # why: no async batch may start after close stopped it
-        self._recent: deque[BatchInfo] = deque(maxlen=64)
-        self._running: list[_Batch] = []
         self._closing = False
         self._closed = False
-        self._flush_seq = 0
-        self._wake_at: float | None = None
         self._dispatcher_idle = False
         # statistics
         self._submitted = 0
@@ -306,14 +301,37 @@ class DynamicBatcher(Generic[T, R]):
         self._cancelled = 0
         self._expired = 0
         self._rejected = 0
-        self._batches = 0
-        self._batch_items = 0
-        self._sizes: Counter[int] = Counter()
-        self._reasons: Counter[str] = Counter()
         self._latency = SampleWindow()
         self._batch_time = SampleWindow()
         self._t_first: float | None = None
         self._t_last = 0.0
+
+    # ------------------------------------------------------------------ the former's limits
+
+    @property
+    def max_batch_size(self) -> int:
+        """Most items per batch (an adaptive controller or tuner may change it)."""
+        return self.former.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int) -> None:
+        self.former.max_batch_size = value
+
+    # ------------------------------------------------------------------ what AdaptiveTuner reads
+
+    def queue_depth(self) -> int:
+        """Items waiting in the queue now (``TunableTarget``)."""
+        return self._core.depth
+
+    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+        """End-to-end latencies (seconds) of the callers answered after the first ``since``
+        (those still in the window), and the new count to pass next time (``TunableTarget``)."""
+        with self._mutex:
+            return self._latency.since(since)
+
+    def set_batch_limit(self, size: int) -> None:
+        """Set ``max_batch_size`` (``TunableTarget``)."""
+        self.former.max_batch_size = size
 
     # ------------------------------------------------------------------ submitting
 
@@ -375,7 +393,7 @@ class DynamicBatcher(Generic[T, R]):
         """
         waiter = new_async_waiter()
         req = _Request(item, waiter, fallback)
-        if self.queue.on_full == "block":
+        if self._block:
             await self._enqueue_async_blocking(req, priority, deadline_ms, timeout)
         else:
             self._enqueue(req, priority, deadline_ms)
@@ -404,14 +422,19 @@ class DynamicBatcher(Generic[T, R]):
                 raise ValueError(f"size_fn must return a cost >= 0, got {cost!r}")
         return key, cost
 
-    def _enqueue(self, req: _Request, priority: int, deadline_ms: float | None) -> None:
+    def _enqueue(self, req: _Request, priority: int, deadline_ms: float | None) -> bool:
+        """Admit ``req`` through the former; False (nothing done) when a ``"block"`` queue has
+        no room, so that the caller waits for some.
+
+        Raises:
+            BatcherClosed, CircuitOpen, QueueFull, TypeError, ValueError: refused.
+        """
         if self.group_by is not None or self.size_fn is not None:
             key, cost = self._prepare(req)
         else:
             key, cost = None, 1
         if deadline_ms is not None or type(priority) is not int:
-            _check_put_args(priority, deadline_ms)
-        q = self.queue
+            check_put_args(priority, deadline_ms)
         with self._mutex:
             if self._closing:
                 raise BatcherClosed(f"{self.name}: the batcher is closed; create a new one to submit")
@@ -421,106 +444,62 @@ class DynamicBatcher(Generic[T, R]):
                 except CircuitOpen:
                     self._rejected += 1
                     raise
-            drops: list[tuple[QueueEntry[Any], BaseException]] = []
-            if q._depth >= q.maxsize:
-                try:
-                    drops = q._admit(priority)
-                except QueueFull:
-                    self._rejected += 1
-                    raise
+            if self._block and self._core.depth >= self._core.maxsize:
+                return False
             now = self._now()
-            req.priority = priority
-            req.arrival = now
-            req.deadline = None if deadline_ms is None else now + deadline_ms / 1e3
-            req.key = key
-            req.cost = cost
-            req.state = WAITING
-            q._seq += 1
-            req.seq = q._seq
-            was_empty = q._depth == 0
-            q._push(req)
+            try:
+                drops, replan = self.former.add(req, now, priority, deadline_ms, key, cost)
+            except QueueFull:
+                self._rejected += 1
+                raise
             self._submitted += 1
             if self._t_first is None:
                 self._t_first = now
-            if self._manual:
-                pass
-            elif self._dispatcher is None:
+            if self._dispatcher is None:
                 self._start()
-            elif self._dispatcher_idle:
-                # Wake the dispatcher only when this arrival changes its plan: a first item starts
-                # the wait clock, a full group is due now, an earlier deadline moves the wake-up.
-                load = q._key_counts[key]
-                if (
-                    was_empty
-                    or drops
-                    or load[0] >= self.max_batch_size
-                    or (self.max_batch_cost is not None and load[1] >= self.max_batch_cost)
-                    or (req.deadline is not None and (self._wake_at is None or req.deadline < self._wake_at))
-                ):
-                    self._dispatcher_idle = False
-                    self._cond.notify()
+            elif replan and self._dispatcher_idle:
+                # Wake the dispatcher only when this arrival changes its plan (see BatchFormer.add).
+                self._dispatcher_idle = False
+                self._cond.notify()
         if drops:
             self._resolve_drops(drops)
+        return True
+
+    def _no_room(self, timeout: float | None) -> QueueFull:
+        with self._mutex:
+            self._rejected += 1
+            self._core.count_rejection()
+        return QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s")
 
     def _enqueue_sync(self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None) -> None:
-        if self.queue.on_full != "block":
+        if not self._block:
             self._enqueue(req, priority, deadline_ms)
             return
         deadline = None if timeout is None else _monotonic() + timeout
-        while True:
-            try:
-                self._enqueue(req, priority, deadline_ms)
-                return
-            except QueueFull:
-                with self._mutex:
-                    self._rejected -= 1  # not a rejection yet: we wait for room
-                    if self.queue._depth < self.queue.maxsize:
-                        continue
-                    waiter = ThreadWaiter()
-                    self.queue._space_waiters.append(waiter)
-                remaining = None if deadline is None else deadline - _monotonic()
-                if (remaining is not None and remaining <= 0) or not waiter.wait(remaining):
-                    self.queue._abandon(self.queue._space_waiters, waiter)
-                    with self._mutex:
-                        self._rejected += 1
-                    raise QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s") from None
+        while not self._enqueue(req, priority, deadline_ms):
+            if not self.queue.wait_for_room(None if deadline is None else deadline - _monotonic()):
+                raise self._no_room(timeout)
 
     async def _enqueue_async_blocking(
         self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None
     ) -> None:
-        with anyio.move_on_after(timeout) as scope:
-            while True:
-                try:
-                    self._enqueue(req, priority, deadline_ms)
-                    return
-                except QueueFull:
-                    with self._mutex:
-                        self._rejected -= 1
-                        if self.queue._depth < self.queue.maxsize:
-                            continue
-                        waiter = new_async_waiter()
-                        self.queue._space_waiters.append(waiter)
-                try:
-                    await waiter
-                except BaseException:
-                    self.queue._abandon(self.queue._space_waiters, waiter)
-                    raise
-        if scope.cancelled_caught:
-            with self._mutex:
-                self._rejected += 1
-            raise QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s")
+        with anyio.move_on_after(timeout):
+            while not self._enqueue(req, priority, deadline_ms):
+                await self.queue.await_room()
+            return
+        raise self._no_room(timeout)
 
     def _cancel(self, req: _Request) -> None:
         """The caller gave up: drop its item if still queued, else let its result be discarded."""
         with self._mutex:
-            if req.phase == _DONE:
+            if req.done:
                 return
-            if self.queue._cancel(req):
-                req.phase = _DONE
+            if self._core.cancel(req):
+                req.done = True
                 self._cancelled += 1
-            elif req.phase == _DISPATCHED:
-                # Its batch runs; the result will find no one waiting and is dropped.
-                req.phase = _DONE
+            elif req.state == TAKEN:
+                # Its batch runs (or is about to); the result will find no one waiting and is dropped.
+                req.done = True
                 self._cancelled += 1
 
     # ------------------------------------------------------------------ controls
@@ -528,7 +507,7 @@ class DynamicBatcher(Generic[T, R]):
     def flush(self) -> None:
         """Dispatch everything waiting now without waiting for ``max_wait_ms``."""
         with self._mutex:
-            self._flush_seq = self.queue._seq
+            self.former.flush()
             self._dispatcher_idle = False
             self._cond.notify()
 
@@ -547,13 +526,13 @@ class DynamicBatcher(Generic[T, R]):
             if self._closed:
                 return
             self._closing = True
-            drops: list[tuple[QueueEntry[_Request], BaseException]] = []
+            self.former.close()
+            drops: list[Drop] = []
             if not drain:
-                while True:
-                    taken = self.queue._take(self.queue.maxsize, self.clock.now())
-                    if not taken:
-                        break
-                    drops += [(e, BatcherClosed(f"{self.name}: closed before this item ran")) for e in taken]
+                drops = [
+                    (e, BatcherClosed(f"{self.name}: closed before this item ran"))
+                    for e in self.former.drain(self.clock.now())
+                ]
             self._dispatcher_idle = False
             self._cond.notify_all()
             dispatcher = self._dispatcher
@@ -621,9 +600,8 @@ class DynamicBatcher(Generic[T, R]):
         )
         for _ in range(self.max_concurrent_batches):
             self._spawn_worker()
-        listen = getattr(self.clock, "_add_listener", None)
-        if listen is not None:
-            listen(self._cond)
+        if isinstance(self.clock, ListenableClock):
+            self.clock.add_listener(self._cond)
         self._dispatcher.start()
 
     def _spawn_worker(self) -> None:
@@ -632,24 +610,26 @@ class DynamicBatcher(Generic[T, R]):
         w.start()
 
     def _dispatch_loop(self) -> None:
-        mock = hasattr(self.clock, "_add_listener")
+        # A clock that moves only when told wakes this thread through its listener; the real
+        # clock is slept on until the former's wake_at.
+        mock = isinstance(self.clock, ListenableClock)
+        former = self.former
         try:
             while True:
-                drops: list[tuple[QueueEntry[_Request], BaseException]]
+                drops: list[Drop]
                 timed_out: list[_Batch] = []
                 with self._mutex:
                     while True:
                         now = self.clock.now()
-                        drops = self.queue._expire(now)
+                        drops = former.expire(now)
                         timed_out = self._check_timeouts(now)
-                        batch, wake_at = self._next_batch(now)
+                        batch, wake_at = former.next_batch(now)
                         if batch is not None or drops or timed_out:
                             break
-                        if self._closing and self.queue._depth == 0 and not self._running:
+                        if former.finished:
                             for _ in self._workers:
                                 self._work.put(None)
                             return
-                        self._wake_at = wake_at
                         self._dispatcher_idle = True
                         if wake_at is None or mock:
                             self._cond.wait(None if not mock else 1.0)
@@ -670,85 +650,18 @@ class DynamicBatcher(Generic[T, R]):
             logger.exception("batchkit dispatcher crashed")
             raise
         finally:
-            remove = getattr(self.clock, "_remove_listener", None)
-            if remove is not None:
-                remove(self._cond)
+            if isinstance(self.clock, ListenableClock):
+                self.clock.remove_listener(self._cond)
 
     def _check_timeouts(self, now: float) -> list[_Batch]:
-        if self.batch_timeout_s is None or not self._running:
-            return []
-        out = [b for b in self._running if now - b.started >= self.batch_timeout_s]
+        """Batches past ``batch_timeout_s`` (lock held): the former frees their slots; each
+        stuck worker is replaced (it leaves when, if, its call returns)."""
+        out = self.former.timed_out(now)
         for b in out:
-            b.abandoned = True
-            if self.circuit_breaker is not None:
-                self.circuit_breaker.record(False)
-            self._running.remove(b)
-            if b.thread in self._workers:
-                self._workers.remove(b.thread)
-            self._spawn_worker()  # the stuck worker leaves when (if) its call returns
+            if b.runner in self._workers:
+                self._workers.remove(b.runner)
+            self._spawn_worker()
         return out
-
-    def _next_batch(self, now: float) -> tuple[_Batch | None, float | None]:
-        """Decide (lock held) whether a batch is due now; if not, when to look again."""
-        q = self.queue
-        wake_at = q._next_deadline()
-        if self._running and self.batch_timeout_s is not None:
-            first_timeout = min(b.started for b in self._running) + self.batch_timeout_s
-            wake_at = first_timeout if wake_at is None else min(wake_at, first_timeout)
-        if q._depth == 0 or len(self._running) >= self.max_concurrent_batches:
-            return None, wake_at
-        breaker = self.circuit_breaker
-        if breaker is not None and breaker.state != "closed" and not breaker.allow_dispatch():
-            if breaker.state == "open":  # look again when it turns half-open
-                reopen = breaker.half_open_at
-                wake_at = reopen if wake_at is None else min(wake_at, reopen)
-            return None, wake_at
-        reason = None
-        key: Hashable = _ANY
-        for k, (count, cost) in q._key_counts.items():
-            if count >= self.max_batch_size:
-                reason, key = "size", k
-                break
-            if self.max_batch_cost is not None and cost >= self.max_batch_cost:
-                reason, key = "cost", k
-                break
-        if reason is None:
-            oldest = q._oldest()
-            assert oldest is not None
-            key = oldest.key
-            if self._closing:
-                reason = "close"
-            elif oldest.seq <= self._flush_seq:
-                reason = "flush"
-            else:
-                due = oldest.arrival + self.max_wait_ms / 1e3
-                if now < due:
-                    return None, due if wake_at is None else min(due, wake_at)
-                reason = "timeout"
-        if self.group_by is None:
-            key = _ANY
-        if self.controller is not None:
-            # The controller sees the backlog a batch of the current size would leave behind:
-            # none means batches have room to spare (step down), some means they fall behind.
-            backlog = max(0, q._depth - self.max_batch_size)
-            self.max_batch_size = self.controller.update(backlog, now).batch_size
-        reqs: list[_Request] = q._take(self.max_batch_size, now, self.max_batch_cost, key)  # type: ignore[assignment]
-        for r in reqs:
-            r.phase = _DISPATCHED
-        info = BatchInfo(
-            size=len(reqs),
-            cost=float(sum(r.cost for r in reqs)) if self.size_fn else float(len(reqs)),
-            key=None if key is _ANY else key,
-            reason=reason,
-        )
-        batch = _Batch(reqs, info, now)
-        self._running.append(batch)
-        self._batches += 1
-        self._batch_items += len(reqs)
-        self._sizes[len(reqs)] += 1
-        self._reasons[reason] += 1
-        self._recent.append(info)
-        return batch, wake_at
 
     # ------------------------------------------------------------------ running batches
 
@@ -759,13 +672,12 @@ class DynamicBatcher(Generic[T, R]):
             if batch.abandoned:
                 return  # a replacement worker took this one's place
             with self._mutex:
-                if batch in self._running:
-                    self._running.remove(batch)
+                self.former.complete(batch)
                 # Keep the model busy: if the next batch is already due, run it from here rather
                 # than handing it through the dispatcher thread (two thread switches saved).
                 now = self._now()
-                drops = self.queue._expire(now)
-                nxt, _ = self._next_batch(now)
+                drops = self.former.expire(now)
+                nxt, _ = self.former.next_batch(now)
                 if nxt is None:
                     self._dispatcher_idle = False
                     self._cond.notify()
@@ -774,8 +686,8 @@ class DynamicBatcher(Generic[T, R]):
             batch = nxt if nxt is not None else self._work.get()
 
     def _run_batch(self, batch: _Batch) -> None:
-        batch.thread = threading.current_thread()
-        reqs = batch.requests
+        batch.runner = threading.current_thread()
+        reqs = batch.entries
         live: list[_Request] = []
         for r in reqs:
             sink = r.sink
@@ -784,15 +696,14 @@ class DynamicBatcher(Generic[T, R]):
                     live.append(r)
                 else:
                     with self._mutex:
-                        if r.phase != _DONE:
-                            r.phase = _DONE
+                        if not r.done:
+                            r.done = True
                             self._cancelled += 1
-            elif r.phase != _DONE:
+            elif not r.done:
                 live.append(r)
         if not live:
-            if self.circuit_breaker is not None:
-                with self._mutex:  # if this was the half-open probe, the next batch probes instead
-                    self.circuit_breaker.release_probe()
+            with self._mutex:
+                self.former.record(batch, 0, 0.0, True, self._now())
             return
         t0 = self.clock.now()
         held: list[_Request] = []
@@ -800,11 +711,7 @@ class DynamicBatcher(Generic[T, R]):
         with self._mutex:
             now = self.clock.now()
             self._batch_time.add(now - t0)
-            if self.controller is not None:
-                self.controller.observe_batch(len(live), now - t0, now)
-            # An abandoned batch was already counted as failed when it timed out.
-            if self.circuit_breaker is not None and not batch.abandoned:
-                self.circuit_breaker.record(ok)
+            self.former.record(batch, len(live), now - t0, ok, now)
         # Wake the last callers only now, so that one who saw this batch fail and submits again
         # meets the breaker in the state that failure put it in.
         self._wake(held)
@@ -843,8 +750,7 @@ class DynamicBatcher(Generic[T, R]):
             oom = is_out_of_memory(exc)
             if oom and self.controller is not None:
                 with self._mutex:
-                    self.controller.on_oom(len(reqs), self._now())
-                    self.max_batch_size = min(self.max_batch_size, self.controller.batch_size)
+                    self.former.on_oom(len(reqs), self._now())
             splittable = isinstance(exc, Exception) and not isinstance(exc, BatcherClosed)
             if (oom or self.isolate_errors) and len(reqs) > 1 and splittable:
                 mid = len(reqs) // 2
@@ -890,7 +796,7 @@ class DynamicBatcher(Generic[T, R]):
         """Resolve each request once (lock for the bookkeeping, wakes outside it, or appends
         them to ``held`` for the caller to wake)."""
         if reqs is None:
-            reqs = batch.requests
+            reqs = batch.entries
         if batch.abandoned and error is None:
             return  # its callers were already failed with BatchTimeout
         claimed: list[_Request] = []
@@ -898,9 +804,9 @@ class DynamicBatcher(Generic[T, R]):
             now = self._now()
             failed = 0
             for i, r in enumerate(reqs):
-                if r.phase == _DONE:
+                if r.done:
                     continue
-                r.phase = _DONE
+                r.done = True
                 if error is not None:
                     r.error = error
                     failed += 1
@@ -916,8 +822,7 @@ class DynamicBatcher(Generic[T, R]):
             self._succeeded += len(claimed) - failed
             lat = [now - r.arrival for r in claimed]
             self._latency.extend(lat)
-            if self.controller is not None:
-                self.controller.observe_latencies(lat, now)
+            self.former.observe_latencies(lat, now)
             self._t_last = now
         if held is not None:
             held.extend(claimed)
@@ -943,7 +848,7 @@ class DynamicBatcher(Generic[T, R]):
     def _on_drop(self, entry: QueueEntry[Any], exc: BaseException) -> None:
         self._resolve_drops([(entry, exc)])
 
-    def _resolve_drops(self, drops: list[tuple[QueueEntry[Any], BaseException]], count_as: str = "") -> None:
+    def _resolve_drops(self, drops: Sequence[Drop], count_as: str = "") -> None:
         """Answer requests that left the queue without running (expired, evicted, closed)."""
         if not drops:
             return
@@ -951,9 +856,9 @@ class DynamicBatcher(Generic[T, R]):
         with self._mutex:
             for entry, exc in drops:
                 r: _Request = entry  # type: ignore[assignment]
-                if r.phase == _DONE:
+                if r.done:
                     continue
-                r.phase = _DONE
+                r.done = True
                 if r.fallback is not _NO_FALLBACK and not isinstance(exc, QueueFull):
                     r.value = r.fallback
                 else:
@@ -972,22 +877,23 @@ class DynamicBatcher(Generic[T, R]):
     def statistics(self) -> BatcherStatistics:
         """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
         qs = self.queue.statistics()
+        former = self.former
         with self._mutex:
             span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
             done = self._succeeded + self._failed
             return BatcherStatistics(
-                pending=self.queue._depth,
-                in_flight=len(self._running),
+                pending=self._core.depth,
+                in_flight=len(former.running),
                 submitted=self._submitted,
                 succeeded=self._succeeded,
                 failed=self._failed,
                 cancelled=self._cancelled,
                 expired=self._expired,
                 rejected=self._rejected,
-                batches=self._batches,
-                mean_batch_size=self._batch_items / self._batches if self._batches else 0.0,
-                batch_size_histogram=dict(sorted(self._sizes.items())),
-                flush_reasons=dict(self._reasons),
+                batches=former.batches,
+                mean_batch_size=former.batched_items / former.batches if former.batches else 0.0,
+                batch_size_histogram=dict(sorted(former.sizes.items())),
+                flush_reasons=dict(former.reasons),
                 queue_wait=qs.wait,
                 latency=self._latency.summary(),
                 batch_time=self._batch_time.summary(),
@@ -997,12 +903,12 @@ class DynamicBatcher(Generic[T, R]):
     def recent_batches(self) -> list[BatchInfo]:
         """The last 64 batches dispatched (size, cost, group key, flush reason), oldest first."""
         with self._mutex:
-            return list(self._recent)
+            return list(self.former.recent)
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else "open"
         return (
-            f"<DynamicBatcher {self.name} {state} pending={self.queue._depth} in_flight={len(self._running)} "
+            f"<DynamicBatcher {self.name} {state} pending={self._core.depth} in_flight={len(self.former.running)} "
             f"max_batch_size={self.max_batch_size} max_wait_ms={self.max_wait_ms:g}>"
         )
 
@@ -1012,7 +918,9 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _is_async_callable(fn: object) -> bool:
+def is_async_callable(fn: object) -> bool:
+    """Whether calling ``fn`` returns an awaitable (``async def``, a partial of one, or an object
+    whose ``__call__`` is ``async def``)."""
     while hasattr(fn, "func"):  # functools.partial
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from typing_extensions import Unpack
 
-from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, _is_async_callable, check_batcher_options
+from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, check_batcher_options, is_async_callable
 
 __all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched"]
 
@@ -141,7 +141,7 @@ class _BatchedBase(Generic[T, R]):
             raise ValueError(f"window must be >= 1, got {window!r}")
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
-        bar = _progress_bar(total, getattr(self, "__name__", "batched")) if progress else None
+        bar = progress_bar(total, getattr(self, "__name__", "batched")) if progress else None
         pending: deque[concurrent.futures.Future[R]] = deque()
         it = iter(items)
         try:
@@ -203,7 +203,7 @@ def _wrap(fn: Callable[..., Any], settings: _Settings) -> Any:
     # Validate now, so that a typo fails at decoration, not at the first call; without building
     # a batcher, which would claim a `queue=` that the real one needs.
     check_batcher_options(fn, settings.max_batch_size, settings.max_wait_ms, settings.options)
-    cls = AsyncBatchedFunction if _is_async_callable(fn) else BatchedFunction
+    cls = AsyncBatchedFunction if is_async_callable(fn) else BatchedFunction
     return cls(fn, settings)
 
 
@@ -282,9 +282,15 @@ class _SimpleBar:
         sys.stderr.write("\n")
 
 
-def _progress_bar(total: int | None, desc: str) -> Any:
+def progress_bar(total: int | None, desc: str) -> Any:
+    """A tqdm progress bar when tqdm is installed, else a plain one on stderr (``update(n)``,
+    ``close()``); ``@batched.map(progress=True)`` and ``batchkit bench`` show it."""
     try:
         from tqdm import tqdm
     except ImportError:
         return _SimpleBar(total, desc)
     return tqdm(total=total, desc=desc)
+
+
+# The former private name, still imported by bench.py (see tests/test_architecture.py).
+_progress_bar = progress_bar

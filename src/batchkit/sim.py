@@ -1,10 +1,11 @@
 """A discrete-event simulator of dynamic batching on virtual time.
 
-It drives batchkit's own cores (the :class:`~batchkit.BoundedQueue` admission and the
-:class:`~batchkit.DynamicBatcher` flush decisions, with an optional
-:class:`~batchkit.AdaptiveBatchController`) with a model of the batch cost ``t_batch(B)`` and an
-arrival process, so that what it predicts is what the batcher would do, thousands of simulated
-seconds per real second, deterministically under a seed.
+It drives the very cores that :class:`~batchkit.DynamicBatcher` drives (the queue's
+:class:`~batchkit._queue_core.QueueCore` admission and the :class:`~batchkit.former.BatchFormer`
+flush decisions, with an optional :class:`~batchkit.AdaptiveBatchController`) with a model of the
+batch cost ``t_batch(B)`` and an arrival process, so that what it predicts is what the batcher's
+policy does by construction, thousands of simulated seconds per real second, deterministically
+under a seed.
 
 ::
 
@@ -26,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import QueueFull
+from ._queue_core import QueueCore, QueueEntry
 from .adaptive import AdaptiveBatchController
-from .batcher import _NO_FALLBACK, DynamicBatcher, _Request
+from .former import BatchFormer, FormedBatch
 from .metrics import LatencySummary, SampleWindow
 
 __all__ = [
@@ -174,10 +176,6 @@ class _SimClock:
         return self.t
 
 
-def _noop(items: list[Any]) -> list[Any]:  # the simulator never calls the batch function
-    return items
-
-
 def simulate(
     cost: CostFn,
     arrivals: Iterable[float] | ClosedLoop,
@@ -190,7 +188,7 @@ def simulate(
     controller: AdaptiveBatchController | None = None,
     phases: Sequence[tuple[float, float]] | None = None,
 ) -> SimResult:
-    """Run the batcher's cores on virtual time.
+    """Run the batcher's cores (queue core and former) on virtual time.
 
     Args:
         cost: ``t_batch(B)`` in seconds.
@@ -205,17 +203,13 @@ def simulate(
     clock = _SimClock()
     if controller is not None:
         controller.clock = clock
-    b: DynamicBatcher[Any, Any] = DynamicBatcher(
-        _noop,
+    former: BatchFormer[QueueEntry[None]] = BatchFormer(
+        QueueCore(max_queue, "reject"),
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
-        max_queue=max_queue,
         max_concurrent_batches=max_concurrent_batches,
-        clock=clock,
         controller=controller,
     )
-    b._manual = True
-    q = b.queue
     closed = arrivals if isinstance(arrivals, ClosedLoop) else None
     events: list[
         tuple[float, int, int, Any]
@@ -254,15 +248,15 @@ def simulate(
         last_t = t
         clock.t = t
         if kind == 0:  # a batch finished
+            batch: FormedBatch[QueueEntry[None]]
             batch, size = payload
-            b._running.remove(batch)
-            lat = [t - r.arrival for r in batch.requests]
+            former.complete(batch)
+            lat = [t - r.arrival for r in batch.entries]
             latencies.extend(lat)
-            for r, x in zip(batch.requests, lat, strict=True):
+            for r, x in zip(batch.entries, lat, strict=True):
                 records.append((r.arrival, x, size))
-            if controller is not None:
-                controller.observe_latencies(lat, t)
-                controller.observe_batch(size, cost(size), t)
+            former.observe_latencies(lat, t)
+            former.record(batch, size, cost(size), True, t)
             in_system -= size
             if closed is not None and t < end_time:
                 for _ in range(size):
@@ -272,9 +266,8 @@ def simulate(
                 continue
             n_arrivals += 1
             arrival_times.append(t)
-            req = _Request(None, None, _NO_FALLBACK)
             try:
-                b._enqueue(req, 0, deadline_ms)
+                former.add(QueueEntry(None, 0, 0, t, None, None, 1), t, 0, deadline_ms)
                 in_system += 1
             except QueueFull:
                 rejected += 1
@@ -284,18 +277,18 @@ def simulate(
                     push(nxt, 1)
         else:
             timers.discard(t)
-        drops = q._expire(t)
+        drops = former.expire(t)
         expired += len(drops)
         in_system -= len(drops)
         while True:
-            batch, wake_at = b._next_batch(t)
-            if batch is None:
+            formed, wake_at = former.next_batch(t)
+            if formed is None:
                 break
-            size = len(batch.requests)
+            size = len(formed.entries)
             dt = cost(size)
             busy += dt
             batch_sizes.append((t, size))
-            push(t + dt, 0, (batch, size))
+            push(t + dt, 0, (formed, size))
         if wake_at is not None and wake_at > t and wake_at not in timers:
             timers.add(wake_at)
             push(wake_at, 2)

@@ -16,7 +16,8 @@ class MockClock:
     0.25
 
     Thread-safe. Runtimes that sleep until a deadline (the batcher's dispatcher) are woken by
-    ``advance`` through listeners they register, so a test drives time exactly.
+    ``advance`` through listeners they register (it is a :class:`~batchkit._clock.ListenableClock`),
+    so a test drives time exactly.
     """
 
     def __init__(self, start: float = 0.0) -> None:
@@ -38,11 +39,13 @@ class MockClock:
             with cond:
                 cond.notify_all()
 
-    def _add_listener(self, cond: threading.Condition) -> None:
+    def add_listener(self, cond: threading.Condition) -> None:
+        """Notify ``cond`` (``notify_all`` under it) whenever time advances."""
         with self._lock:
             self._listeners.append(cond)
 
-    def _remove_listener(self, cond: threading.Condition) -> None:
+    def remove_listener(self, cond: threading.Condition) -> None:
+        """Stop notifying ``cond``."""
         with self._lock:
             if cond in self._listeners:
                 self._listeners.remove(cond)
