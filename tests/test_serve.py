@@ -345,6 +345,40 @@ def test_a_flood_gets_503_with_retry_after_and_the_rest_is_served(models: tuple[
 
 
 @needs_models
+def test_the_priority_header_orders_admission(models: tuple[Any, Any]) -> None:
+    """With one running slot, a request sent later with a lower X-Batchkit-Priority is admitted first."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=64, max_num_seqs=1, warmup=False)
+    body = {"model": CHAT, "prompt": "Once upon a time", "temperature": 0, "ignore_eos": True}
+    finished: list[str] = []
+
+    def send(name: str, priority: int, max_tokens: int) -> None:
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={**body, "max_tokens": max_tokens},
+            headers={"X-Batchkit-Priority": str(priority)},
+            timeout=DEADLINE_S,
+        )
+        assert r.status_code == 200
+        finished.append(name)
+
+    with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        scheduler = server.state.loop.scheduler
+        first = pool.submit(send, "first", 0, 64)
+        _wait_until(lambda: len(scheduler.running) == 1, "the first request to run")
+        late = pool.submit(send, "bulk", 5, 2)
+        _wait_until(lambda: len(scheduler.waiting) == 1, "the bulk request to wait")
+        urgent = pool.submit(send, "urgent", -1, 2)
+        _wait_until(lambda: len(scheduler.waiting) == 2, "the urgent request to wait")
+        assert not first.done()  # both queued behind the first: the order below is the scheduler's
+        for f in (first, late, urgent):
+            f.result(timeout=DEADLINE_S)
+    assert finished == ["first", "urgent", "bulk"]
+
+
+@needs_models
 def test_shutting_down_under_load_finishes_the_accepted_request(models: tuple[Any, Any]) -> None:
     """A server told to stop while a request runs stops admitting but answers that request in full."""
     from batchkit.serve import create_app
@@ -560,3 +594,42 @@ def test_serve_command_exits_1_when_a_model_cannot_load() -> None:
     )
     assert proc.returncode == 1
     assert "failed to load" in proc.stderr
+
+
+PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "\ufffd", 6: "!"}
+
+
+def _detok(stop: tuple[str, ...] = ()) -> Any:
+    from batchkit.serve.protocol import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(lambda ids: "".join(PIECES[i] for i in ids).replace("\ufffd!", "\u00e9"), stop)
+
+
+def test_streamed_text_pieces_join_to_the_whole_text() -> None:
+    """Without stop strings every token's text is sent as soon as it is final, and nothing is lost."""
+    d = _detok()
+    assert [d.push(t) for t in (1, 2, 3, 4)] + [d.finish()] == ["Hel", "lo", " wor", "ld", ""]
+
+
+def test_an_incomplete_character_waits_for_its_next_token() -> None:
+    """A decoded text ending in U+FFFD (half a UTF-8 character) is held until the character completes."""
+    d = _detok()
+    assert [d.push(1), d.push(5), d.push(6)] == ["Hel", "", "\u00e9"]
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back_then_released() -> None:
+    """A tail that could start a stop string waits; once it cannot, it is sent; the pieces join to the text."""
+    d = _detok(("lox",))
+    pieces = [d.push(t) for t in (1, 2, 3)] + [d.finish()]
+    assert pieces == ["He", "l", "lo wor", ""]
+    assert not d.stopped
+
+
+def test_a_stop_string_ends_the_text_before_it() -> None:
+    """The stop string and what follows it are never sent; stopped is set at the token that completes it."""
+    d = _detok(("o w",))
+    pieces = [d.push(1), d.push(2)]
+    assert not d.stopped
+    pieces.append(d.push(3))
+    assert d.stopped
+    assert "".join(pieces) + d.finish() == "Hell"

@@ -40,6 +40,7 @@ from .metrics import BatchkitCollector
 from .protocol import (
     ApiError,
     GenerationRequest,
+    IncrementalDetokenizer,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -113,57 +114,6 @@ class _ServerMetrics:
         )
 
 
-class _TextTail:
-    """Turns a request's tokens into text deltas: incremental detokenisation and stop strings.
-
-    Text is emitted only when it is final: not while the decoded text ends in an incomplete
-    UTF-8 sequence (U+FFFD), and not while its end could be the start of a stop string. A stop
-    string ends the text before it (it is not part of the output), as OpenAI does.
-    """
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
-        self.decode = decode
-        self.stop = tuple(stop)
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        self.text = text
-        if self.stop:
-            longest = max(len(s) for s in self.stop)
-            start = max(0, self.sent - longest)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped = True
-                self.text = text[: min(hits)]
-                return self._take(len(self.text))
-            return self._take(len(text) - self._held_back(text))
-        return self._take(len(text))
-
-    def _held_back(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that begins some stop string."""
-        for n in range(min(len(text), max(len(s) for s in self.stop) - 1), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
-
-    def finish(self) -> str:
-        """What is left to send once the request has ended."""
-        return self._take(len(self.text))
-
-    def _take(self, end: int) -> str:
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent : end], end
-        return out
-
-
 class _Generation:
     """One accepted generation request: its token stream, text, timings and outcome."""
 
@@ -186,7 +136,7 @@ class _Generation:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.stop_token_ids = set(stop_token_ids)
-        self.tail = _TextTail(lm.decode, stop)
+        self.tail = IncrementalDetokenizer(lm.decode, stop)
         self.t_arrival = t_arrival
         self.t_last: float | None = None
         self.completion_tokens = 0
@@ -696,18 +646,25 @@ class ModelServer:
                 await gen.close()
                 await self._leave()
 
+    def _generation_error(self, exc: Exception) -> ApiError:
+        """The answer for an exception a generation raised (at submit or from its stream)."""
+        if isinstance(exc, QueueFull):
+            return self._queue_full(exc)
+        if isinstance(exc, KVCacheExhausted):
+            self._reject("kv_exhausted")
+            return ApiError(400, str(exc), code="context_length_exceeded")
+        if isinstance(exc, BatcherClosed):
+            return ApiError(503, str(exc), type="server_error", code="shutting_down")
+        if isinstance(exc, ValueError):
+            return ApiError(400, str(exc), code="invalid_value")
+        logger.error("batchkit.serve: a generation failed", exc_info=exc)
+        return ApiError(500, f"the generation failed: {exc}", type="server_error", code="generation_failed")
+
     async def _first_text(self, gen: _Generation) -> list[str]:
         try:
             text = await gen.next_text()
-        except QueueFull as exc:
-            raise self._queue_full(exc) from None
-        except KVCacheExhausted as exc:
-            self._reject("kv_exhausted")
-            raise ApiError(400, str(exc), code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        except BatcherClosed as exc:
-            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+        except Exception as exc:  # noqa: BLE001 - every failure gets an OpenAI error body
+            raise self._generation_error(exc) from None
         return [] if text is None else [text]
 
     async def _collect(self, gen: _Generation, first: list[str]) -> str:
@@ -715,10 +672,8 @@ class ModelServer:
         try:
             while (text := await gen.next_text()) is not None:
                 parts.append(text)
-        except KVCacheExhausted as exc:
-            raise ApiError(400, str(exc), code="context_length_exceeded") from None
-        except BatcherClosed as exc:
-            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+        except Exception as exc:  # noqa: BLE001 - every failure gets an OpenAI error body
+            raise self._generation_error(exc) from None
         parts.append(gen.tail.finish())
         return "".join(parts)
 
@@ -741,9 +696,8 @@ class ModelServer:
                 while (more := await gen.next_text()) is not None:
                     if more:
                         yield piece(more)
-            except (KVCacheExhausted, BatcherClosed) as exc:
-                err = ApiError(503 if isinstance(exc, BatcherClosed) else 400, str(exc), type="server_error")
-                yield _sse(err.body())
+            except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in the stream
+                yield _sse(self._generation_error(exc).body())
                 yield _sse("[DONE]")
                 return
             rest = gen.tail.finish()

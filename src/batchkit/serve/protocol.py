@@ -12,7 +12,7 @@ import math
 import struct
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ __all__ = [
     "ApiError",
     "EmbeddingRequest",
     "GenerationRequest",
+    "IncrementalDetokenizer",
     "chat_chunk",
     "chat_response",
     "completion_chunk",
@@ -267,6 +268,66 @@ def parse_embedding(body: Mapping[str, Any]) -> EmbeddingRequest:
         raise _invalid("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     _unsupported(body, "dimensions", (None,))
     return EmbeddingRequest(model=_opt_model(body), inputs=inputs, encoding_format=fmt)
+
+
+# ---------------------------------------------------------------------------------------- text
+
+
+class IncrementalDetokenizer:
+    """Turns a request's tokens into text deltas: incremental detokenisation and stop strings.
+
+    ``push(token)`` returns the text that became final with that token; ``finish()`` what is left
+    when the request ends; ``stopped`` tells that a stop string was found (push nothing more).
+
+    Text is emitted only when it is final: not while the decoded text ends in an incomplete
+    UTF-8 sequence (U+FFFD), and not while its end could be the start of a stop string. A stop
+    string ends the text before it (it is not part of the output), as OpenAI does.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
+        self.decode = decode
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        self.text = text
+        if self.stop:
+            longest = max(len(s) for s in self.stop)
+            start = max(0, self.sent - longest)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                self.text = text[: min(hits)]
+                return self._take(len(self.text))
+            return self._take(len(text) - self._held_back(text))
+        return self._take(len(text))
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that begins some stop string."""
+        for n in range(min(len(text), max(len(s) for s in self.stop) - 1), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def finish(self) -> str:
+        """What is left to send once the request has ended (including a trailing U+FFFD the model
+        really produced; before the end it may still complete a character)."""
+        if not self.stopped and self.ids:
+            self.text = self.decode(self.ids)
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
 
 
 # ---------------------------------------------------------------------------------------- bodies
