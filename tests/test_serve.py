@@ -462,6 +462,48 @@ def test_metrics_parse_and_count_what_was_sent(live: LiveServer, client: Any) ->
 
 
 @needs_models
+def test_the_app_mounted_in_another_app_serves_under_its_prefix(models: tuple[Any, Any]) -> None:
+    """Mounted under /llm with its lifespan entered from the parent's (as docs/serving.md shows),
+    the app loads, reports ready and answers under the prefix."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from batchkit.serve import create_app
+
+    _, encoder = models
+    llm = create_app(embedding_model=encoder)
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        async with llm.router.lifespan_context(llm):
+            yield
+
+    parent = Starlette(routes=[Mount("/llm", app=llm)], lifespan=lifespan)
+    server = LiveServer(parent)
+    server.thread.start()
+    try:
+        _wait_until(lambda: llm.state.batchkit.ready, "the mounted app to load")
+        assert httpx.get(f"{server.url}/llm/ready", timeout=30).status_code == 200
+        r = httpx.post(f"{server.url}/llm/v1/embeddings", json={"input": "hello"}, timeout=30)
+        assert len(r.json()["data"][0]["embedding"]) == encoder.dimension
+    finally:
+        server.__exit__()
+    assert llm.state.batchkit.accepting is False  # the parent's shutdown reached the mounted app
+
+
+def test_importing_batchkit_or_batchkit_serve_loads_no_web_framework() -> None:
+    """`import batchkit` and `import batchkit.serve` import neither starlette, uvicorn nor prometheus_client."""
+    code = (
+        "import sys, batchkit, batchkit.serve\n"
+        "heavy = {'starlette', 'uvicorn', 'prometheus_client', 'torch', 'transformers'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@needs_models
 def test_health_and_ready(live: LiveServer) -> None:
     """/health and /ready answer 200 on a loaded server."""
     assert httpx.get(f"{live.url}/health", timeout=30).json() == {"status": "ok"}
