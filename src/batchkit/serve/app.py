@@ -15,6 +15,7 @@ next step boundary.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -246,6 +247,9 @@ class ModelServer:
         num_blocks, block_size: the KV pool (``num_blocks * block_size`` tokens in all).
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching: the loop's scheduling.
         max_waiting: requests that may wait for admission before new ones get 503.
+        tenant_quotas: most KV blocks each tenant (``X-Batchkit-Tenant``) may hold at once; a
+            tenant at its quota waits while other tenants' requests go on. Needs a
+            ``ContinuousDecodeLoop`` that takes ``tenant_quotas`` (refused with ValueError otherwise).
         default_max_tokens: output limit of a request that gives none (also capped by the context).
         embedding_max_batch, embedding_max_wait_ms, embedding_max_queue: the embedding batcher.
         retry_after_s: the ``Retry-After`` header of 503 answers.
@@ -269,6 +273,7 @@ class ModelServer:
         max_num_batched_tokens: int = 1024,
         enable_prefix_caching: bool = True,
         max_waiting: int | None = 64,
+        tenant_quotas: Mapping[str, int] | None = None,
         default_max_tokens: int = 256,
         embedding_max_batch: int = 32,
         embedding_max_wait_ms: float = 5.0,
@@ -292,6 +297,12 @@ class ModelServer:
             "enable_prefix_caching": enable_prefix_caching,
             "max_waiting": max_waiting,
         }
+        if tenant_quotas:
+            if "tenant_quotas" not in inspect.signature(ContinuousDecodeLoop).parameters:
+                raise ValueError(
+                    "tenant_quotas needs a ContinuousDecodeLoop that takes tenant_quotas=; this batchkit's does not"
+                )
+            self.loop_options["tenant_quotas"] = dict(tenant_quotas)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.default_max_tokens = default_max_tokens

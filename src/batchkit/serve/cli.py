@@ -10,6 +10,7 @@ Nothing here imports the web framework until the command runs, so ``batchkit --h
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -87,6 +88,11 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
     )
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     s.add_argument(
+        "--tenant-quotas",
+        metavar="FILE",
+        help='a JSON object {"tenant": max KV blocks, ...} for the X-Batchkit-Tenant header\'s tenants',
+    )
+    s.add_argument(
         "--default-max-tokens", type=_positive_int, default=256, help="output limit when a request gives none"
     )
     s.add_argument("--embedding-max-batch", type=_positive_int, default=32, help="embedding batch size (default 32)")
@@ -103,6 +109,17 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
     return p
 
 
+def _read_quotas(path: str) -> dict[str, int]:
+    """``{"tenant": blocks}`` from a JSON file; ValueError naming what is wrong."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in data.values()
+    ):
+        raise ValueError(f'{path} must hold a JSON object of tenant names to block counts >= 1, e.g. {{"chat": 256}}')
+    return {str(k): int(v) for k, v in data.items()}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C or SIGTERM); return the exit status (0 stopped, 1 could not
     start, 2 a usage error)."""
@@ -110,6 +127,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.model and not args.embedding_model:
         print(f"{prog}: error: give --model, --embedding-model, or both", file=sys.stderr)
         return 2
+    quotas = None
+    if args.tenant_quotas:
+        try:
+            quotas = _read_quotas(args.tenant_quotas)
+        except (OSError, ValueError) as exc:
+            print(f"{prog}: error: argument --tenant-quotas: {exc}", file=sys.stderr)
+            return 2
     try:
         import torch
         import uvicorn
@@ -136,6 +160,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=args.max_waiting,
+        tenant_quotas=quotas,
         default_max_tokens=args.default_max_tokens,
         embedding_max_batch=args.embedding_max_batch,
         embedding_max_wait_ms=args.embedding_max_wait_ms,
