@@ -366,7 +366,7 @@ def test_the_priority_header_orders_admission(models: tuple[Any, Any]) -> None:
 
     with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(3) as pool:
         scheduler = server.state.loop.scheduler
-        first = pool.submit(send, "first", 0, 64)
+        first = pool.submit(send, "first", 0, 40)
         _wait_until(lambda: len(scheduler.running) == 1, "the first request to run")
         late = pool.submit(send, "bulk", 5, 2)
         _wait_until(lambda: len(scheduler.waiting) == 1, "the bulk request to wait")

@@ -210,7 +210,6 @@ class _EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
 
                 async def watch() -> None:
@@ -219,12 +218,14 @@ class _EventStream(Response):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
-                async for chunk in self.events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                try:
+                    await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                    async for chunk in self.events:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:
+                    pass  # the client went away mid-write (caught here: a task group would wrap it)
                 tg.cancel_scope.cancel()
-        except OSError:
-            pass  # the client went away mid-write
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self.events, "aclose", None)
