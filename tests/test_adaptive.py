@@ -292,3 +292,19 @@ def test_tuner_refuses_a_target_it_cannot_drive() -> None:
     """A target that is neither a TunableTarget nor a decode loop is a TypeError naming the protocol."""
     with pytest.raises(TypeError, match="needs a TunableTarget"):
         AdaptiveTuner(object(), AdaptiveBatchController(target_queue=1))
+
+
+def test_a_batcher_is_a_tunable_target() -> None:
+    """DynamicBatcher implements TunableTarget: its queue depth, each answered caller's latency
+    once, and set_batch_limit setting max_batch_size."""
+    clock = MockClock()
+    with DynamicBatcher(lambda xs: xs, max_batch_size=2, max_wait_ms=1e6, clock=clock) as b:
+        assert isinstance(b, TunableTarget)
+        futures = [b.submit(i) for i in range(2)]
+        assert [f.result(WAIT) for f in futures] == [0, 1]
+        assert b.latency_samples(0) == ([0.0, 0.0], 2)
+        assert b.latency_samples(2) == ([], 2)
+        b.submit(9)
+        assert b.queue_depth() == 1
+        b.set_batch_limit(5)
+        assert b.max_batch_size == 5

@@ -375,8 +375,8 @@ class QueueCore(Generic[T]):
         return best
 
     def loads(self) -> dict[Hashable, list[float]]:
-        """``{key: [count, cost]}`` of the waiting entries per group. The core's own dict, for
-        speed: read it, never change it."""
+        """``{key: [count, cost]}`` of the waiting entries per group. The core's own live dict
+        (the same object for the core's lifetime), for speed: read it, never change it."""
         return self._loads
 
     def statistics(self) -> QueueStatistics:

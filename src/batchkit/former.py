@@ -124,6 +124,7 @@ class BatchFormer(Generic[E]):
         if batch_timeout_s is not None and not batch_timeout_s > 0:
             raise ValueError(f"batch_timeout_s must be > 0 or None, got {batch_timeout_s!r}")
         self.queue = queue
+        self._loads = queue.loads()  # the core's live dict (it is never replaced)
         self.max_batch_size = controller.batch_size if controller is not None else max_batch_size
         self.max_wait_ms = float(max_wait_ms)
         self.max_batch_cost = max_batch_cost
@@ -168,7 +169,7 @@ class BatchFormer(Generic[E]):
         q.add(entry, priority, deadline, key, cost, now)
         if was_empty or drops:
             return drops, True
-        load = q.loads()[key]
+        load = self._loads[key]
         replan = (
             load[0] >= self.max_batch_size
             or (self.max_batch_cost is not None and load[1] >= self.max_batch_cost)
@@ -207,7 +208,7 @@ class BatchFormer(Generic[E]):
             return None, wake_at
         reason: FlushReason | None = None
         key: Hashable = ANY_KEY
-        for k, (count, cost) in q.loads().items():
+        for k, (count, cost) in self._loads.items():
             if count >= self.max_batch_size:
                 reason, key = FlushReason.SIZE, k
                 break
