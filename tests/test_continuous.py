@@ -637,3 +637,16 @@ def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
         assert [f.result(WAIT) for f in [first, *queued]] == [[2, 3]] * 3
     with pytest.raises(ValueError, match="max_waiting"):
         make_loop(max_waiting=0)
+
+
+def test_tenant_quotas_hold_a_tenant_to_its_share_of_the_cache() -> None:
+    """ContinuousDecodeLoop(tenant_quotas=...): a tenant at its quota waits while another tenant
+    is served; a request that can never fit its tenant's quota is refused with KVCacheExhausted."""
+    with make_loop(num_blocks=33, block_size=4, watermark=0.0, tenant_quotas={"bulk": 2}) as loop:
+        with pytest.raises(KVCacheExhausted, match="quota"):
+            loop.submit(list(range(1, 12)), tenant="bulk").result(WAIT)
+        small = [loop.submit([1], max_new_tokens=3, tenant="bulk") for _ in range(3)]
+        other = loop.submit(list(range(1, 20)), max_new_tokens=3, tenant="chat")
+        assert other.result(WAIT) == [20, 21, 22]
+        assert [f.result(WAIT) for f in small] == [[2, 3, 4]] * 3
+        assert loop.allocator.statistics().tenant_usage == {}

@@ -378,25 +378,7 @@ def test_the_priority_header_orders_admission(models: tuple[Any, Any]) -> None:
     assert finished == ["first", "urgent", "bulk"]
 
 
-def _loop_takes_tenant_quotas() -> bool:
-    import inspect
-
-    from batchkit import ContinuousDecodeLoop
-
-    return "tenant_quotas" in inspect.signature(ContinuousDecodeLoop).parameters
-
-
-@pytest.mark.skipif(_loop_takes_tenant_quotas(), reason="this ContinuousDecodeLoop takes tenant_quotas")
-def test_tenant_quotas_are_refused_where_the_loop_cannot_enforce_them() -> None:
-    """Quotas the decode loop cannot enforce are refused at once, not silently ignored."""
-    from batchkit.serve import create_app
-
-    with pytest.raises(ValueError, match="tenant_quotas needs a ContinuousDecodeLoop"):
-        create_app("any-model", tenant_quotas={"bulk": 4})
-
-
 @needs_models
-@pytest.mark.skipif(not _loop_takes_tenant_quotas(), reason="ContinuousDecodeLoop does not take tenant_quotas yet")
 def test_a_tenant_is_held_to_its_kv_quota(models: tuple[Any, Any]) -> None:
     """A tenant's request that needs more blocks than its whole quota gets 400 naming the quota;
     another tenant's identical request is served."""

@@ -354,7 +354,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "2 a usage error (one line naming the argument and the fix)",
         formatter_class=_HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench,run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench,run,serve}")
 
     demo = sub.add_parser(
         "demo",
@@ -606,7 +606,18 @@ def _build_parser() -> argparse.ArgumentParser:
 
     # batchkit.jobs validates and reports for itself (the same exit statuses and one-line errors).
     add_run_parser(sub, parents=[common], formatter_class=_HelpFormatter).set_defaults(prepare=_prepare_run)
+
+    from .serve.cli import add_serve_parser
+
+    # batchkit.serve imports its web framework only when the command runs.
+    add_serve_parser(sub, parents=[common], formatter_class=_HelpFormatter).set_defaults(prepare=_prepare_serve)
     return parser
+
+
+def _prepare_serve(args: argparse.Namespace) -> Callable[[], int]:
+    from .serve.cli import run_serve
+
+    return lambda: run_serve(args)
 
 
 def _prepare_run(args: argparse.Namespace) -> Callable[[], int]:

@@ -73,12 +73,15 @@ class SampleWindow:
         self._samples.clear()
 
     def percentile_ms(self, q: float) -> float:
-        return percentiles(self._samples, [q])[0] * 1e3
+        return percentiles(tuple(self._samples), [q])[0] * 1e3
 
     def summary(self) -> LatencySummary:
-        if not self._samples:
+        # One C-level copy first: atomic against appends from the thread that records samples
+        # (statistics() is read from other threads, e.g. a /metrics scrape).
+        samples = tuple(self._samples)
+        if not samples:
             return EMPTY_SUMMARY
-        arr = np.fromiter(self._samples, dtype=np.float64, count=len(self._samples)) * 1e3
+        arr = np.asarray(samples, dtype=np.float64) * 1e3
         p50, p90, p99 = np.percentile(arr, [50, 90, 99])
         return LatencySummary(
             count=int(arr.size),

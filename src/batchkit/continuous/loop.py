@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +97,10 @@ class ContinuousDecodeLoop:
         watermark: fraction of blocks admission leaves free for running requests.
         preemption_mode: ``"recompute"`` or ``"swap"`` (then ``num_cpu_blocks`` > 0).
         num_cpu_blocks: size of the CPU swap pool.
+        tenant_quotas: ``{tenant: max blocks}`` (an int, or a float fraction of the pool): a
+            request's ``tenant=`` may hold at most that much KV memory, so that one tenant never
+            starves another; a request over its tenant's quota waits (or, if it can never fit,
+            fails with :class:`KVCacheExhausted`) without holding up other tenants.
         eos_token_id: default end-of-sequence token for requests that give none.
         detokenize: ``detokenize(token_ids) -> str``, for stop strings (a request with ``stop=``
             strings and no hook is refused with ValueError).
@@ -120,6 +124,7 @@ class ContinuousDecodeLoop:
         watermark: float = 0.01,
         preemption_mode: PreemptionMode = "recompute",
         num_cpu_blocks: int = 0,
+        tenant_quotas: Mapping[Hashable, int | float] | None = None,
         eos_token_id: int | None = None,
         detokenize: Callable[[Sequence[int]], str] | None = None,
         max_waiting: int | None = None,
@@ -141,6 +146,7 @@ class ContinuousDecodeLoop:
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
+            tenant_quotas=dict(tenant_quotas) if tenant_quotas else None,
         )
         self.scheduler = Scheduler(
             self.allocator,

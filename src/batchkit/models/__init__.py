@@ -4,6 +4,7 @@ from __future__ import annotations
 
 try:
     from .llama import LlamaConfig, LlamaModel
+    from .pretrained import PretrainedLM, SentenceEncoder, load_encoder, load_pretrained
 except ModuleNotFoundError as exc:
     if exc.name is None or exc.name.partition(".")[0] != "torch":
         raise
@@ -12,4 +13,4 @@ except ModuleNotFoundError as exc:
         "batchkit.models needs torch: pip install 'batchkit[torch]'", name=exc.name, path=exc.path
     ) from exc
 
-__all__ = ["LlamaConfig", "LlamaModel"]
+__all__ = ["LlamaConfig", "LlamaModel", "PretrainedLM", "SentenceEncoder", "load_encoder", "load_pretrained"]

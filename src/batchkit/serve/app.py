@@ -15,7 +15,6 @@ next step boundary.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -250,7 +249,7 @@ class ModelServer:
         max_waiting: requests that may wait for admission before new ones get 503.
         tenant_quotas: most KV blocks each tenant (``X-Batchkit-Tenant``) may hold at once; a
             tenant at its quota waits while other tenants' requests go on. Needs a
-            ``ContinuousDecodeLoop`` that takes ``tenant_quotas`` (refused with ValueError otherwise).
+            ``ContinuousDecodeLoop``'s ``tenant_quotas``.
         default_max_tokens: output limit of a request that gives none (also capped by the context).
         embedding_max_batch, embedding_max_wait_ms, embedding_max_queue: the embedding batcher.
         retry_after_s: the ``Retry-After`` header of 503 answers.
@@ -299,10 +298,6 @@ class ModelServer:
             "max_waiting": max_waiting,
         }
         if tenant_quotas:
-            if "tenant_quotas" not in inspect.signature(ContinuousDecodeLoop).parameters:
-                raise ValueError(
-                    "tenant_quotas needs a ContinuousDecodeLoop that takes tenant_quotas=; this batchkit's does not"
-                )
             self.loop_options["tenant_quotas"] = dict(tenant_quotas)
         self.num_blocks = num_blocks
         self.block_size = block_size
