@@ -139,7 +139,7 @@ def test_bad_options_fail_at_decoration() -> None:
             return xs
 
     with pytest.raises(TypeError, match="max_batch="):
-        batched(max_batch_size=4)
+        batched(max_batch_size=4)  # type: ignore[call-overload]  # the wrong name, on purpose
 
 
 @pytest.mark.anyio

@@ -258,7 +258,7 @@ class DynamicBatcher(Generic[T, R]):
         self.isolate_errors = isolate_errors
         self.clock: Clock = clock if clock is not None else queue.clock
         self._now = self.clock.now
-        self.queue: BoundedQueue[_Request] = queue
+        self.queue: BoundedQueue[Any] = queue
         queue.on_drop = self._on_drop
         self.former: BatchFormer[_Request] = BatchFormer(
             queue.core,

@@ -51,6 +51,8 @@ class _Settings:
 
 
 class _BatchedBase(Generic[T, R]):
+    __name__: str  # set by functools.update_wrapper, like the other attributes of fn
+
     def __init__(self, fn: Callable[..., Any], settings: _Settings) -> None:
         self._fn = fn
         self._settings = settings
