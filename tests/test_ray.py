@@ -1,0 +1,463 @@
+"""batchkit.integrations.ray: Serve replicas and Ray Data pipelines.
+
+The first half runs in this process (options, health, autoscaling stats, cancellation, the
+mapper); the second starts one local Ray instance for the module (two CPUs, no dashboard, no
+HTTP proxy) and checks the promises that need real replicas. Without Ray installed the whole file
+is skipped; if Ray cannot start here, the cluster tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import batchkit
+import batchkit.jobs
+from batchkit.testing import MockClock
+
+ray = pytest.importorskip("ray", reason='needs Ray: pip install "batchkit[ray]"')
+
+from batchkit.integrations.ray import (  # noqa: E402 - after the skip
+    QUEUE_DEPTH_METRIC,
+    RUNNING_BATCHES_METRIC,
+    BatchkitMapper,
+    BatchkitReplica,
+    QueueDepthPolicy,
+    autoscaling_stats,
+    batched_deployment,
+    deployment_options,
+    map_records,
+    replica_health,
+)
+
+pytestmark = [
+    pytest.mark.ray,
+    # Ray's own modules warn about their deprecations on import and on use; not ours to fix.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
+
+WAIT = 30.0  # seconds: the bound on every wait
+
+
+def wait_until(predicate: Any, what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def shout(records: list[dict[str, Any]]) -> list[Any]:
+    """A jobs-style batch function; the record with text "poison" makes the whole call raise."""
+    if any(r["text"] == "poison" for r in records):
+        raise ValueError("poison record")
+    return [r["text"].upper() for r in records]
+
+
+def tag_with_pid(items: list[int]) -> list[tuple[int, int]]:
+    """Each item with the process that served it (a short sleep so that batches overlap)."""
+    time.sleep(0.02)
+    return [(x, os.getpid()) for x in items]
+
+
+def slow_square(items: list[int]) -> list[int]:
+    """One batch takes 1.5 s: long enough to cancel a request queued behind it."""
+    time.sleep(1.5)
+    return [x * x for x in items]
+
+
+# --------------------------------------------------------------------------- in this process
+
+
+def test_import_batchkit_does_not_import_ray() -> None:
+    """`import batchkit` (and `batchkit.integrations`) loads no Ray module."""
+    code = "import sys, batchkit, batchkit.integrations; print(any(m.split('.')[0] == 'ray' for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
+def test_importing_the_integration_does_not_import_ray() -> None:
+    """`batchkit.integrations.ray` imports Ray only in the functions that need it."""
+    code = "import sys, batchkit.integrations.ray; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
+def test_options_lift_servess_default_cap_to_two_full_batches() -> None:
+    """max_ongoing_requests holds a running batch and a full one forming, per batch slot."""
+    assert deployment_options(max_batch=32) == {"max_ongoing_requests": 64, "num_replicas": 1}
+    opts = deployment_options(max_batch=16, max_concurrent_batches=2, num_replicas=3)
+    assert opts == {"max_ongoing_requests": 64, "num_replicas": 3}
+
+
+def test_options_never_send_more_than_the_queue_admits() -> None:
+    """With a small max_queue, a replica is sent at most what its queue and slots hold."""
+    assert deployment_options(max_batch=32, max_queue=8)["max_ongoing_requests"] == 40
+
+
+def test_autoscaling_targets_b_opt_per_batch_slot() -> None:
+    """Autoscaling aims each replica at B_opt items per batch slot (max_batch without B_opt)."""
+    opts = deployment_options(max_batch=32, b_opt=12, max_concurrent_batches=2, min_replicas=1, max_replicas=4)
+    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 24}
+    assert "num_replicas" not in opts
+    plain = deployment_options(max_batch=8, max_replicas=2)["autoscaling_config"]
+    assert plain["target_ongoing_requests"] == 8
+
+
+def test_queue_depth_autoscaling_names_the_policy() -> None:
+    """autoscale_on_queue_depth installs QueueDepthPolicy with the B_opt target, and Ray accepts it."""
+    from ray import serve
+
+    opts = deployment_options(max_batch=8, b_opt=6, max_replicas=3, autoscale_on_queue_depth=True)
+    policy = opts["autoscaling_config"]["policy"]
+    assert policy == {
+        "policy_function": "batchkit.integrations.ray:QueueDepthPolicy",
+        "policy_kwargs": {"target_items_per_replica": 6, "items_per_batch": 6},
+    }
+    serve.deployment(BatchkitReplica, **opts)  # Ray's own validation of every option
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_batch": 0}, "max_batch must be an int >= 1"),
+        ({"max_batch": 8, "b_opt": 9}, r"b_opt \(9\) cannot exceed max_batch \(8\)"),
+        ({"max_batch": 8, "num_replicas": 2, "max_replicas": 3}, "either num_replicas"),
+        ({"max_batch": 8, "min_replicas": 3, "max_replicas": 2}, r"min_replicas \(3\) cannot exceed"),
+    ],
+)
+def test_options_refuse_bad_bounds(kwargs: dict[str, Any], message: str) -> None:
+    """Bad bounds are a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=message):
+        deployment_options(**kwargs)
+
+
+def test_health_fails_while_the_breaker_is_open_and_recovers_at_its_probe() -> None:
+    """replica_health raises CircuitOpen while the breaker is open, and passes once it may probe."""
+    clock = MockClock()
+    cb = batchkit.CircuitBreaker(failure_threshold=1, reset_timeout_s=10.0, clock=clock)
+    with batchkit.DynamicBatcher(batchkit.testing.echo_batch, circuit_breaker=cb) as b:
+        replica_health(b)
+        cb.record(False)
+        with pytest.raises(batchkit.CircuitOpen, match="circuit breaker"):
+            replica_health(b)
+        clock.advance(10.0)
+        replica_health(b)
+
+
+def test_health_fails_for_a_closed_batcher() -> None:
+    """A closed batcher serves nothing: the replica is unhealthy."""
+    b = batchkit.DynamicBatcher(batchkit.testing.echo_batch)
+    b.close()
+    with pytest.raises(batchkit.BatcherClosed, match="is closed"):
+        replica_health(b)
+    with pytest.raises(TypeError, match="DynamicBatcher or a @batched"):
+        replica_health(object())
+
+
+def test_autoscaling_stats_count_waiting_items_and_running_batches() -> None:
+    """record_autoscaling_stats reports the queue depth and the batches running now."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocked(items: list[int]) -> list[int]:
+        started.set()
+        assert release.wait(WAIT)
+        return items
+
+    with batchkit.DynamicBatcher(blocked, max_batch_size=2, max_wait_ms=0) as b:
+        futures = [b.submit(0)]
+        assert started.wait(WAIT)
+        futures += [b.submit(i) for i in range(1, 4)]
+        stats = autoscaling_stats(b)
+        assert stats == {QUEUE_DEPTH_METRIC: 3.0, RUNNING_BATCHES_METRIC: 1.0}
+        release.set()
+        assert [f.result(WAIT) for f in futures] == [0, 1, 2, 3]
+
+
+def test_queue_depth_policy_asks_for_items_over_target() -> None:
+    """QueueDepthPolicy asks for ceil(load / target) replicas, a running batch counting as
+    items_per_batch items; it keeps the count before any report."""
+    policy = QueueDepthPolicy(target_items_per_replica=8, items_per_batch=8)
+    metrics = {QUEUE_DEPTH_METRIC: {"a": 10.0, "b": 6.0}, RUNNING_BATCHES_METRIC: {"a": 1.0, "b": 1.0}}
+    assert policy.desired_replicas(metrics, current=2) == 4  # 16 waiting + 2 batches of 8
+    assert policy.desired_replicas({QUEUE_DEPTH_METRIC: {"a": 0.0}}, current=2) == 0
+    assert policy.desired_replicas(None, current=2) == 2
+    ctx = SimpleNamespace(aggregated_metrics=metrics, current_num_replicas=2)
+    assert policy(ctx) == (4, {})
+    with pytest.raises(ValueError, match="target_items_per_replica must be > 0"):
+        QueueDepthPolicy(0)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_request_drops_its_item() -> None:
+    """Cancelling the task awaiting a replica call (what Ray does on cancel) drops the queued item:
+    the batch function never sees it and the batcher holds nothing afterwards."""
+    release = threading.Event()
+    started = threading.Event()
+    seen: list[int] = []
+
+    def blocked(items: list[int]) -> list[int]:
+        seen.extend(items)
+        started.set()
+        assert release.wait(WAIT)
+        return items
+
+    replica = BatchkitReplica(blocked, {"max_batch_size": 1, "max_wait_ms": 0})
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(replica, 1)
+            with anyio.fail_after(WAIT):
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+            with anyio.CancelScope() as scope:
+                tg.start_soon(replica, 2)  # queued behind the running batch
+                with anyio.fail_after(WAIT):
+                    while replica.statistics().pending < 1:
+                        await anyio.sleep(0.01)
+                scope.cancel()
+            tg.cancel_scope.cancel()  # cancels the waiting call for item 2 (and item 1's await)
+        release.set()
+        with anyio.fail_after(WAIT):
+            while replica.statistics().in_flight:
+                await anyio.sleep(0.01)
+        stats = replica.statistics()
+        assert seen == [1]
+        assert stats.pending == 0
+        assert stats.cancelled >= 1
+    finally:
+        release.set()
+        replica.batcher.close()
+
+
+@pytest.mark.anyio
+async def test_replica_batch_answers_each_item_and_isolates_failures() -> None:
+    """BatchkitReplica.batch returns one result per item, a failed item's exception in its slot."""
+
+    def half(items: list[int]) -> list[Any]:
+        return [ValueError(f"odd {x}") if x % 2 else x // 2 for x in items]
+
+    replica = BatchkitReplica(half, {"max_batch_size": 4, "max_wait_ms": 1})
+    try:
+        with anyio.fail_after(WAIT):
+            out = await replica.batch([0, 1, 2, 4])
+        assert [out[0], out[2], out[3]] == [0, 1, 2]
+        assert isinstance(out[1], ValueError)
+        assert await replica(6) == 3
+    finally:
+        replica.batcher.close()
+
+
+def test_replica_builds_a_class_target_in_place() -> None:
+    """A class target is instantiated in the replica with the bound arguments."""
+
+    class Scale:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def __call__(self, items: list[int]) -> list[int]:
+            return [x * self.k for x in items]
+
+    replica = BatchkitReplica(Scale, {"max_batch_size": 4, "max_wait_ms": 1}, (3,))
+    try:
+        assert replica.batcher.submit(2).result(WAIT) == 6
+        replica.check_health()
+        assert set(replica.record_autoscaling_stats()) == {QUEUE_DEPTH_METRIC, RUNNING_BATCHES_METRIC}
+    finally:
+        replica.batcher.close()
+
+
+def test_batched_deployment_refuses_a_batched_function() -> None:
+    """A @batched function cannot be shipped to replicas; the error says to pass the plain one."""
+
+    @batchkit.batched(max_batch=4)
+    def f(xs: list[int]) -> list[int]:
+        return xs
+
+    try:
+        with pytest.raises(TypeError, match="plain batch function"):
+            batched_deployment(f)
+    finally:
+        f.close()
+
+
+def test_mapper_rows_match_the_single_process_job(tmp_path: Path) -> None:
+    """BatchkitMapper's rows hold the same outputs and the same failures as batchkit.jobs.run."""
+    records = [{"id": f"r{i}", "text": "poison" if i == 7 else f"item {i}"} for i in range(40)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    batchkit.jobs.run(shout, src, tmp_path / "out.jsonl", max_batch=8, backoff_s=0.0)
+    job_out = {o["id"]: o["output"] for o in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    job_dead = {o["id"]: o["error"] for o in map(json.loads, (tmp_path / "out.dead.jsonl").read_text().splitlines())}
+
+    mapper = BatchkitMapper(shout, max_batch=8, max_wait_ms=1, backoff_s=0.0)
+    try:
+        columns = {"id": np.array([r["id"] for r in records]), "text": np.array([r["text"] for r in records])}
+        rows = mapper(columns)
+    finally:
+        mapper.batcher.close()
+    out = {i: o for i, o, e in zip(rows["id"], rows["output"], rows["error"], strict=True) if e is None}
+    dead = {i: e for i, e in zip(rows["id"], rows["error"], strict=True) if e is not None}
+    assert out == job_out
+    assert dead == job_dead == {"r7": "ValueError: poison record"}
+
+
+# --------------------------------------------------------------------------- on a local Ray instance
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """One local Ray instance and Serve (no HTTP proxy) for the cluster tests."""
+    from ray import serve
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")  # a loaded 2-core box
+    t0 = time.monotonic()
+    try:
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        serve.start(proxy_location="Disabled")
+    except Exception as exc:
+        ray.shutdown()
+        pytest.skip(f"Ray could not start a local instance here ({time.monotonic() - t0:.0f} s): {exc!r}")
+    try:
+        yield serve
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def call_with_retries(handle: Any, item: Any, attempts: int = 8) -> Any:
+    """What a caller does to lose nothing: retry a request whose replica died under it."""
+    for attempt in range(attempts):
+        try:
+            return handle.remote(item).result(timeout_s=WAIT)
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.25 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def two_replicas(cluster: Any) -> Any:
+    """tag_with_pid behind two replicas (a quarter CPU each, so Ray Data still finds room)."""
+    app = batched_deployment(
+        tag_with_pid, max_batch=8, max_wait_ms=5, num_replicas=2, ray_actor_options={"num_cpus": 0.25}
+    )
+    return cluster.run(app.bind(), name="tag", route_prefix=None)
+
+
+@pytest.mark.timeout(120)
+def test_two_replicas_share_the_load_and_answer_each_request_once(two_replicas: Any) -> None:
+    """Requests through one handle reach both replicas; each gets exactly its own answer."""
+    responses = [two_replicas.remote(i) for i in range(200)]
+    answers = [r.result(timeout_s=WAIT) for r in responses]
+    assert [x for x, _ in answers] == list(range(200))
+    per_replica = Counter(pid for _, pid in answers)
+    assert len(per_replica) == 2, per_replica
+    assert min(per_replica.values()) >= 20, per_replica  # shared, not one replica doing it all
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_replica_loses_no_request_the_caller_retries(two_replicas: Any) -> None:
+    """SIGKILL one replica mid-load: every caller that retries gets its answer."""
+    pids = {pid for _, pid in (two_replicas.remote(i).result(timeout_s=WAIT) for i in range(20))}
+    assert len(pids) == 2, pids
+    victim = min(pids)
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def caller(items: range) -> None:
+        for i in items:
+            try:
+                results[i] = call_with_retries(two_replicas, i)
+            except BaseException as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(range(k, 240, 6),)) for k in range(6)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(results) >= 40, "the load to get going")
+    os.kill(victim, signal.SIGKILL)  # a Ray worker this test's ray.init started
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[:3]
+    assert sorted(results) == list(range(240))
+    assert all(results[i][0] == i for i in results)
+
+
+@pytest.mark.timeout(120)
+def test_ray_cancellation_reaches_the_batcher(cluster: Any) -> None:
+    """A request cancelled through its DeploymentResponse is dropped from the replica's batcher
+    before its batch runs."""
+    from ray.serve.exceptions import RequestCancelledError
+
+    app = batched_deployment(
+        slow_square,
+        max_batch=1,
+        max_wait_ms=0,
+        name="slow",
+        ray_actor_options={"num_cpus": 0.25},
+        deployment_kwargs={"max_ongoing_requests": 8},  # room for the statistics() calls
+    )
+    handle = cluster.run(app.bind(), name="slow", route_prefix=None)
+    stats = handle.statistics
+    first = handle.remote(3)
+    wait_until(lambda: stats.remote().result(timeout_s=WAIT).in_flight == 1, "the first batch to run")
+    second = handle.remote(4)
+    wait_until(lambda: stats.remote().result(timeout_s=WAIT).pending == 1, "the second item to queue")
+    second.cancel()
+    with pytest.raises(RequestCancelledError):
+        second.result(timeout_s=WAIT)
+    assert first.result(timeout_s=WAIT) == 9
+    wait_until(lambda: stats.remote().result(timeout_s=WAIT).cancelled == 1, "the batcher to drop the item")
+    final = stats.remote().result(timeout_s=WAIT)
+    assert (final.succeeded, final.batches, final.pending) == (1, 1, 0)
+    cluster.delete("slow")
+
+
+@pytest.mark.timeout(120)
+def test_ray_data_job_equals_the_single_process_job(cluster: Any, tmp_path: Path) -> None:
+    """map_records over read_json gives the outputs and failures of batchkit.jobs.run on the same file."""
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    src = tmp_path / "in.jsonl"
+    with src.open("w") as f:
+        for i in range(500):
+            f.write(json.dumps({"id": f"r{i}", "text": "poison" if i in (13, 401) else f"item {i}"}) + "\n")
+    batchkit.jobs.run(shout, src, tmp_path / "out.jsonl", max_batch=16, backoff_s=0.0)
+    job_out = {o["id"]: o["output"] for o in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    job_dead = {o["id"]: o["error"] for o in map(json.loads, (tmp_path / "out.dead.jsonl").read_text().splitlines())}
+
+    ds = map_records(ray.data.read_json(str(src)), shout, replicas=2, num_cpus=0.25, max_batch=16, backoff_s=0.0)
+    rows = ds.take_all()
+    assert len(rows) == 500
+    assert Counter(r["id"] for r in rows) == Counter(f"r{i}" for i in range(500))  # each record once
+    assert {r["id"]: r["output"] for r in rows if r["error"] is None} == job_out
+    assert {r["id"]: r["error"] for r in rows if r["error"] is not None} == job_dead
+    assert len(job_dead) == 2
