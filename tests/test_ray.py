@@ -71,10 +71,11 @@ def shout(records: list[dict[str, Any]]) -> list[Any]:
     return [r["text"].upper() for r in records]
 
 
-def tag_with_pid(items: list[int]) -> list[tuple[int, int]]:
-    """Each item with the process that served it (a short sleep so that batches overlap)."""
-    time.sleep(0.02)
-    return [(x, os.getpid()) for x in items]
+def tag_with_pid(items: list[tuple[int, float]]) -> list[tuple[int, int]]:
+    """Each item ``(i, delay)`` as ``(i, pid of the process that served it)``, after sleeping the
+    batch's longest delay (so that batches overlap and a replica holds requests when it dies)."""
+    time.sleep(max(delay for _, delay in items))
+    return [(i, os.getpid()) for i, _ in items]
 
 
 def slow_square(items: list[int]) -> list[int]:
@@ -349,7 +350,7 @@ def cluster() -> Iterator[Any]:
         ray.shutdown()
 
 
-def call_with_retries(handle: Any, item: Any, attempts: int = 8) -> Any:
+def call_with_retries(handle: Any, item: Any, retried: list[int], attempts: int = 8) -> Any:
     """What a caller does to lose nothing: retry a request whose replica died under it."""
     for attempt in range(attempts):
         try:
@@ -357,6 +358,7 @@ def call_with_retries(handle: Any, item: Any, attempts: int = 8) -> Any:
         except Exception:
             if attempt == attempts - 1:
                 raise
+            retried.append(item[0])
             time.sleep(0.25 * (attempt + 1))
     raise AssertionError("unreachable")
 
@@ -373,7 +375,7 @@ def two_replicas(cluster: Any) -> Any:
 @pytest.mark.timeout(120)
 def test_two_replicas_share_the_load_and_answer_each_request_once(two_replicas: Any) -> None:
     """Requests through one handle reach both replicas; each gets exactly its own answer."""
-    responses = [two_replicas.remote(i) for i in range(200)]
+    responses = [two_replicas.remote((i, 0.02)) for i in range(200)]
     answers = [r.result(timeout_s=WAIT) for r in responses]
     assert [x for x, _ in answers] == list(range(200))
     per_replica = Counter(pid for _, pid in answers)
@@ -384,30 +386,33 @@ def test_two_replicas_share_the_load_and_answer_each_request_once(two_replicas: 
 @pytest.mark.timeout(120)
 def test_a_killed_replica_loses_no_request_the_caller_retries(two_replicas: Any) -> None:
     """SIGKILL one replica mid-load: every caller that retries gets its answer."""
-    pids = {pid for _, pid in (two_replicas.remote(i).result(timeout_s=WAIT) for i in range(20))}
+    pids = {pid for _, pid in (two_replicas.remote((i, 0.01)).result(timeout_s=WAIT) for i in range(20))}
     assert len(pids) == 2, pids
     victim = min(pids)
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
+    retried: list[int] = []
 
     def caller(items: range) -> None:
         for i in items:
             try:
-                results[i] = call_with_retries(two_replicas, i)
+                results[i] = call_with_retries(two_replicas, (i, 0.2), retried)
             except BaseException as exc:
                 errors.append(exc)
 
-    threads = [threading.Thread(target=caller, args=(range(k, 240, 6),)) for k in range(6)]
+    # 12 callers on 2 replicas, 0.2 s per batch: each replica holds several requests at any moment.
+    threads = [threading.Thread(target=caller, args=(range(k, 144, 12),)) for k in range(12)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(results) >= 40, "the load to get going")
+    wait_until(lambda: len(results) >= 24, "the load to get going")
     os.kill(victim, signal.SIGKILL)  # a Ray worker this test's ray.init started
     for t in threads:
         t.join(timeout=90)
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors[:3]
-    assert sorted(results) == list(range(240))
+    assert sorted(results) == list(range(144))
     assert all(results[i][0] == i for i in results)
+    assert retried, "the killed replica held no request: the test did not test anything"
 
 
 @pytest.mark.timeout(120)
