@@ -184,6 +184,12 @@ CASES = [
         2,
         "no module",
     ),
+    # ---- serve: bad input is refused before the port opens
+    Case("serve-no-model", ("serve",), 2, "give --model, --embedding-model, or both"),
+    Case("serve-unknown-model", ("serve", "--model", "no-such-model"), 2, "argument --model: model source"),
+    Case("serve-port-out-of-range", ("serve", "--model", "x", "--port", "70000"), 2, "argument --port: must be in"),
+    Case("serve-num-blocks-zero", ("serve", "--model", "x", "--num-blocks", "0"), 2, "argument --num-blocks"),
+    Case("serve-quotas-missing", ("serve", "--model", "x", "--tenant-quotas", "nope.json"), 2, "--tenant-quotas"),
     # ---- the installed console script, from the folder holding the target
     Case("script-finds-target-in-cwd", ("bench", "bk_target:ok", *FAST), 0, stdout="B_opt", script=True),
     Case("script-target-raises", ("bench", "bk_target:boom", *FAST), 1, "ValueError: boom", script=True),

