@@ -62,6 +62,7 @@ FLOORS: dict[str, int] = {
     "_llm_demo": 5,
     "jobs": 6,
     "serve": 6,
+    "integrations": 6,
     "cli": 7,
     "__main__": 8,
     "": 9,  # batchkit/__init__.py
@@ -89,13 +90,14 @@ def _exists(name: str) -> bool:
 
 
 def _floor(name: str) -> int | None:
+    """The floor of a module, or of the nearest subpackage that contains it (None: unplaced;
+    the package root's floor covers only ``__init__.py``)."""
     probe = name
-    while True:
+    while probe:
         if probe in FLOORS:
             return FLOORS[probe]
-        if not probe:
-            return None
         probe = probe.rpartition(".")[0]
+    return FLOORS[""] if name == "" else None
 
 
 def _own_names(tree: ast.AST) -> set[str]:
