@@ -362,6 +362,7 @@ def api_entries() -> list[Entry]:
             if lead.group("lead").startswith("#") or not m.group(0).rstrip().endswith(","):
                 break
             pos = m.end()
+            assert pos < len(line), f"docs/api.md:{n}: keep a list of signatures on one line"
     return entries
 
 

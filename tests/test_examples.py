@@ -36,3 +36,10 @@ def test_cli_demo_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for row in ("one request at a time", "batchkit (max_batch_size", "one at a time", "static batches", "continuous"):
         assert row in out
+
+
+def test_readme_names_every_example() -> None:
+    """README.md's list of examples is complete: a new example is also announced."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    missing = [p.name for p in EXAMPLES if f"`{p.name}`" not in readme]
+    assert not missing, f"README.md does not list {missing}"
