@@ -21,7 +21,6 @@ ALLOWED_PRIVATE_REACHES: dict[tuple[str, str], str] = {
     ("_waiters.py", "_get_running_loop"): "asyncio's private accessor",
     # Until ContinuousDecodeLoop implements TunableTarget (queue_depth / latency_samples /
     # set_batch_limit), AdaptiveTuner's fallback reads the scheduler's TPOT window.
-    ("adaptive.py", "_tpot"): "fallback for a loop without TunableTarget",
     # `batchkit bench` shows @batched.map's progress bar: bench.py should import the public
     # decorator.progress_bar (jobs/runner.py has a third copy of it).
     ("bench.py", "_progress_bar"): "decorator's progress bar, shared with bench",

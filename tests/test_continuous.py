@@ -650,3 +650,46 @@ def test_tenant_quotas_hold_a_tenant_to_its_share_of_the_cache() -> None:
         assert other.result(WAIT) == [20, 21, 22]
         assert [f.result(WAIT) for f in small] == [[2, 3, 4]] * 3
         assert loop.allocator.statistics().tenant_usage == {}
+
+
+def test_the_callers_thread_can_run_the_engine() -> None:
+    """engine='caller': no thread is started; requests wait until run_engine() runs the engine in
+    the calling thread, which returns once close() is called from another thread."""
+    loop = make_loop(engine="caller")
+    before = set(threading.enumerate())
+    fut = loop.submit([1], max_new_tokens=3)
+    assert set(threading.enumerate()) <= before  # no engine thread was started
+    worker = threading.Thread(target=lambda: (fut.result(WAIT), loop.close(timeout=WAIT)))
+    worker.start()
+    loop.run_engine()  # returns when the worker closes the loop
+    worker.join(WAIT)
+    assert fut.result(0) == [2, 3, 4]
+    with pytest.raises(RuntimeError, match="engine='caller'"):
+        make_loop().run_engine()
+    with pytest.raises(ValueError, match="engine must be"):
+        make_loop(engine="process")  # type: ignore[arg-type]
+
+
+def test_the_loop_is_a_tunable_target() -> None:
+    """ContinuousDecodeLoop implements batchkit.adaptive.TunableTarget: queue depth counts the
+    requests not yet running, TPOT samples come back once each, and the batch limit is
+    max_num_seqs (refused below 1)."""
+    from batchkit.adaptive import TunableTarget
+
+    loop = make_loop(max_num_seqs=1)
+    assert isinstance(loop, TunableTarget)
+    for i in range(3):
+        loop.scheduler.add(Request(i, [1], SamplingParams(max_new_tokens=3)))
+    assert loop.queue_depth() == 3
+    loop.step_once()
+    assert loop.queue_depth() == 2
+    loop.step_once()
+    loop.step_once()
+    samples, seen = loop.latency_samples()
+    assert len(samples) == 2  # request 0: two gaps between its three tokens
+    assert seen == 2
+    assert loop.latency_samples(seen) == ([], 2)
+    loop.set_batch_limit(4)
+    assert loop.scheduler.max_num_seqs == 4
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        loop.set_batch_limit(0)

@@ -296,7 +296,7 @@ class _ControllerPolicy:
 class TunableTarget(Protocol):
     """What :class:`AdaptiveTuner` drives: a runtime with a queue, a latency record and one batch
     limit. :class:`~batchkit.DynamicBatcher` implements it (``max_batch_size``; end-to-end
-    latency); the continuous loop's role is ``max_num_seqs`` with TPOT as its latency."""
+    latency), and so does :class:`~batchkit.ContinuousDecodeLoop` (``max_num_seqs``; TPOT)."""
 
     def queue_depth(self) -> int:
         """Requests waiting now (not yet running)."""
@@ -311,33 +311,12 @@ class TunableTarget(Protocol):
         ...
 
 
-class _LoopWithoutProtocol:
-    """Adapts a ContinuousDecodeLoop that does not implement :class:`TunableTarget` yet: its
-    queue is the scheduler's waiting list, its latency the time per output token."""
-
-    def __init__(self, loop: Any) -> None:
-        self.scheduler = loop.scheduler
-
-    def queue_depth(self) -> int:
-        return len(self.scheduler.waiting)
-
-    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
-        # The scheduler keeps TPOT samples in a private window until the loop implements
-        # TunableTarget (see docs/architecture.md); tests/test_architecture.py allow-lists this.
-        samples: tuple[list[float], int] = self.scheduler._tpot.since(since)
-        return samples
-
-    def set_batch_limit(self, size: int) -> None:
-        self.scheduler.max_num_seqs = size
-
-
 class AdaptiveTuner:
     """Applies a policy to a live :class:`~batchkit.DynamicBatcher` (``max_batch_size``) or
     :class:`~batchkit.ContinuousDecodeLoop` (``max_num_seqs``), from their own statistics.
 
-    ``target`` is any :class:`TunableTarget` (a decode loop that does not implement it yet is
-    adapted through its scheduler). Call :meth:`step` periodically (or :meth:`start` a timer
-    thread). ``policy`` is an :class:`AdaptiveBatchController` or any object with
+    ``target`` is any :class:`TunableTarget` (both of those implement it). Call :meth:`step`
+    periodically (or :meth:`start` a timer thread). ``policy`` is an :class:`AdaptiveBatchController` or any object with
     ``decide(queue_depth, latencies_s, now)``.
 
     Raises:
@@ -350,8 +329,6 @@ class AdaptiveTuner:
         self.target = target
         if isinstance(target, TunableTarget):
             self._tunable: TunableTarget = target
-        elif hasattr(target, "scheduler"):
-            self._tunable = _LoopWithoutProtocol(target)
         else:
             raise TypeError(
                 f"AdaptiveTuner needs a TunableTarget (queue_depth, latency_samples, set_batch_limit), "

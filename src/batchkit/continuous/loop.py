@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .._clock import Clock, MonotonicClock
 from .._errors import BatcherClosed, QueueFull
@@ -107,6 +107,9 @@ class ContinuousDecodeLoop:
         max_waiting: most requests waiting to be admitted (submitted, not yet running, or
             preempted); a request beyond it is refused at once with :class:`QueueFull`, so that
             a server can answer "busy" instead of queueing without bound. None: unbounded.
+        engine: ``"thread"`` (default): the loop starts its own engine thread on the first
+            request. ``"caller"``: no thread is started; a thread of yours (typically the main
+            thread, see :meth:`run_engine`) runs the engine, and requests wait until it does.
         clock: time source for the metrics.
 
     Raises:
@@ -128,6 +131,7 @@ class ContinuousDecodeLoop:
         eos_token_id: int | None = None,
         detokenize: Callable[[Sequence[int]], str] | None = None,
         max_waiting: int | None = None,
+        engine: Literal["thread", "caller"] = "thread",
         clock: Clock | None = None,
     ) -> None:
         if not callable(step_fn):
@@ -137,6 +141,9 @@ class ContinuousDecodeLoop:
         ):
             raise ValueError(f"max_waiting must be an int >= 1 or None (unbounded), got {max_waiting!r}")
         self.max_waiting = max_waiting
+        if engine not in ("thread", "caller"):
+            raise ValueError(f"engine must be 'thread' or 'caller', got {engine!r}")
+        self.engine = engine
         self.step_fn = step_fn
         self.kv = kv_cache
         self.clock: Clock = clock if clock is not None else MonotonicClock()
@@ -175,6 +182,7 @@ class ContinuousDecodeLoop:
         self._aborts: list[Hashable] = []
         self._streams: dict[Hashable, _Stream] = {}
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()  # set when the engine has ended
         self._closing = False
         self._next_id = 0
         self._steps = 0
@@ -222,7 +230,7 @@ class ContinuousDecodeLoop:
             self._next_id += 1
             req = Request(self._next_id, prompt, params, priority=priority, tenant=tenant)
             self._inbox.append((req, stream))
-            if self._thread is None:
+            if self._thread is None and self.engine == "thread":
                 self._thread = threading.Thread(target=self._engine, name="batchkit-decode-loop", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -297,6 +305,12 @@ class ContinuousDecodeLoop:
     # ------------------------------------------------------------------ the engine
 
     def _engine(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._stopped.set()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
@@ -424,16 +438,60 @@ class ContinuousDecodeLoop:
             sampling=step.samples,
         )
 
+    # ------------------------------------------------------------------ tuning (batchkit.adaptive.TunableTarget)
+
+    def queue_depth(self) -> int:
+        """Requests waiting for admission now: submitted or preempted, not running."""
+        with self._cond:
+            return len(self._inbox) + self._admitting + len(self.scheduler.waiting)
+
+    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+        """Time-per-output-token samples (seconds) after the first ``since``, and the next count."""
+        return self.scheduler.tpot_samples(since)
+
+    def set_batch_limit(self, size: int) -> None:
+        """Run at most ``size`` requests at once from the next step on (``max_num_seqs``).
+
+        Raises:
+            ValueError: ``size`` < 1.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"the batch limit (max_num_seqs) must be an int >= 1, got {size!r}")
+        self.scheduler.max_num_seqs = size  # read once per schedule(): one attribute store is atomic
+
     # ------------------------------------------------------------------ lifecycle
 
+    def run_engine(self) -> None:
+        """Run the engine in the calling thread until :meth:`close` is called (from another thread).
+
+        For a loop made with ``engine="caller"``, so that the model steps in a thread you choose,
+        e.g. the main thread with the server or event loop in another one (on a CPU, torch's
+        OpenMP workers behave differently in the main thread; ``benchmarks/llm_real.py`` measures
+        both). Requests submitted before this is called wait.
+
+        Raises:
+            RuntimeError: the loop starts its own engine thread, or the engine already runs.
+        """
+        if self.engine != "caller":
+            raise RuntimeError("run_engine() needs a loop made with engine='caller'; this one runs its own thread")
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError(f"the engine already runs in thread {self._thread.name!r}")
+            self._thread = threading.current_thread()
+        self._engine()
+
     def close(self, timeout: float | None = None) -> None:
-        """Stop the engine: requests still running end with :class:`BatcherClosed`. Idempotent."""
+        """Stop the engine: requests still running end with :class:`BatcherClosed`. Idempotent.
+
+        Waits up to ``timeout`` seconds (None: as long as it takes) for the engine to finish its
+        step, unless called from the engine's own thread.
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            self._stopped.wait(timeout)
 
     async def aclose(self) -> None:
         import anyio

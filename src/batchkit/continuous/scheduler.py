@@ -515,6 +515,11 @@ class Scheduler:
             return "length"
         return None
 
+    def tpot_samples(self, since: int = 0) -> tuple[list[float], int]:
+        """Time-per-output-token samples (seconds) recorded after the first ``since`` (those still
+        in the window), and the count to pass next time."""
+        return self._tpot.since(since)
+
     def statistics(self) -> SchedulerStatistics:
         s = self.allocator.statistics()
         return SchedulerStatistics(
