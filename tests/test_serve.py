@@ -644,16 +644,27 @@ def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -
     assert "Traceback" not in text
 
 
-def test_serve_command_exits_1_when_a_model_cannot_load() -> None:
-    """A model that cannot be loaded stops `batchkit serve` with status 1 instead of serving 503s for ever."""
+def test_serve_command_exits_1_when_a_model_cannot_load(tmp_path: Path) -> None:
+    """A model that exists but cannot be loaded (a folder with no model in it) stops `batchkit
+    serve` with status 1 instead of serving 503s for ever; a model that does not exist at all is a
+    usage error (status 2) before the port opens."""
+    (tmp_path / "README.txt").write_text("not a model")
     proc = subprocess.run(
-        _serve_command("--embedding-model", "no-such-model-package-xyz", "--port", str(_free_port())),
+        _serve_command("--embedding-model", str(tmp_path), "--port", str(_free_port())),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 1
     assert "failed to load" in proc.stderr
+    proc = subprocess.run(
+        _serve_command("--embedding-model", "no-such-model-package-xyz", "--port", str(_free_port())),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "argument --embedding-model" in proc.stderr
 
 
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "\ufffd", 6: "!"}
