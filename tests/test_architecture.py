@@ -19,11 +19,6 @@ ALLOWED_PRIVATE_REACHES: dict[tuple[str, str], str] = {
     # The standard library's fast accessor of the running loop (no exception when there is
     # none); asyncio.get_running_loop raises instead, which the hot path cannot afford.
     ("_waiters.py", "_get_running_loop"): "asyncio's private accessor",
-    # Until ContinuousDecodeLoop implements TunableTarget (queue_depth / latency_samples /
-    # set_batch_limit), AdaptiveTuner's fallback reads the scheduler's TPOT window.
-    # `batchkit bench` shows @batched.map's progress bar: bench.py should import the public
-    # decorator.progress_bar (jobs/runner.py has a third copy of it).
-    ("bench.py", "_progress_bar"): "decorator's progress bar, shared with bench",
 }
 
 # Floors of docs/architecture.md ("Layout and floors"): a module may import only from lower

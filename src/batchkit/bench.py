@@ -359,9 +359,9 @@ def sweep(
         raise ValueError("batch_sizes is empty")
     bar = None
     if progress:
-        from .decorator import _progress_bar
+        from .decorator import progress_bar
 
-        bar = _progress_bar(len(sizes), "bench")
+        bar = progress_bar(len(sizes), "bench")
     points = []
     try:
         for bsz in sizes:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import sys
 import threading
 import time
@@ -257,14 +258,14 @@ def batched(
 
 
 class _SimpleBar:
-    """A dependency-free progress line on stderr, used when tqdm is not installed."""
+    """A dependency-free progress line on stderr (rate and ETA), used when tqdm is not installed."""
 
-    def __init__(self, total: int | None, desc: str) -> None:
+    def __init__(self, total: int | None, desc: str, unit: str) -> None:
         self.total = total
         self.desc = desc
+        self.unit = unit
         self.n = 0
-        self._last = 0.0
-        self._t0 = time.monotonic()
+        self._t0 = self._last = time.monotonic()
 
     def update(self, n: int) -> None:
         self.n += n
@@ -275,8 +276,13 @@ class _SimpleBar:
 
     def _draw(self, now: float) -> None:
         rate = self.n / max(now - self._t0, 1e-9)
-        of = f"/{self.total}" if self.total is not None else ""
-        sys.stderr.write(f"\r{self.desc}: {self.n}{of} [{rate:,.0f} it/s]")
+        text = f"\r{self.desc}: {self.n:,}"
+        if self.total:
+            eta = (self.total - self.n) / rate if rate > 0 else math.inf
+            text += f"/{self.total:,} [{rate:,.0f} {self.unit}s/s, ETA {eta:,.0f} s]"
+        else:
+            text += f" [{rate:,.0f} {self.unit}s/s]"
+        sys.stderr.write(text)
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -284,15 +290,12 @@ class _SimpleBar:
         sys.stderr.write("\n")
 
 
-def progress_bar(total: int | None, desc: str) -> Any:
-    """A tqdm progress bar when tqdm is installed, else a plain one on stderr (``update(n)``,
-    ``close()``); ``@batched.map(progress=True)`` and ``batchkit bench`` show it."""
+def progress_bar(total: int | None, desc: str, unit: str = "it") -> Any:
+    """A tqdm progress bar when tqdm is installed, else a plain line on stderr with rate and ETA
+    (``update(n)``, ``close()``); ``@batched.map(progress=True)``, ``batchkit bench`` and bulk jobs
+    show it."""
     try:
         from tqdm import tqdm
     except ImportError:
-        return _SimpleBar(total, desc)
-    return tqdm(total=total, desc=desc)
-
-
-# The former private name, still imported by bench.py (see tests/test_architecture.py).
-_progress_bar = progress_bar
+        return _SimpleBar(total, desc, unit)
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import queue
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 
 from .._clock import Clock, MonotonicClock
 from .._errors import QueueFull
+from ..decorator import progress_bar
 from .generate import GenerateFunction, Generation
 from .source import Malformed, count_lines, read_jsonl, read_records
 from .store import JobStore, dead_letter_path_for
@@ -455,46 +455,6 @@ class _Job:
 # ---------------------------------------------------------------------- progress
 
 
-class _SimpleBar:
-    """A dependency-free progress line on stderr (rate and ETA), used when tqdm is not installed."""
-
-    def __init__(self, total: int | None, desc: str) -> None:
-        self.total = total
-        self.desc = desc
-        self.n = 0
-        self._t0 = self._last = time.monotonic()
-
-    def update(self, n: int) -> None:
-        self.n += n
-        now = time.monotonic()
-        if now - self._last >= 0.5:
-            self._last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        rate = self.n / max(now - self._t0, 1e-9)
-        text = f"\r{self.desc}: {self.n:,}"
-        if self.total:
-            eta = (self.total - self.n) / rate if rate > 0 else math.inf
-            text += f"/{self.total:,} [{rate:,.0f} items/s, ETA {eta:,.0f} s]"
-        else:
-            text += f" [{rate:,.0f} items/s]"
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        self._draw(time.monotonic())
-        sys.stderr.write("\n")
-
-
-def _progress_bar(total: int | None, desc: str) -> Any:
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _SimpleBar(total, desc)
-    return tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
-
-
 # ---------------------------------------------------------------------- run
 
 
@@ -642,7 +602,7 @@ def run(
             total = None
             if source_name is not None:
                 total = max(0, count_lines(source_name) - len(done.ids) - len(done.lines))
-            bar = _progress_bar(total, out_path.name)
+            bar = progress_bar(total, out_path.name, unit="item")
         job = _Job(
             target,
             store,
