@@ -13,9 +13,12 @@ __all__ = [
     "BatchkitError",
     "CircuitOpen",
     "DeadlineExceeded",
+    "InvalidBlock",
+    "JobStateError",
     "KVCacheExhausted",
     "QueueEmpty",
     "QueueFull",
+    "UnknownSequence",
 ]
 
 
@@ -57,3 +60,16 @@ class KVCacheExhausted(BatchkitError, MemoryError):
 
 class CircuitOpen(BatchkitError, RuntimeError):
     """Repeated failures opened the circuit breaker; new work fails fast until it cools down."""
+
+
+class UnknownSequence(BatchkitError, KeyError):
+    """The sequence id is not allocated in the KV cache (never was, or was already freed)."""
+
+
+class InvalidBlock(BatchkitError, ValueError):
+    """A block id outside the pool, or the reserved null block, was passed where a real block is needed."""
+
+
+class JobStateError(BatchkitError, RuntimeError):
+    """A bulk job's output, dead-letter file and journal do not describe this job (another job's,
+    edited by hand, or in use by another process); the message says which file and what to do."""

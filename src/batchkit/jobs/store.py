@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._errors import BatchkitError
+from .._errors import JobStateError
 
 __all__ = ["JobStateError", "JobStore", "dead_letter_path_for", "journal_path_for"]
 
@@ -37,11 +37,6 @@ except ImportError:  # pragma: no cover - Windows
 
 JOURNAL_VERSION = 1
 _sync = getattr(os, "fdatasync", os.fsync)  # file lengths are data: fdatasync flushes them too
-
-
-class JobStateError(BatchkitError, RuntimeError):
-    """The output, dead-letter file and journal do not describe this job (another job's, edited
-    by hand, or in use by another process); the message says which file and what to do."""
 
 
 def journal_path_for(output: Path) -> Path:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._errors import BatchkitError, KVCacheExhausted
+from .._errors import BatchkitError, InvalidBlock, KVCacheExhausted, UnknownSequence
 
 __all__ = [
     "AllocatorStatistics",
@@ -31,14 +31,6 @@ __all__ = [
 ]
 
 NULL_BLOCK = 0
-
-
-class UnknownSequence(BatchkitError, KeyError):
-    """The sequence id is not allocated (never was, or was already freed)."""
-
-
-class InvalidBlock(BatchkitError, ValueError):
-    """A block id outside the pool, or the reserved null block, was passed where a real block is needed."""
 
 
 @dataclass(frozen=True, slots=True)
