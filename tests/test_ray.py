@@ -34,11 +34,14 @@ ray = pytest.importorskip("ray", reason='needs Ray: pip install "batchkit[ray]"'
 from batchkit.integrations.ray import (  # noqa: E402 - after the skip
     QUEUE_DEPTH_METRIC,
     RUNNING_BATCHES_METRIC,
+    RUNNING_REQUESTS_METRIC,
     BatchkitMapper,
     BatchkitReplica,
+    DecodeReplica,
     QueueDepthPolicy,
     autoscaling_stats,
     batched_deployment,
+    decode_deployment,
     deployment_options,
     map_records,
     replica_health,
@@ -84,6 +87,36 @@ def slow_square(items: list[int]) -> list[int]:
     return [x * x for x in items]
 
 
+GATE = SimpleNamespace(started=threading.Event(), release=threading.Event())
+
+
+def gated(items: list[int]) -> list[int]:
+    """Holds its batch until GATE.release is set (in this process only: pickled by reference)."""
+    GATE.started.set()
+    assert GATE.release.wait(WAIT)
+    return items
+
+
+def tiny_loop(seed: int = 0) -> Any:
+    """A small reference Llama behind a decode loop (built where it is called: in the replica)."""
+    import torch
+
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    model = LlamaModel(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    return batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=64, block_size=4), max_num_seqs=4)
+
+
 # --------------------------------------------------------------------------- in this process
 
 
@@ -101,16 +134,26 @@ def test_importing_the_integration_does_not_import_ray() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_options_lift_servess_default_cap_to_two_full_batches() -> None:
-    """max_ongoing_requests holds a running batch and a full one forming, per batch slot."""
-    assert deployment_options(max_batch=32) == {"max_ongoing_requests": 64, "num_replicas": 1}
+def test_options_let_a_replica_hold_what_its_batcher_admits() -> None:
+    """max_ongoing_requests is the batcher's queue capacity (default: five full batches per slot),
+    lifting Serve's default cap of 5."""
+    assert deployment_options(max_batch=32) == {"max_ongoing_requests": 160, "num_replicas": 1}
     opts = deployment_options(max_batch=16, max_concurrent_batches=2, num_replicas=3)
-    assert opts == {"max_ongoing_requests": 64, "num_replicas": 3}
+    assert opts == {"max_ongoing_requests": 160, "num_replicas": 3}
 
 
 def test_options_never_send_more_than_the_queue_admits() -> None:
-    """With a small max_queue, a replica is sent at most what its queue and slots hold."""
-    assert deployment_options(max_batch=32, max_queue=8)["max_ongoing_requests"] == 40
+    """With a given max_queue, a replica is sent at most what its queue holds, even if every
+    request sent has to wait in it."""
+    assert deployment_options(max_batch=32, max_queue=100)["max_ongoing_requests"] == 100
+
+
+def test_deployment_gives_its_batcher_the_queue_serve_assumes() -> None:
+    """batched_deployment's replicas get the max_queue that max_ongoing_requests was sized from."""
+    dep = batched_deployment(batchkit.testing.echo_batch, max_batch=8, max_concurrent_batches=2)
+    assert dep.max_ongoing_requests == 80
+    dep = batched_deployment(batchkit.testing.echo_batch, max_batch=8, max_queue=10)
+    assert dep.max_ongoing_requests == 10
 
 
 def test_autoscaling_targets_b_opt_per_batch_slot() -> None:
@@ -140,6 +183,7 @@ def test_queue_depth_autoscaling_names_the_policy() -> None:
     [
         ({"max_batch": 0}, "max_batch must be an int >= 1"),
         ({"max_batch": 8, "b_opt": 9}, r"b_opt \(9\) cannot exceed max_batch \(8\)"),
+        ({"max_batch": 8, "max_concurrent_batches": 2, "max_queue": 15}, r"max_queue \(15\) is below"),
         ({"max_batch": 8, "num_replicas": 2, "max_replicas": 3}, "either num_replicas"),
         ({"max_batch": 8, "min_replicas": 3, "max_replicas": 2}, r"min_replicas \(3\) cannot exceed"),
     ],
@@ -285,6 +329,56 @@ def test_replica_builds_a_class_target_in_place() -> None:
         replica.batcher.close()
 
 
+@pytest.mark.anyio
+async def test_decode_replica_streams_what_it_returns_and_aborts_a_stream_left_early() -> None:
+    """DecodeReplica.generate streams the tokens __call__ returns; leaving the stream early (what
+    a Ray cancel does) aborts the request and frees its KV blocks."""
+    pytest.importorskip("torch")
+    replica = DecodeReplica(tiny_loop)
+    try:
+        with anyio.fail_after(WAIT):
+            whole = await replica([1, 2, 3], max_new_tokens=6, ignore_eos=True)
+            streamed = [t async for t in replica.generate([1, 2, 3], max_new_tokens=6, ignore_eos=True)]
+            assert streamed == whole
+            assert len(whole) == 6
+            stream = replica.generate([4, 5], max_new_tokens=50, ignore_eos=True)
+            async for _ in stream:
+                break
+            await stream.aclose()  # type: ignore[attr-defined]
+            while replica.statistics().scheduler.running:
+                await anyio.sleep(0.01)
+        stats = replica.statistics().scheduler
+        assert stats.aborted == 1
+        assert stats.kv_usage == 0.0
+        assert replica.record_autoscaling_stats() == {QUEUE_DEPTH_METRIC: 0.0, RUNNING_REQUESTS_METRIC: 0.0}
+    finally:
+        replica.loop.close(timeout=WAIT)
+
+
+def test_decode_deployment_is_sized_from_max_num_seqs() -> None:
+    """decode_deployment sends a replica at most max_waiting requests (default 5 * max_num_seqs)."""
+    assert decode_deployment(tiny_loop, max_num_seqs=8).max_ongoing_requests == 40
+    assert decode_deployment(tiny_loop, max_num_seqs=8, max_waiting=20).max_ongoing_requests == 20
+
+
+def test_a_replica_admits_all_serve_sends_while_a_small_batch_runs() -> None:
+    """A replica's queue holds every request Serve may send it, even when the running batch is a
+    single item (on the previous main, the 40th of 40 requests failed with QueueFull)."""
+    dep = batched_deployment(gated, max_batch=8, max_wait_ms=0)
+    replica = dep.func_or_class()  # what Serve builds in each replica
+    GATE.started.clear()
+    GATE.release.clear()
+    try:
+        futures = [replica.batcher.submit(0)]
+        assert GATE.started.wait(WAIT)  # a batch of one runs
+        futures += [replica.batcher.submit(i) for i in range(1, dep.max_ongoing_requests)]
+        GATE.release.set()
+        assert [f.result(WAIT) for f in futures] == list(range(dep.max_ongoing_requests))
+    finally:
+        GATE.release.set()
+        replica.batcher.close()
+
+
 def test_batched_deployment_refuses_a_batched_function() -> None:
     """A @batched function cannot be shipped to replicas; the error says to pass the plain one."""
 
@@ -375,7 +469,9 @@ def two_replicas(cluster: Any) -> Any:
 @pytest.mark.timeout(120)
 def test_two_replicas_share_the_load_and_answer_each_request_once(two_replicas: Any) -> None:
     """Requests through one handle reach both replicas; each gets exactly its own answer."""
-    responses = [two_replicas.remote((i, 0.02)) for i in range(200)]
+    # 0.1 s per batch of at most 8: one replica alone cannot keep up with the submissions, so the
+    # router must use both (a faster function can let the first replica drain as fast as it fills).
+    responses = [two_replicas.remote((i, 0.1)) for i in range(200)]
     answers = [r.result(timeout_s=WAIT) for r in responses]
     assert [x for x, _ in answers] == list(range(200))
     per_replica = Counter(pid for _, pid in answers)
@@ -443,6 +539,20 @@ def test_ray_cancellation_reaches_the_batcher(cluster: Any) -> None:
     final = stats.remote().result(timeout_s=WAIT)
     assert (final.succeeded, final.batches, final.pending) == (1, 1, 0)
     cluster.delete("slow")
+
+
+@pytest.mark.timeout(120)
+def test_tokens_stream_through_a_decode_replica(cluster: Any) -> None:
+    """A decode replica streams a request's tokens through a handle, the same as one process."""
+    pytest.importorskip("torch")
+    app = decode_deployment(tiny_loop, max_num_seqs=4, name="decode", ray_actor_options={"num_cpus": 0.25})
+    handle = cluster.run(app.bind(), name="decode", route_prefix=None)
+    streamed = list(handle.options(stream=True).generate.remote([1, 2, 3], max_new_tokens=6, ignore_eos=True))
+    with tiny_loop() as loop:
+        expected = loop.submit([1, 2, 3], max_new_tokens=6, ignore_eos=True).result(WAIT)
+    assert streamed == expected
+    assert handle.remote([1, 2, 3], max_new_tokens=6, ignore_eos=True).result(timeout_s=WAIT) == expected
+    cluster.delete("decode")
 
 
 @pytest.mark.timeout(120)

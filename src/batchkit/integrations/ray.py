@@ -42,7 +42,7 @@ import copy
 import importlib.util
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from ..adaptive import CircuitBreaker
@@ -51,6 +51,7 @@ from ..decorator import AsyncBatchedFunction, BatchedFunction
 
 __all__ = [
     "deployment_options",
+    "default_max_queue",
     "batched_deployment",
     "BatchkitReplica",
     "replica_health",
@@ -60,12 +61,17 @@ __all__ = [
     "map_records",
     "QUEUE_DEPTH_METRIC",
     "RUNNING_BATCHES_METRIC",
+    "RUNNING_REQUESTS_METRIC",
+    "DecodeReplica",
+    "decode_deployment",
 ]
 
 QUEUE_DEPTH_METRIC = "batchkit_queue_depth"
 """The ``record_autoscaling_stats`` key for items waiting in a replica's batcher queue."""
 RUNNING_BATCHES_METRIC = "batchkit_running_batches"
 """The ``record_autoscaling_stats`` key for a replica's batches running now."""
+RUNNING_REQUESTS_METRIC = "batchkit_running_requests"
+"""The ``record_autoscaling_stats`` key for a decode loop's requests running now (each an item)."""
 
 _INSTALL_HINT = 'batchkit.integrations.ray needs Ray: pip install "batchkit[ray]"'
 _DEFAULT = object()  # "not given", distinct from None
@@ -99,6 +105,12 @@ def _batchers(targets: Sequence[Any]) -> list[DynamicBatcher[Any, Any]]:
 # ---------------------------------------------------------------------- sizing a replica
 
 
+def default_max_queue(max_batch: int, max_concurrent_batches: int = 1) -> int:
+    """A replica's batcher queue when none is given: five full batches per batch slot (one
+    running, four waiting)."""
+    return 5 * max_batch * max_concurrent_batches
+
+
 def deployment_options(
     *,
     max_batch: int,
@@ -116,15 +128,21 @@ def deployment_options(
 
     Ray Serve sends a replica at most ``max_ongoing_requests`` requests at a time (default **5**)
     and holds the rest at the caller's handle. A batcher only sees what the replica holds, so with
-    the default no batch ever exceeds 5 items, however many callers wait: measured on a 2-core
-    machine, 300 concurrent callers got 7 req/s with a mean batch of 1.4 at the default, and
-    118 req/s with a mean batch of 11.4 at 64. The options returned here size it from the batcher:
+    the default no batch ever exceeds 5 items, however many callers wait. Worse, requests held at
+    a handle are not woken when a replica frees up: the router polls replicas with a backoff of up
+    to a second. Measured (benchmarks/ray_replicas.py, 128 callers, a sleep-bound batch function
+    that serves 193 req/s in one process): 5 req/s with a mean batch of 1.6 at the default,
+    still only 42 req/s at ``max_ongoing_requests = 2 * max_batch``, and 171 req/s with the value
+    derived here. So the replica should hold everything its batcher can admit, and the handle
+    only true overload:
 
-    - ``max_ongoing_requests = 2 * max_batch * max_concurrent_batches``: every batch slot can run
-      a full batch while the next full batch forms behind it (batchkit seals a batch only when it
-      dispatches), and no more, so that the surplus waits at the handle where Serve can route it
-      to a less loaded replica. With ``max_queue`` it is at most ``max_queue + max_batch *
-      max_concurrent_batches``, so that Serve never sends what the batcher's queue would refuse.
+    - ``max_ongoing_requests = max_queue``, the batcher's queue capacity: everything a replica is
+      sent may have to wait in its queue at once (a batch that started small leaves the rest
+      waiting), so a replica is never sent more than its queue admits, and
+      :func:`batched_deployment` gives its batcher that ``max_queue``. It defaults to ``5 *
+      max_batch * max_concurrent_batches`` (a running batch and four waiting per slot: enough to
+      keep every slot full while callers come and go); size it to the concurrency one replica
+      must absorb (Little's law: ``L = lambda * W`` per replica).
     - ``target_ongoing_requests = b_opt * max_concurrent_batches`` (autoscaling only): the
       autoscaler adds replicas when each holds more than ``B_opt`` items per batch slot (the batch
       size ``batchkit bench`` found best: past it, more waiting buys latency and no throughput),
@@ -134,7 +152,8 @@ def deployment_options(
         max_batch: the batcher's ``max_batch_size`` (>= 1).
         b_opt: ``B_opt`` from ``batchkit bench`` (1 <= b_opt <= max_batch).
         max_concurrent_batches: the batcher's batch slots (>= 1).
-        max_queue: the batcher's queue capacity, when bounded tighter than the default.
+        max_queue: the batcher's queue capacity (default ``5 * max_batch * max_concurrent_batches``;
+            at least ``max_batch * max_concurrent_batches``, or no batch could fill).
         num_replicas: a fixed replica count (default 1 when no min/max is given).
         min_replicas, max_replicas: autoscale between these (either one turns autoscaling on).
         autoscale_on_queue_depth: scale on batchkit's own queue depth (:class:`QueueDepthPolicy`,
@@ -154,13 +173,15 @@ def deployment_options(
     _check_int("max_concurrent_batches", max_concurrent_batches, 1)
     if b_opt is not None and _check_int("b_opt", b_opt, 1) > max_batch:
         raise ValueError(f"b_opt ({b_opt}) cannot exceed max_batch ({max_batch}): pass the B_opt batchkit bench found")
-    if max_queue is not None:
-        _check_int("max_queue", max_queue, 1)
     slots = max_batch * max_concurrent_batches
-    max_ongoing = 2 * slots
-    if max_queue is not None:
-        max_ongoing = min(max_ongoing, max_queue + slots)
-    options: dict[str, Any] = {"max_ongoing_requests": max_ongoing}
+    if max_queue is None:
+        max_queue = default_max_queue(max_batch, max_concurrent_batches)
+    elif _check_int("max_queue", max_queue, 1) < slots:
+        raise ValueError(
+            f"max_queue ({max_queue}) is below max_batch * max_concurrent_batches ({slots}): a replica would never "
+            "hold a full batch; raise max_queue or lower max_batch"
+        )
+    options: dict[str, Any] = {"max_ongoing_requests": max_queue}
     autoscaling = min_replicas is not None or max_replicas is not None or autoscale_on_queue_depth
     if not autoscaling:
         options["num_replicas"] = _check_int("num_replicas", num_replicas if num_replicas is not None else 1, 1)
@@ -238,7 +259,8 @@ class QueueDepthPolicy:
 
     Each period it takes the replicas' :data:`QUEUE_DEPTH_METRIC` and
     :data:`RUNNING_BATCHES_METRIC` (averaged by Serve over ``look_back_period_s``), counts the
-    load in items as ``waiting items + running batches * items_per_batch`` over all replicas, and
+    load in items as ``waiting items + running batches * items_per_batch`` over all replicas (plus
+    :data:`RUNNING_REQUESTS_METRIC`, a decode loop's running requests), and
     asks for ``ceil(load / target_items_per_replica)`` replicas (0 when idle); Serve then applies
     min/max replicas, the scaling factors and the up/down delays. Until a replica has reported,
     it keeps the current count. :func:`deployment_options` with ``autoscale_on_queue_depth=True``
@@ -257,11 +279,13 @@ class QueueDepthPolicy:
 
     def desired_replicas(self, metrics: Mapping[str, Mapping[Any, float]] | None, current: int) -> int:
         """The replica count for these per-replica metrics (``{metric: {replica: value}}``)."""
-        if not metrics or (QUEUE_DEPTH_METRIC not in metrics and RUNNING_BATCHES_METRIC not in metrics):
+        keys = (QUEUE_DEPTH_METRIC, RUNNING_BATCHES_METRIC, RUNNING_REQUESTS_METRIC)
+        if not metrics or not any(k in metrics for k in keys):
             return current
         waiting = sum(metrics.get(QUEUE_DEPTH_METRIC, {}).values())
         running = sum(metrics.get(RUNNING_BATCHES_METRIC, {}).values())
-        load = waiting + running * self.items_per_batch
+        requests = sum(metrics.get(RUNNING_REQUESTS_METRIC, {}).values())
+        load = waiting + running * self.items_per_batch + requests
         return max(1, math.ceil(load / self.target_items_per_replica)) if load > 0 else 0
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -415,12 +439,14 @@ def batched_deployment(
         raise TypeError(f"circuit_breaker must be a batchkit.CircuitBreaker or None, got {cb!r}")
     options: dict[str, Any] = dict(batcher_options)
     options.update(max_batch_size=max_batch, max_wait_ms=max_wait_ms, circuit_breaker=cb)
+    if "queue" not in options:
+        options.setdefault("max_queue", default_max_queue(max_batch, options.get("max_concurrent_batches", 1)))
     options.setdefault("name", name or getattr(target, "__name__", "batch_fn"))
     serve_options = deployment_options(
         max_batch=max_batch,
         b_opt=b_opt,
         max_concurrent_batches=options.get("max_concurrent_batches", 1),
-        max_queue=options.get("max_queue"),
+        max_queue=options["queue"].maxsize if "queue" in options else options["max_queue"],
         num_replicas=num_replicas,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
@@ -434,6 +460,115 @@ def batched_deployment(
     class Replica(BatchkitReplica):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(target, options, args, kwargs)
+
+    Replica.__name__ = Replica.__qualname__ = deployment_name
+    return serve.deployment(Replica, name=deployment_name, **serve_options)
+
+
+# ---------------------------------------------------------------------- a decode loop per replica
+
+
+class DecodeReplica:
+    """The body of a Serve replica around one :class:`~batchkit.ContinuousDecodeLoop`.
+
+    ``generate`` streams a request's tokens (call it through ``handle.options(stream=True)``);
+    ``__call__`` returns them all at once. A streaming request that Ray cancels (the caller's
+    ``cancel()``, or a client that goes away) leaves the loop's ``async for`` early, which aborts
+    the request and frees its KV blocks. ``record_autoscaling_stats`` reports the requests
+    waiting for admission and running (:class:`QueueDepthPolicy` counts both).
+
+    Args:
+        make_loop: called in the replica, with ``args`` and ``kwargs``, to build the loop (and
+            its model and KV cache): the driver never holds the model.
+    """
+
+    def __init__(
+        self, make_loop: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        from ..continuous.loop import ContinuousDecodeLoop
+
+        loop = make_loop(*args, **(kwargs or {}))
+        if not isinstance(loop, ContinuousDecodeLoop):
+            raise TypeError(f"make_loop must return a batchkit.ContinuousDecodeLoop, got {type(loop).__name__}")
+        self.loop: ContinuousDecodeLoop = loop
+
+    async def generate(self, prompt_ids: Sequence[int], **sampling: Any) -> AsyncIterator[int]:
+        """Stream the new tokens of one request (``SamplingParams`` fields as keywords)."""
+        async for token in self.loop.generate(list(prompt_ids), **sampling):
+            yield token
+
+    async def __call__(self, prompt_ids: Sequence[int], **sampling: Any) -> list[int]:
+        """All the new tokens of one request."""
+        return await self.loop.agenerate_all(list(prompt_ids), **sampling)
+
+    def statistics(self) -> Any:
+        """This replica's ``LoopStatistics``."""
+        return self.loop.statistics()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook: requests waiting and running."""
+        s = self.loop.statistics().scheduler
+        return {QUEUE_DEPTH_METRIC: float(self.loop.queue_depth()), RUNNING_REQUESTS_METRIC: float(s.running)}
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.close(timeout=5.0)
+
+
+def decode_deployment(
+    make_loop: Callable[..., Any],
+    *,
+    max_num_seqs: int,
+    max_waiting: int | None = None,
+    name: str | None = None,
+    num_replicas: int | None = None,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+    autoscale_on_queue_depth: bool = False,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    deployment_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """A Ray Serve deployment whose every replica runs its own continuous decode loop.
+
+    ``decode_deployment(make_loop, max_num_seqs=32).bind(model_dir)`` builds, in each replica,
+    ``make_loop(model_dir)`` (which loads the model, makes the KV cache and returns the loop). The
+    handle's ``options(stream=True).generate.remote(prompt_ids, max_new_tokens=...)`` streams
+    tokens; ``remote(prompt_ids, ...)`` returns them all.
+
+    Sized like :func:`deployment_options` with the loop's ``max_num_seqs`` as the batch: a replica
+    is sent at most ``max_waiting`` requests (default ``5 * max_num_seqs``), the most that could
+    wait for admission at once; give the loop a ``max_waiting`` at least as large. Autoscaling
+    targets ``max_num_seqs`` requests per replica.
+
+    Raises:
+        ModuleNotFoundError: Ray is not installed.
+        ValueError: see :func:`deployment_options`.
+    """
+    _require_ray()
+    if not callable(make_loop):
+        raise TypeError(f"make_loop must be a callable that builds a ContinuousDecodeLoop, got {make_loop!r}")
+    from ray import serve
+
+    serve_options = deployment_options(
+        max_batch=max_num_seqs,
+        max_queue=max_waiting,
+        num_replicas=num_replicas,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        autoscale_on_queue_depth=autoscale_on_queue_depth,
+    )
+    if autoscale_on_queue_depth:
+        # A running request is one item, reported as such (not as batches of B_opt).
+        serve_options["autoscaling_config"]["policy"]["policy_kwargs"]["items_per_batch"] = 1
+    if ray_actor_options is not None:
+        serve_options["ray_actor_options"] = dict(ray_actor_options)
+    serve_options.update(deployment_kwargs or {})
+    deployment_name: str = name or str(getattr(make_loop, "__name__", "DecodeReplica"))
+
+    class Replica(DecodeReplica):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(make_loop, args, kwargs)
 
     Replica.__name__ = Replica.__qualname__ = deployment_name
     return serve.deployment(Replica, name=deployment_name, **serve_options)
@@ -497,7 +632,7 @@ class BatchkitMapper:
         # A Ray Data block can be larger than any queue we would pick: wait for room instead of
         # refusing (the caller is this actor's own loop, never a user waiting on a socket).
         batcher_options.setdefault("on_full", "block")
-        batcher_options.setdefault("max_queue", 4 * max_batch * max_concurrent_batches)
+        batcher_options.setdefault("max_queue", default_max_queue(max_batch, max_concurrent_batches))
         self.batcher: DynamicBatcher[Any, Any] = DynamicBatcher(
             self.fn,
             max_batch_size=max_batch,
