@@ -38,6 +38,10 @@ MAX_LLM_BATCH = 64
 MAX_BENCH_BATCH = 65536
 MAX_CONCURRENCY = 10_000  # bench: one task each
 MAX_RATE = 100_000.0
+MAX_BURSTINESS = 1000.0
+MAX_SLO_MS = 1e7
+DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
+DEFAULT_MAX_TOKENS = 64
 
 
 class _UsageError(Exception):
@@ -276,7 +280,83 @@ def _prepare_plan(args: argparse.Namespace) -> Callable[[], int]:
 # ---------------------------------------------------------------------- bench
 
 
+_URL_ONLY = ("model", "endpoint", "prompt", "max_tokens", "slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms")
+_TARGET_ONLY = {"make_item": "", "plot": "", "sla_ms": ": use --slo-e2e-ms", "price_per_hour": ""}
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def _prepare_bench(args: argparse.Namespace) -> Callable[[], int]:
+    if args.burstiness is not None and args.rate is None:
+        raise _UsageError("argument --burstiness: shapes open-loop arrivals: pass --rate too")
+    if args.url is not None:
+        return _prepare_bench_url(args)
+    given = [dest for dest in _URL_ONLY if getattr(args, dest) is not None]
+    if given:
+        raise _UsageError(f"argument {_option(given[0])}: applies to --url only: pass --url, or drop it")
+    if args.target is None:
+        args.target = "demo"
+    return _prepare_bench_target(args)
+
+
+def _prepare_bench_url(args: argparse.Namespace) -> Callable[[], int]:
+    from urllib.parse import urlsplit
+
+    if args.target is not None:
+        raise _UsageError(
+            f"argument --url: not allowed with the target {args.target!r}: load-test a server or a function, not both"
+        )
+    for dest, hint in _TARGET_ONLY.items():
+        if getattr(args, dest) is not None:
+            raise _UsageError(f"argument {_option(dest)}: applies to a target, not to --url{hint}")
+    parts = urlsplit(args.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise _UsageError(f"argument --url: expected http://HOST:PORT (the server's base URL), got {args.url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        raise _UsageError(f"argument --url: the port of {args.url!r} is not in 0..65535") from None
+    if args.prompt is not None and not args.prompt.strip():
+        raise _UsageError("argument --prompt: is empty: pass some text")
+    try:
+        __import__("httpx")
+    except ImportError:
+        raise _UsageError("argument --url needs httpx: pip install httpx") from None
+    if args.json is not None:
+        _check_writable(args.json, "--json")
+    from .serve.loadtest import run_load_test
+
+    args.target = args.url  # a failure reads "batchkit bench: <url> failed: ..."
+    concurrency = None if args.rate is not None else (args.concurrency or 64)
+
+    def run() -> int:
+        report = run_load_test(
+            args.url,
+            model=args.model,
+            endpoint=args.endpoint or "chat",
+            prompt=args.prompt or DEFAULT_PROMPT,
+            max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS,
+            concurrency=concurrency,
+            rate=args.rate,
+            burstiness=args.burstiness or 1.0,
+            duration_s=args.duration,
+            timeout_s=args.timeout,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+            slo_e2e_ms=args.slo_e2e_ms,
+        )
+        print(report.table())
+        if args.json is not None:
+            report.to_json(args.json)
+            print(f"wrote {args.json}")
+        return 0
+
+    return run
+
+
+def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
     from . import bench
 
     # Cheap checks first: a bad output path must not wait for a model to load.
@@ -498,17 +578,70 @@ def _build_parser() -> argparse.ArgumentParser:
         "bench",
         parents=[common],
         formatter_class=_HelpFormatter,
-        help="load-test a batch function and find B_opt under a P99 SLA",
+        help="load-test a batch function and find B_opt under a P99 SLA, or load-test a server (--url)",
         description="Serve a batch function through a DynamicBatcher at each batch size, measure throughput "
         "and latency, and recommend B_opt = min(B_knee, B_SLA) and QPS_max = mean batch at B_opt / "
-        "t_batch(B_opt). A module:function target is imported from the current folder first.",
+        "t_batch(B_opt). A module:function target is imported from the current folder first. "
+        "With --url instead, load-test a running OpenAI-compatible server (streamed chat or text "
+        "completions) closed-loop (--concurrency) or open-loop (--rate, --burstiness).",
     )
     be.add_argument(
         "target",
         nargs="?",
-        default="demo",
-        help="module:function, a batch function fn(list) -> list; 'demo' is the built-in CPU MLP (needs torch)",
+        default=None,
+        help="module:function, a batch function fn(list) -> list; 'demo' is the built-in CPU MLP (needs torch); "
+        "default: demo, or none with --url",
     )
+    be.add_argument(
+        "--url",
+        metavar="URL",
+        default=None,
+        help="load-test a running OpenAI-compatible server instead of a target: its base URL, "
+        "http://HOST:PORT (needs httpx); streams --endpoint and reports throughput, TTFT / TPOT / "
+        "end-to-end p50/p99 and goodput; default: bench the target",
+    )
+    be.add_argument(
+        "--model",
+        metavar="NAME",
+        default=None,
+        help="with --url: the model to request; default: the first one GET /v1/models names",
+    )
+    be.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default=None,
+        help="with --url: stream /v1/chat/completions or /v1/completions; default: chat",
+    )
+    be.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        default=None,
+        help=f"with --url: the prompt (the user message for chat) of every request; default: {DEFAULT_PROMPT!r}",
+    )
+    be.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=_int_in(1, MAX_SEQ_LEN),
+        default=None,
+        help=f"with --url: max_tokens of every request, 1..{MAX_SEQ_LEN:,}; default: {DEFAULT_MAX_TOKENS}",
+    )
+    be.add_argument(
+        "--burstiness",
+        metavar="K",
+        type=_float_in(0, MAX_BURSTINESS, lo_open=True),
+        default=None,
+        help=f"with --rate: the shape of gamma-distributed gaps between arrivals, in (0, {MAX_BURSTINESS:g}]: "
+        "1 is Poisson, below 1 burstier, above 1 more regular; default: 1",
+    )
+    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token"), ("e2e", "end-to-end")):
+        be.add_argument(
+            f"--slo-{name}-ms",
+            metavar="MS",
+            type=_float_in(0, MAX_SLO_MS, lo_open=True),
+            default=None,
+            help=f"with --url: an SLO on {what} in ms, in (0, {MAX_SLO_MS:g}]; goodput is the share of "
+            "requests within every SLO given; default: none",
+        )
     be.add_argument(
         "--make-item",
         metavar="MODULE:FUNCTION",
@@ -551,14 +684,16 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="S",
         type=_float_in(0, MAX_SECONDS, lo_open=True),
         default=2.0,
-        help=f"seconds per batch size, in (0, {MAX_SECONDS:g}]",
+        help=f"seconds per batch size (with --url: seconds of sending requests; those running then finish), "
+        f"in (0, {MAX_SECONDS:g}]",
     )
     be.add_argument(
         "--timeout",
         metavar="S",
         type=_float_in(0, MAX_SECONDS, lo_open=True),
         default=60.0,
-        help=f"seconds one call of the target may run before the bench stops with an error, in (0, {MAX_SECONDS:g}]",
+        help=f"seconds one call of the target may run before the bench stops with an error (with --url: "
+        f"one request may take before it counts as failed), in (0, {MAX_SECONDS:g}]",
     )
     be.add_argument(
         "--sla-ms",
