@@ -189,6 +189,8 @@ CASES = [
     Case("serve-unknown-model", ("serve", "--model", "no-such-model"), 2, "argument --model: model source"),
     Case("serve-port-out-of-range", ("serve", "--model", "x", "--port", "70000"), 2, "argument --port: must be in"),
     Case("serve-num-blocks-zero", ("serve", "--model", "x", "--num-blocks", "0"), 2, "argument --num-blocks"),
+    Case("serve-timeout-zero", ("serve", "--model", "x", "--request-timeout-s", "0"), 2, "--request-timeout-s"),
+    Case("serve-wait-inf", ("serve", "--model", "x", "--embedding-max-wait-ms", "inf"), 2, "must be a finite"),
     Case("serve-quotas-missing", ("serve", "--model", "x", "--tenant-quotas", "nope.json"), 2, "--tenant-quotas"),
     # ---- the installed console script, from the folder holding the target
     Case("script-finds-target-in-cwd", ("bench", "bk_target:ok", *FAST), 0, stdout="B_opt", script=True),

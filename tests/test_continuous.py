@@ -693,3 +693,62 @@ def test_the_loop_is_a_tunable_target() -> None:
     assert loop.scheduler.max_num_seqs == 4
     with pytest.raises(ValueError, match="max_num_seqs"):
         loop.set_batch_limit(0)
+
+
+def test_a_request_past_its_deadline_is_dropped_wherever_it_is() -> None:
+    """A waiting request and a running one each past its deadline end with DeadlineExceeded at
+    the next step boundary (the running one after the tokens it already produced); their blocks
+    are freed and a request without a deadline is untouched."""
+    from batchkit import DeadlineExceeded
+    from batchkit.testing import MockClock
+
+    clock = MockClock()
+    loop = make_loop(max_num_seqs=2, clock=clock)
+    s = loop.scheduler
+    s.add(Request("no-deadline", [1], SamplingParams(max_new_tokens=6)))
+    s.add(Request("running", [1], SamplingParams(max_new_tokens=50), deadline=2.0))
+    s.add(Request("waiting", [1], SamplingParams(max_new_tokens=2), deadline=1.0))  # max_num_seqs=2: waits
+    _, events = loop.step_once()
+    assert {e.request_id for e in events} == {"no-deadline", "running"}
+    clock.advance(1.5)  # past "waiting"'s deadline only
+    _, events = loop.step_once()
+    errors = {e.request_id: e.error for e in events if e.error is not None}
+    assert list(errors) == ["waiting"]
+    assert isinstance(errors["waiting"], DeadlineExceeded)
+    clock.advance(1.0)  # past "running"'s
+    out, errors = _drive_collect(loop)
+    assert list(errors) == ["running"]
+    assert isinstance(errors["running"], DeadlineExceeded)
+    assert len(out["no-deadline"]) == 4  # 2 tokens before, 4 after: 6 in all
+    assert s.statistics().expired == 2
+    assert loop.allocator.statistics().used_blocks == 0
+
+
+def test_deadline_s_reaches_the_caller_as_deadline_exceeded() -> None:
+    """submit/generate_sync(deadline_s=...): a request still waiting when its deadline passes
+    raises DeadlineExceeded from its future or stream; deadline_s must be a positive finite number."""
+    from batchkit import DeadlineExceeded
+    from batchkit.testing import MockClock
+
+    clock = MockClock()
+    entered = threading.Event()
+    release = threading.Event()
+    echo = EchoStep()
+
+    def blocking_step(batch: StepBatch, kv: Any) -> torch.Tensor:
+        entered.set()
+        assert release.wait(WAIT)
+        return echo(batch, kv)
+
+    with make_loop(blocking_step, max_num_seqs=1, clock=clock) as loop:
+        first = loop.submit([1], max_new_tokens=1)
+        assert entered.wait(WAIT)  # the engine is busy with the first request
+        late = loop.submit([1], max_new_tokens=1, deadline_s=0.5)
+        clock.advance(1.0)
+        release.set()
+        assert first.result(WAIT) == [2]
+        with pytest.raises(DeadlineExceeded, match="deadline"):
+            late.result(WAIT)
+        for bad in (0, -1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match="deadline_s"):
+                loop.submit([1], deadline_s=bad)

@@ -397,6 +397,25 @@ def test_a_tenant_is_held_to_its_kv_quota(models: tuple[Any, Any]) -> None:
 
 
 @needs_models
+def test_a_generation_past_its_deadline_gets_504(models: tuple[Any, Any]) -> None:
+    """With request_timeout_s, a generation that cannot finish in time is dropped by the loop (its
+    KV blocks freed) and the client gets 504 with an OpenAI-style body; the server serves on."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    # A deadline no step can meet: the loop drops the request at its first step boundary.
+    app = create_app(lm, num_blocks=64, block_size=16, request_timeout_s=1e-9, warmup=False)
+    body = {"model": CHAT, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    with LiveServer(app) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=DEADLINE_S)
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "deadline_exceeded"
+        loop = app.state.batchkit.loop
+        assert loop.allocator.statistics().used_blocks == 0
+        assert loop.scheduler.statistics().expired == 1
+
+
+@needs_models
 def test_shutting_down_under_load_finishes_the_accepted_request(models: tuple[Any, Any]) -> None:
     """A server told to stop while a request runs stops admitting but answers that request in full."""
     from batchkit.serve import create_app

@@ -9,6 +9,7 @@ their own token stream, so the step never waits on them and they never wait on e
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
@@ -205,10 +206,15 @@ class ContinuousDecodeLoop:
         priority: int,
         tenant: Hashable,
         stream: _Stream | None = None,
+        deadline_s: float | None = None,
     ) -> tuple[Hashable, _Stream]:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids needs at least one token")
+        if deadline_s is not None and (
+            isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not 0 < deadline_s < math.inf
+        ):
+            raise ValueError(f"deadline_s must be a finite number of seconds > 0 (or None), got {deadline_s!r}")
         if params.stop and self.scheduler.detokenize is None:
             raise ValueError(
                 f"stop strings {params.stop!r} need a detokenize hook to be matched; pass detokenize= "
@@ -228,7 +234,8 @@ class ContinuousDecodeLoop:
                         "raise max_waiting, or add capacity"
                     )
             self._next_id += 1
-            req = Request(self._next_id, prompt, params, priority=priority, tenant=tenant)
+            deadline = None if deadline_s is None else self.clock.now() + deadline_s
+            req = Request(self._next_id, prompt, params, priority=priority, tenant=tenant, deadline=deadline)
             self._inbox.append((req, stream))
             if self._thread is None and self.engine == "thread":
                 self._thread = threading.Thread(target=self._engine, name="batchkit-decode-loop", daemon=True)
@@ -237,16 +244,24 @@ class ContinuousDecodeLoop:
         return req.request_id, stream
 
     async def generate(
-        self, prompt_ids: Sequence[int], *, priority: int = 0, tenant: Hashable = None, **sampling: Any
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        deadline_s: float | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[int]:
         """Stream a request's new tokens (asyncio or trio). Keyword arguments are
         :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
         ``seed``, ``stop_token_ids``, ``eos_token_id``, ``stop``...).
 
-        Leaving the iteration early (``break``, cancellation, ``aclose()``) aborts the request
-        and frees its KV blocks.
+        ``deadline_s``: the request must finish within this many seconds of its submission;
+        past it, at the next step boundary, it is dropped (its blocks freed) and the stream raises
+        :class:`DeadlineExceeded` after the tokens it already produced. Leaving the iteration
+        early (``break``, cancellation, ``aclose()``) aborts the request and frees its KV blocks.
         """
-        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant)
+        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant, deadline_s=deadline_s)
         try:
             while True:
                 ready, token, waiter = stream._next_or_park(new_async_waiter)
@@ -261,10 +276,16 @@ class ContinuousDecodeLoop:
                 self.abort(rid)
 
     def generate_sync(
-        self, prompt_ids: Sequence[int], *, priority: int = 0, tenant: Hashable = None, **sampling: Any
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        deadline_s: float | None = None,
+        **sampling: Any,
     ) -> Iterator[int]:
         """The blocking twin of :meth:`generate`, for threads."""
-        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant)
+        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant, deadline_s=deadline_s)
         try:
             while True:
                 ready, token, waiter = stream._next_or_park(ThreadWaiter)
@@ -279,16 +300,23 @@ class ContinuousDecodeLoop:
                 self.abort(rid)
 
     def submit(
-        self, prompt_ids: Sequence[int], *, priority: int = 0, tenant: Hashable = None, **sampling: Any
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        deadline_s: float | None = None,
+        **sampling: Any,
     ) -> concurrent.futures.Future[list[int]]:
-        """Queue a request; the future resolves to its complete list of new tokens.
+        """Queue a request; the future resolves to its complete list of new tokens (or raises
+        :class:`DeadlineExceeded` past ``deadline_s``, see :meth:`generate`).
 
         Cancelling the future aborts the request.
         """
         fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
         stream = _Stream()
         stream.future = fut
-        rid, _ = self._submit(prompt_ids, self._params(sampling), priority, tenant, stream)
+        rid, _ = self._submit(prompt_ids, self._params(sampling), priority, tenant, stream, deadline_s)
         fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
         return fut
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._clock import Clock, MonotonicClock
-from .._errors import KVCacheExhausted
+from .._errors import DeadlineExceeded, KVCacheExhausted
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary, SampleWindow
 from .sampling import SamplingParams
@@ -45,6 +46,7 @@ class Request:
 
     __slots__ = (
         "arrival",
+        "deadline",
         "finish_reason",
         "generator",
         "num_computed",
@@ -71,8 +73,10 @@ class Request:
         priority: int = 0,
         tenant: Hashable = None,
         arrival: float = 0.0,
+        deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
+        self.deadline = deadline  # on the scheduler's clock: dropped with DeadlineExceeded past it
         self.tokens: list[int] = [int(t) for t in prompt]  # prompt + output
         self.prompt_len = len(self.tokens)
         self.output: list[int] = []
@@ -139,6 +143,7 @@ class SchedulerStatistics:
     swapped: int
     finished: int
     aborted: int
+    expired: int
     steps: int
     preemptions: int
     generated_tokens: int
@@ -205,6 +210,8 @@ class Scheduler:
         self._tpot = SampleWindow()
         self._queue_wait = SampleWindow()
         self._pending_events: list[TokenEvent] = []
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests leave lazily
+        self._expired = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -240,6 +247,8 @@ class Scheduler:
             request.generator = torch.Generator().manual_seed(request.params.seed)
         self._requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.order, request))
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a request wherever it is and free its blocks. False if it is not known (done)."""
@@ -337,10 +346,40 @@ class Scheduler:
         self._finished += 1
         self._pending_events.append(TokenEvent(req.request_id, None, True, "error", error))
 
+    def _expire(self, now: float) -> None:
+        """Drop every request whose deadline has passed, wherever it is; free its blocks."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, req = heapq.heappop(heap)
+            if self._requests.get(req.request_id) is not req:
+                continue  # finished or aborted already
+            if req.status == RequestStatus.WAITING:
+                self.waiting.remove(req)
+            elif req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.allocator.free(req.request_id)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                self.allocator.free(req.request_id)
+            self._expired += 1
+            self._fail(
+                req,
+                DeadlineExceeded(
+                    f"request {req.request_id!r} passed its deadline ({now - req.arrival:.3f} s after arrival, "
+                    f"{len(req.output)} tokens generated); give it a longer deadline or add capacity"
+                ),
+            )
+
     def schedule(self) -> ScheduledStep:
-        """Decide this step's work (may preempt, swap and admit). Empty when nothing can run."""
+        """Decide this step's work (may preempt, swap and admit). Empty when nothing can run.
+
+        Requests past their deadline are dropped first (their streams get
+        :class:`DeadlineExceeded` through :meth:`take_events`).
+        """
         a = self.allocator
         now = self.clock.now()
+        if self._deadlines:
+            self._expire(now)
         budget = self.max_num_batched_tokens
         chosen: list[Request] = []
         counts: list[int] = []
@@ -528,6 +567,7 @@ class Scheduler:
             swapped=len(self.swapped),
             finished=self._finished,
             aborted=self._aborted,
+            expired=self._expired,
             steps=self._steps,
             preemptions=self._preemptions,
             generated_tokens=self._generated,

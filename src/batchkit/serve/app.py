@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._errors import BatcherClosed, KVCacheExhausted, QueueFull
+from .._errors import BatcherClosed, DeadlineExceeded, KVCacheExhausted, QueueFull
 from ..continuous.loop import ContinuousDecodeLoop
 from ..decorator import BatchedFunction, batched
 from .metrics import BatchkitCollector
@@ -253,6 +253,9 @@ class ModelServer:
         default_max_tokens: output limit of a request that gives none (also capped by the context).
         embedding_max_batch, embedding_max_wait_ms, embedding_max_queue: the embedding batcher.
         retry_after_s: the ``Retry-After`` header of 503 answers.
+        request_timeout_s: a generation must finish within this many seconds of its arrival;
+            past it the loop drops it (its KV blocks freed) and the client gets 504 (or, once
+            streaming, an error event). None: no limit.
         shutdown_grace_s: on shutdown, how long requests in flight may finish before they are aborted.
         warmup: run one short generation and one embedding before reporting ready.
         on_load_error: called with the exception when loading or warming up fails (``batchkit
@@ -279,6 +282,7 @@ class ModelServer:
         embedding_max_wait_ms: float = 5.0,
         embedding_max_queue: int = 1024,
         retry_after_s: int = 1,
+        request_timeout_s: float | None = None,
         shutdown_grace_s: float = 10.0,
         warmup: bool = True,
         on_load_error: Callable[[BaseException], None] | None = None,
@@ -309,6 +313,7 @@ class ModelServer:
             "on_full": "reject",
         }
         self.retry_after_s = retry_after_s
+        self.request_timeout_s = request_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.warmup = warmup
         self.on_load_error = on_load_error
@@ -623,7 +628,7 @@ class ModelServer:
         }
         if req.stop:
             sampling["stop"] = req.stop
-        tokens = loop.generate(prompt, priority=priority, tenant=tenant, **sampling)
+        tokens = loop.generate(prompt, priority=priority, tenant=tenant, deadline_s=self.request_timeout_s, **sampling)
         gen = _Generation(self, route, tokens, len(prompt), max_tokens, req.stop, stop_ids, t_arrival)
         self._enter()
         handed_over = False
@@ -662,6 +667,9 @@ class ModelServer:
             return ApiError(400, str(exc), code="context_length_exceeded")
         if isinstance(exc, BatcherClosed):
             return ApiError(503, str(exc), type="server_error", code="shutting_down")
+        if isinstance(exc, DeadlineExceeded):
+            self._reject("deadline")
+            return ApiError(504, str(exc), type="server_error", code="deadline_exceeded")
         if isinstance(exc, ValueError):
             return ApiError(400, str(exc), code="invalid_value")
         logger.error("batchkit.serve: a generation failed", exc_info=exc)

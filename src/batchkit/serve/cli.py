@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -34,8 +35,15 @@ def _non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -116,6 +124,12 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         help="on shutdown, time for requests in flight to finish before they are aborted",
     )
     s.add_argument("--retry-after-s", type=_positive_int, default=1, help="Retry-After of 503 answers")
+    s.add_argument(
+        "--request-timeout-s",
+        type=_positive_float,
+        default=None,
+        help="a generation must finish within this many seconds of arrival, else 504; default: no limit",
+    )
     return p
 
 
@@ -184,6 +198,7 @@ def run_serve(args: argparse.Namespace) -> int:
         embedding_max_batch=args.embedding_max_batch,
         embedding_max_wait_ms=args.embedding_max_wait_ms,
         retry_after_s=args.retry_after_s,
+        request_timeout_s=args.request_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
         dtype=getattr(torch, args.dtype),
         device=args.device,
