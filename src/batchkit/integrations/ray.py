@@ -131,8 +131,8 @@ def deployment_options(
     the default no batch ever exceeds 5 items, however many callers wait. Worse, requests held at
     a handle are not woken when a replica frees up: the router polls replicas with a backoff of up
     to a second. Measured (benchmarks/ray_replicas.py, 128 callers, a sleep-bound batch function
-    that serves 193 req/s in one process): 5 req/s with a mean batch of 1.6 at the default,
-    still only 42 req/s at ``max_ongoing_requests = 2 * max_batch``, and 171 req/s with the value
+    that serves 194 req/s in one process): 6 req/s with a mean batch of 1.4 at the default,
+    still only 28 req/s at ``max_ongoing_requests = 2 * max_batch``, and 181 req/s with the value
     derived here. So the replica should hold everything its batcher can admit, and the handle
     only true overload:
 
