@@ -397,6 +397,32 @@ def test_a_tenant_is_held_to_its_kv_quota(models: tuple[Any, Any]) -> None:
 
 
 @needs_models
+def test_a_failing_embedding_model_opens_the_circuit_breaker(
+    models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five failing embedding batches in a row answer 500; then the breaker opens and requests
+    fail fast with 503 + Retry-After (code circuit_open) without reaching the model."""
+    from batchkit.serve import create_app
+
+    _, encoder = models
+    calls: list[int] = []
+
+    def broken(texts: Any) -> Any:
+        calls.append(len(texts))
+        raise RuntimeError("the encoder is broken")
+
+    monkeypatch.setattr(encoder, "encode", broken)
+    app = create_app(embedding_model=encoder, warmup=False, retry_after_s=30)
+    with LiveServer(app) as server:
+        url = f"{server.url}/v1/embeddings"
+        statuses = [httpx.post(url, json={"model": EMBED, "input": "x"}, timeout=DEADLINE_S) for _ in range(6)]
+    assert [r.status_code for r in statuses] == [500] * 5 + [503]
+    assert statuses[-1].json()["error"]["code"] == "circuit_open"
+    assert statuses[-1].headers["Retry-After"] == "30"
+    assert len(calls) == 5
+
+
+@needs_models
 def test_a_generation_past_its_deadline_gets_504(models: tuple[Any, Any]) -> None:
     """With request_timeout_s, a generation that cannot finish in time is dropped by the loop (its
     KV blocks freed) and the client gets 504 with an OpenAI-style body; the server serves on."""

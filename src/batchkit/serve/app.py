@@ -33,8 +33,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._errors import BatcherClosed, DeadlineExceeded, KVCacheExhausted, QueueFull
+from .._errors import BatcherClosed, CircuitOpen, DeadlineExceeded, KVCacheExhausted, QueueFull
 from ..continuous.loop import ContinuousDecodeLoop
+from ..adaptive import CircuitBreaker
 from ..decorator import BatchedFunction, batched
 from .metrics import BatchkitCollector
 from .protocol import (
@@ -311,6 +312,8 @@ class ModelServer:
             "max_wait_ms": embedding_max_wait_ms,
             "max_queue": embedding_max_queue,
             "on_full": "reject",
+            # A failing encoder fails fast (503) instead of taking every request down with it.
+            "circuit_breaker": CircuitBreaker(failure_threshold=5, reset_timeout_s=float(retry_after_s)),
         }
         self.retry_after_s = retry_after_s
         self.request_timeout_s = request_timeout_s
@@ -770,6 +773,15 @@ class ModelServer:
                 raise self._queue_full(exc)
             if isinstance(exc, BatcherClosed):
                 raise ApiError(503, str(exc), type="server_error", code="shutting_down")
+            if isinstance(exc, CircuitOpen):
+                self._reject("circuit_open")
+                raise ApiError(
+                    503,
+                    f"the embedding model is failing: {exc}",
+                    type="server_error",
+                    code="circuit_open",
+                    headers={"Retry-After": str(self.retry_after_s)},
+                )
             raise ApiError(500, f"embedding failed: {exc}", type="server_error")
         return results
 
