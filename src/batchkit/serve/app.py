@@ -34,8 +34,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .._errors import BatcherClosed, CircuitOpen, DeadlineExceeded, KVCacheExhausted, QueueFull
-from ..continuous.loop import ContinuousDecodeLoop
 from ..adaptive import CircuitBreaker
+from ..continuous.loop import ContinuousDecodeLoop
 from ..decorator import BatchedFunction, batched
 from .metrics import BatchkitCollector
 from .protocol import (
