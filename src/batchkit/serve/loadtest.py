@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._errors import BatchkitError
 from ..metrics import percentiles
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ MAX_IN_FLIGHT = 10_000  # open loop: an arrival finding this many requests runni
 PREFLIGHT_TIMEOUT_S = 10.0
 
 
-class LoadTestFailed(RuntimeError):
+class LoadTestFailed(BatchkitError, RuntimeError):
     """The endpoint cannot be load-tested: unreachable, no model to name, or every request failed."""
 
 
@@ -293,12 +294,12 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {first}" if first else f"HTTP {status}"
 
 
-async def _preflight(client: httpx.AsyncClient, url: str, model: str | None) -> str:
+async def _preflight(client: httpx.AsyncClient, url: str, model: str | None, timeout_s: float) -> str:
     """Prove the server answers (GET /v1/models) and pick the model: the one given, else its first."""
     import httpx
 
     try:
-        resp = await client.get(f"{url}/v1/models", timeout=PREFLIGHT_TIMEOUT_S)
+        resp = await client.get(f"{url}/v1/models", timeout=min(timeout_s, PREFLIGHT_TIMEOUT_S))
     except httpx.HTTPError as exc:
         raise LoadTestFailed(f"cannot reach {url}: {type(exc).__name__}: {exc}".rstrip(": ")) from None
     if model is not None:
@@ -414,7 +415,7 @@ def run_load_test(
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         # The per-request limit is timeout_s (anyio.fail_after); httpx's own is the same bound.
         async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-            used_model = await _preflight(client, url, model)
+            used_model = await _preflight(client, url, model, timeout_s)
             body = request_body(endpoint, used_model, prompt, max_tokens)
             route = ENDPOINTS[endpoint]
             t0 = time.perf_counter()
