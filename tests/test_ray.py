@@ -379,6 +379,23 @@ def test_a_replica_admits_all_serve_sends_while_a_small_batch_runs() -> None:
         replica.batcher.close()
 
 
+def test_deployment_kwargs_merge_into_the_derived_autoscaling_config() -> None:
+    """An autoscaling_config in deployment_kwargs adds to the derived target and policy, and
+    other deployment_kwargs replace the derived values."""
+    dep = batched_deployment(
+        batchkit.testing.echo_batch,
+        max_batch=4,
+        max_replicas=3,
+        autoscale_on_queue_depth=True,
+        deployment_kwargs={"autoscaling_config": {"upscale_delay_s": 0.0}, "max_ongoing_requests": 7},
+    )
+    config = dep._deployment_config  # Ray's own record of what it will run
+    assert dep.max_ongoing_requests == 7
+    assert config.autoscaling_config.upscale_delay_s == 0.0
+    assert config.autoscaling_config.target_ongoing_requests == 4
+    assert config.autoscaling_config.max_replicas == 3
+
+
 def test_batched_deployment_refuses_a_batched_function() -> None:
     """A @batched function cannot be shipped to replicas; the error says to pass the plain one."""
 

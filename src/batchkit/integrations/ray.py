@@ -207,6 +207,16 @@ def deployment_options(
     return options
 
 
+def _merge_options(options: dict[str, Any], overrides: Mapping[str, Any] | None) -> None:
+    """``options.update(overrides)``, merging an ``autoscaling_config`` dict into the derived one."""
+    for key, value in (overrides or {}).items():
+        derived = options.get(key)
+        if key == "autoscaling_config" and isinstance(derived, dict) and isinstance(value, Mapping):
+            options[key] = {**derived, **value}
+        else:
+            options[key] = value
+
+
 # ---------------------------------------------------------------------- replica hooks
 
 
@@ -413,7 +423,9 @@ def batched_deployment(
             :func:`deployment_options`.
         name: the deployment's name (default: the target's name).
         ray_actor_options: Serve's per-replica resources (``{"num_cpus": 1, "num_gpus": 1}``).
-        deployment_kwargs: more ``serve.deployment`` options; they override the derived ones.
+        deployment_kwargs: more ``serve.deployment`` options; they override the derived ones,
+            except that an ``autoscaling_config`` dict is merged into the derived one (so
+            ``{"autoscaling_config": {"upscale_delay_s": 5}}`` keeps the target and policy).
         circuit_breaker: a ``CircuitBreaker`` (each replica gets a copy) or None.
         batcher_options: other ``DynamicBatcher`` keyword arguments (``max_queue``,
             ``max_concurrent_batches``, ``isolate_errors``, ``batch_timeout_s``, ...).
@@ -454,7 +466,7 @@ def batched_deployment(
     )
     if ray_actor_options is not None:
         serve_options["ray_actor_options"] = dict(ray_actor_options)
-    serve_options.update(deployment_kwargs or {})
+    _merge_options(serve_options, deployment_kwargs)
     deployment_name: str = name or str(getattr(target, "__name__", "BatchkitReplica"))
 
     class Replica(BatchkitReplica):
@@ -563,7 +575,7 @@ def decode_deployment(
         serve_options["autoscaling_config"]["policy"]["policy_kwargs"]["items_per_batch"] = 1
     if ray_actor_options is not None:
         serve_options["ray_actor_options"] = dict(ray_actor_options)
-    serve_options.update(deployment_kwargs or {})
+    _merge_options(serve_options, deployment_kwargs)
     deployment_name: str = name or str(getattr(make_loop, "__name__", "DecodeReplica"))
 
     class Replica(DecodeReplica):
