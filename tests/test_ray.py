@@ -81,6 +81,13 @@ def tag_with_pid(items: list[tuple[int, float]]) -> list[tuple[int, int]]:
     return [(i, os.getpid()) for i, _ in items]
 
 
+def fail_on_boom(items: list[str]) -> list[tuple[str, int]]:
+    """Raises for a batch holding "boom" (a failing batch); otherwise each item with the pid."""
+    if "boom" in items:
+        raise RuntimeError("the device is gone")
+    return [(x, os.getpid()) for x in items]
+
+
 def slow_square(items: list[int]) -> list[int]:
     """One batch takes 1.5 s: long enough to cancel a request queued behind it."""
     time.sleep(1.5)
@@ -526,6 +533,36 @@ def test_a_killed_replica_loses_no_request_the_caller_retries(two_replicas: Any)
     assert sorted(results) == list(range(144))
     assert all(results[i][0] == i for i in results)
     assert retried, "the killed replica held no request: the test did not test anything"
+
+
+@pytest.mark.timeout(120)
+def test_serve_replaces_a_replica_whose_breaker_is_open(cluster: Any) -> None:
+    """A failing batch opens the replica's circuit breaker; its health check then fails, and Serve
+    replaces it with a fresh replica that serves."""
+    app = batched_deployment(
+        fail_on_boom,
+        max_batch=4,
+        max_wait_ms=1,
+        name="breaker",
+        circuit_breaker=batchkit.CircuitBreaker(failure_threshold=1, reset_timeout_s=600.0),
+        ray_actor_options={"num_cpus": 0.25},
+        deployment_kwargs={"health_check_period_s": 0.5, "health_check_timeout_s": 5.0},
+    )
+    handle = cluster.run(app.bind(), name="breaker", route_prefix=None)
+    _, first_pid = handle.remote("ok").result(timeout_s=WAIT)
+    with pytest.raises(Exception, match="the device is gone"):
+        handle.remote("boom").result(timeout_s=WAIT)
+    with pytest.raises(Exception, match="CircuitOpen"):
+        handle.remote("ok").result(timeout_s=WAIT)  # fails fast while the breaker is open
+
+    def served_by_a_new_replica() -> bool:
+        try:
+            return handle.remote("ok").result(timeout_s=WAIT)[1] != first_pid
+        except Exception:
+            return False  # still the old replica (fails fast) or the swap in progress
+
+    wait_until(served_by_a_new_replica, "Serve to replace the unhealthy replica", timeout=60)
+    cluster.delete("breaker")
 
 
 @pytest.mark.timeout(120)
