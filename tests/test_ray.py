@@ -447,7 +447,6 @@ def cluster() -> Iterator[Any]:
     from ray import serve
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")  # a loaded 2-core box
     t0 = time.monotonic()
     try:
         ray.init(
