@@ -403,8 +403,8 @@ def test_deployment_kwargs_merge_into_the_derived_autoscaling_config() -> None:
     assert config.autoscaling_config.max_replicas == 3
 
 
-def test_batched_deployment_refuses_a_batched_function() -> None:
-    """A @batched function cannot be shipped to replicas; the error says to pass the plain one."""
+def test_batched_deployment_refuses_what_cannot_travel_to_replicas() -> None:
+    """A @batched function or a queue cannot be shipped to replicas; the error says what to pass."""
 
     @batchkit.batched(max_batch=4)
     def f(xs: list[int]) -> list[int]:
@@ -415,6 +415,8 @@ def test_batched_deployment_refuses_a_batched_function() -> None:
             batched_deployment(f)
     finally:
         f.close()
+    with pytest.raises(TypeError, match="pass max_queue and on_full"):
+        batched_deployment(batchkit.testing.echo_batch, queue=batchkit.BoundedQueue(8))
 
 
 def test_mapper_rows_match_the_single_process_job(tmp_path: Path) -> None:

@@ -433,7 +433,8 @@ def batched_deployment(
     Raises:
         ModuleNotFoundError: Ray is not installed (the message names the extra).
         TypeError: ``target`` is not callable, or is a ``@batched`` function (pass the plain batch
-            function: the batcher must be built in the replica, not pickled from the driver).
+            function: the batcher must be built in the replica, not pickled from the driver), or
+            a ``queue`` is given (pass ``max_queue`` and ``on_full``).
         ValueError: see :func:`deployment_options`.
     """
     _require_ray()
@@ -444,6 +445,11 @@ def batched_deployment(
         )
     if not callable(target):
         raise TypeError(f"target must be a batch function or a class whose instances are one, got {target!r}")
+    if "queue" in batcher_options:
+        raise TypeError(
+            "a BoundedQueue cannot be shipped to replicas (each replica builds its own): "
+            "pass max_queue and on_full instead"
+        )
     from ray import serve
 
     cb = CircuitBreaker() if circuit_breaker is _DEFAULT else circuit_breaker
@@ -451,14 +457,13 @@ def batched_deployment(
         raise TypeError(f"circuit_breaker must be a batchkit.CircuitBreaker or None, got {cb!r}")
     options: dict[str, Any] = dict(batcher_options)
     options.update(max_batch_size=max_batch, max_wait_ms=max_wait_ms, circuit_breaker=cb)
-    if "queue" not in options:
-        options.setdefault("max_queue", default_max_queue(max_batch, options.get("max_concurrent_batches", 1)))
+    options.setdefault("max_queue", default_max_queue(max_batch, options.get("max_concurrent_batches", 1)))
     options.setdefault("name", name or getattr(target, "__name__", "batch_fn"))
     serve_options = deployment_options(
         max_batch=max_batch,
         b_opt=b_opt,
         max_concurrent_batches=options.get("max_concurrent_batches", 1),
-        max_queue=options["queue"].maxsize if "queue" in options else options["max_queue"],
+        max_queue=options["max_queue"],
         num_replicas=num_replicas,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
