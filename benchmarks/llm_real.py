@@ -8,6 +8,8 @@ chat prompts (default 48), greedy, stopping at EOS or ``--max-new-tokens`` (defa
 
 - ``batchkit generate()``: one asyncio task per request through ``ContinuousDecodeLoop.generate``
   (what a server does; the loop's engine thread runs the model);
+- ``batchkit generate(), engine in main thread``: the same with ``engine="caller"``: the main
+  thread runs ``run_engine()`` and the asyncio tasks live in a second thread;
 - ``batchkit step loop``: the same loop driven by ``step_once()`` in the main thread, no threads;
 - ``transformers static``: ``generate()`` on padded batches of ``--slots`` prompts in arrival
   order (each batch runs to its longest member; only each request's own tokens count);
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import random
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,9 +132,13 @@ def bare_loop(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args:
     return row
 
 
-def async_api(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace) -> Row:
-    """One asyncio task per request through loop.generate() (the engine thread runs the model)."""
-    row = Row("batchkit generate()")
+def async_api(
+    lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace, engine: str = "thread"
+) -> Row:
+    """One asyncio task per request through loop.generate(). engine="thread": the loop's engine
+    thread runs the model, asyncio in the main thread; engine="caller": the main thread runs the
+    engine (run_engine()), asyncio in a second thread."""
+    row = Row("batchkit generate()" if engine == "thread" else "batchkit generate(), engine in main thread")
 
     async def one(loop: Any, i: int, t0: float) -> None:
         await asyncio.sleep(max(0.0, at[i] - (time.perf_counter() - t0)))
@@ -145,13 +152,28 @@ def async_api(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args:
             out.append(tok)
         row.tokens[i] = out
 
-    async def main() -> None:
-        with lm.make_loop(args.num_blocks, max_num_seqs=args.slots, max_num_batched_tokens=args.budget) as loop:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(loop, i, t0) for i in range(len(prompts))))
-            row.seconds = time.perf_counter() - t0
+    async def clients(loop: Any) -> None:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(loop, i, t0) for i in range(len(prompts))))
+        row.seconds = time.perf_counter() - t0
 
-    asyncio.run(main())
+    opts = {"max_num_seqs": args.slots, "max_num_batched_tokens": args.budget}
+    if engine == "thread":
+        with lm.make_loop(args.num_blocks, **opts) as loop:
+            asyncio.run(clients(loop))
+        return row
+    loop = lm.make_loop(args.num_blocks, engine="caller", **opts)
+
+    def serve() -> None:
+        try:
+            asyncio.run(clients(loop))
+        finally:
+            loop.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    loop.run_engine()  # returns when serve() closes the loop
+    t.join()
     return row
 
 
@@ -250,6 +272,7 @@ def main() -> None:
     for rep in range(args.repeat):
         rows.append(bare_loop(lm, prompts, at, args))
         rows.append(async_api(lm, prompts, at, args))
+        rows.append(async_api(lm, prompts, at, args, engine="caller"))
         if hf is not None:
             rows.append(hf_static(hf, lm, prompts, at, args))
             if args.hf_continuous and rep == 0:

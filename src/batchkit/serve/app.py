@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -254,6 +254,10 @@ class ModelServer:
         default_max_tokens: output limit of a request that gives none (also capped by the context).
         embedding_max_batch, embedding_max_wait_ms, embedding_max_queue: the embedding batcher.
         retry_after_s: the ``Retry-After`` header of 503 answers.
+        engine: the decode loop's ``engine``: ``"thread"`` (it steps the model on its own thread)
+            or ``"caller"`` (a thread of yours calls ``app.state.batchkit.loop.run_engine()`` once
+            the loop exists; ``batchkit serve`` does this from the main thread, which is faster on a
+            CPU, see docs/benchmarks.md).
         request_timeout_s: a generation must finish within this many seconds of its arrival;
             past it the loop drops it (its KV blocks freed) and the client gets 504 (or, once
             streaming, an error event). None: no limit.
@@ -289,6 +293,7 @@ class ModelServer:
         on_load_error: Callable[[BaseException], None] | None = None,
         dtype: Any = None,
         device: Any = "cpu",
+        engine: Literal["thread", "caller"] = "thread",
     ) -> None:
         if model is None and embedding_model is None:
             raise ValueError("give a model, an embedding_model, or both")
@@ -301,6 +306,7 @@ class ModelServer:
             "max_num_batched_tokens": max_num_batched_tokens,
             "enable_prefix_caching": enable_prefix_caching,
             "max_waiting": max_waiting,
+            "engine": engine,
         }
         if tenant_quotas:
             self.loop_options["tenant_quotas"] = dict(tenant_quotas)
