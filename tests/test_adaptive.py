@@ -57,7 +57,7 @@ def test_deadband_and_cooldown_prevent_oscillation() -> None:
 
 
 def test_latency_guard_steps_down_near_the_slo() -> None:
-    """High recent latency without a backlog, or slow batches, step the size down."""
+    """High recent latency without a backlog, or slow batches without a backlog, step the size down."""
     clock = MockClock()
     c = ctl(latency_slo_ms=100, clock=clock)
     c.observe_latencies([0.09] * 50)
@@ -65,8 +65,8 @@ def test_latency_guard_steps_down_near_the_slo() -> None:
     assert c.batch_size == 3
     clock.advance(10)  # the window forgets old samples
     assert c.update(10).reason == "queue_up"
-    c.observe_batch(4, 0.045)  # 2 * 45 ms >= 0.8 * 100 ms
-    assert c.update(10).reason == "latency"
+    c.observe_batch(4, 0.045)  # 2 * 45 ms >= 0.9 * 100 ms
+    assert c.update(4).reason == "latency"
 
 
 def test_memory_guard_and_oom_ceiling() -> None:
@@ -308,3 +308,22 @@ def test_a_batcher_is_a_tunable_target() -> None:
         assert b.queue_depth() == 1
         b.set_batch_limit(5)
         assert b.max_batch_size == 5
+
+
+def test_slow_batches_do_not_shrink_the_batch_under_a_backlog() -> None:
+    """The batch-time guard shrinks the batch when one batch takes half the SLO, but not while a
+    backlog grows: there, shrinking would cut throughput and let queueing delay explode. The
+    previous controller shrank in both cases."""
+    clock = MockClock()
+    ctl = AdaptiveBatchController(
+        target_queue=4, eta=2, min_batch=1, max_batch=64, initial=8, latency_slo_ms=80, cooldown_s=0, clock=clock
+    )
+    ctl.observe_batch(8, 0.050)  # 50 ms >= 0.9 * 80 / 2
+    clock.advance(1)
+    assert ctl.update(queue_depth=4).reason == "latency"  # no backlog: shrink
+    assert ctl.batch_size == 6
+    clock.advance(1)
+    ctl.observe_batch(6, 0.050)
+    d = ctl.update(queue_depth=100)  # a backlog: grow for throughput instead
+    assert d.reason == "queue_up"
+    assert ctl.batch_size == 8

@@ -164,7 +164,10 @@ class AdaptiveBatchController:
         slo = self.latency_slo_ms
         lat = self.latency_ms(now) if slo is not None else float("nan")
         backlog = queue_depth > self.target_queue + self.deadband
-        slow_batches = slo is not None and self._batch_time_ms() >= self.slo_margin * slo / 2
+        # A batch that alone takes half the SLO argues for smaller batches, but only while the
+        # queue is under control: with a backlog, shrinking cuts throughput and the queueing delay
+        # it adds outgrows the batch time it saves (measured: P99 4.3 s against 0.1 s at fixed B).
+        slow_batches = slo is not None and not backlog and self._batch_time_ms() >= self.slo_margin * slo / 2
         near_slo = slo is not None and lat == lat and lat >= self.slo_margin * slo and not backlog
         if now - self._last_change < self.cooldown_s:
             reason = "cooldown"
