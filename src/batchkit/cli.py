@@ -10,13 +10,15 @@ prints one line on stderr that names the argument and the fix, and exits with st
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from ._argtypes import float_in as _float_in
+from ._argtypes import int_in as _int_in
 
 __all__ = ["main"]
 
@@ -68,34 +70,6 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 # ---------------------------------------------------------------------- argument types
-
-
-def _int_in(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number in {lo}..{hi:,}, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi:,}, got {text}")
-        return value
-
-    return parse
-
-
-def _float_in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
-    bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}") from None
-        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
-            raise argparse.ArgumentTypeError(f"must be a finite number in {bounds}, got {text}")
-        return value
-
-    return parse
 
 
 def _batch_sizes(text: str) -> list[int]:

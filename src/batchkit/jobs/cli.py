@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._argtypes import float_in as _float_in
+from .._argtypes import int_in as _int_in
 from .runner import RESERVED_FIELDS, run
 from .store import JobStateError
 
@@ -28,34 +28,6 @@ MAX_CONCURRENCY = 1024
 MAX_WAIT_MS = 10_000.0
 MAX_RETRIES = 100
 MAX_SECONDS = 3600.0
-
-
-def _int_in(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number in {lo}..{hi:,}, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi:,}, got {text}")
-        return value
-
-    return parse
-
-
-def _float_in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
-    bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}") from None
-        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
-            raise argparse.ArgumentTypeError(f"must be a finite number in {bounds}, got {text}")
-        return value
-
-    return parse
 
 
 def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentParser:

@@ -11,52 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import sys
 import threading
 from typing import Any
+
+from .._argtypes import float_in, int_in
 
 __all__ = ["add_serve_parser", "run_serve"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
-    return value
+_positive_int = int_in(1, 2**31 - 1)
+_non_negative_float = float_in(0.0, 1e9)
+_positive_float = float_in(0.0, 1e9, lo_open=True)
+_port = int_in(0, 65535)
 
 
 def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentParser:
