@@ -629,3 +629,36 @@ def test_a_job_killed_three_times_writes_every_id_exactly_once(tmp_path: Path) -
     assert all(line["output"]["x2"] == 2 * int(line["id"][1:]) for line in lines)
     assert read_jsonl(tmp_path / "out.dead.jsonl") == []
     assert "skipped (already done)" in result.stdout
+
+
+def test_parquet_in_and_out_equal_the_jsonl_job(tmp_path: Path) -> None:
+    """A Parquet input gives the same records as its JSONL twin, and a .parquet sink holds the
+    same rows as the JSONL output (written once the job is committed); a second run skips all."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    records = [{"id": i, "x": i} for i in range(50)]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "in.parquet")
+    src_jsonl = write_jsonl(tmp_path / "in.jsonl", records)
+    run(double, src_jsonl, tmp_path / "ref.jsonl", ordered=True)
+    report = run(double, tmp_path / "in.parquet", tmp_path / "out.parquet", ordered=True)
+    assert report.output == str(tmp_path / "out.parquet")
+    assert report.succeeded == 50
+    ref = [json.loads(line) for line in (tmp_path / "ref.jsonl").read_text().splitlines()]
+    assert pq.read_table(tmp_path / "out.parquet").to_pylist() == ref
+    again = run(double, tmp_path / "in.parquet", tmp_path / "out.parquet", ordered=True)
+    assert (again.succeeded, again.skipped) == (0, 50)
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 50
+
+
+def test_results_that_fit_no_parquet_schema_are_refused_with_the_fix(tmp_path: Path) -> None:
+    """Results of varying types cannot become one Parquet table: a ValueError says to keep JSONL;
+    the JSONL journal beside the sink keeps every result."""
+    pytest.importorskip("pyarrow")
+    from batchkit.jobs import parquet
+
+    rows = [{"id": i, "output": i} for i in range(parquet.CHUNK_ROWS)] + [{"id": -1, "output": {"a": [1]}}]
+    src = write_jsonl(tmp_path / "out.jsonl", rows)
+    with pytest.raises(ValueError, match="write the output as JSONL"):
+        parquet.export_parquet(src, tmp_path / "out.parquet")
+    assert not (tmp_path / "out.parquet").exists()

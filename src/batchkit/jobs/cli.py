@@ -48,9 +48,18 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         help="a batch function (a list of records -> one result per record), a @batched function, or "
         "batchkit.jobs.generate_fn(...) around a decode loop",
     )
-    p.add_argument("--input", required=True, metavar="PATH", help="the input JSONL (one JSON object per line)")
     p.add_argument(
-        "--output", required=True, metavar="PATH", help='the output JSONL: {"<id field>": id, "output": result}'
+        "--input",
+        required=True,
+        metavar="PATH",
+        help="the input JSONL (one JSON object per line), or a .parquet file (needs pyarrow)",
+    )
+    p.add_argument(
+        "--output",
+        required=True,
+        metavar="PATH",
+        help='the output JSONL: {"<id field>": id, "output": result}; or a .parquet file (journaled as '
+        "<output>.jsonl, written as Parquet once the job completes)",
     )
     p.add_argument(
         "--dead-letter",

@@ -26,6 +26,7 @@ from .._clock import Clock, MonotonicClock
 from .._errors import QueueFull
 from ..decorator import progress_bar
 from .generate import GenerateFunction, Generation
+from .parquet import export_parquet, is_parquet, parquet_rows, read_parquet
 from .source import Malformed, count_lines, read_jsonl, read_records
 from .store import JobStore, dead_letter_path_for
 
@@ -501,11 +502,13 @@ def run(
             ``Exception`` instance in a record's slot failing only that record), a ``@batched``
             function or a :class:`~batchkit.DynamicBatcher` (their own batch size, wait and
             concurrency apply), or :func:`~batchkit.jobs.generate_fn` around a decode loop.
-        source: a JSONL file (one JSON object per line; blank lines are ignored), or an iterable
-            of dicts (their 1-based positions stand in for line numbers; iterate them in the same
-            order on every run).
+        source: a JSONL file (one JSON object per line; blank lines are ignored), a ``.parquet``
+            file (one record per row; needs pyarrow), or an iterable of dicts (their 1-based
+            positions stand in for line numbers; iterate them in the same order on every run).
         sink: the output JSONL file: ``{"<id_field>": id, "output": result}`` per record, in
-            completion order (or input order with ``ordered``).
+            completion order (or input order with ``ordered``). A ``.parquet`` sink is journaled
+            as ``<sink>.jsonl`` (resumable like any job) and written as Parquet, with the same
+            columns, once every record is committed; results must then share one schema.
         dead_letter: where failed records go, ``{"<id_field>": id, "line": n, "error": "...",
             "attempts": k}`` (malformed lines: id null, and the line under ``"input"``); default
             ``<sink stem>.dead<suffix>`` beside the sink.
@@ -558,6 +561,10 @@ def run(
     if not isinstance(sink, (str, os.PathLike)):
         raise TypeError(f"sink must be a file path (the output JSONL), got {type(sink).__name__}")
     out_path = Path(sink)
+    parquet_out: Path | None = None
+    if is_parquet(out_path):
+        # The job journals JSONL beside it (that makes it resumable) and converts once complete.
+        parquet_out, out_path = out_path, out_path.with_name(out_path.name + ".jsonl")
     dead_path = Path(dead_letter) if dead_letter is not None else dead_letter_path_for(out_path)
     source_name: str | None = None
     records: Iterator[tuple[int, dict[str, Any] | Malformed]]
@@ -566,7 +573,7 @@ def run(
         if not src.is_file():
             raise FileNotFoundError(f"source {str(source)!r} is not a file: pass the input JSONL")
         source_name = str(src.resolve())
-        records = read_jsonl(src)
+        records = read_parquet(src) if is_parquet(src) else read_jsonl(src)
     elif isinstance(source, Iterable):
         records = read_records(source)
     else:
@@ -601,7 +608,8 @@ def run(
         if progress:
             total = None
             if source_name is not None:
-                total = max(0, count_lines(source_name) - len(done.ids) - len(done.lines))
+                rows = parquet_rows(source_name) if is_parquet(source_name) else count_lines(source_name)
+                total = max(0, rows - len(done.ids) - len(done.lines))
             bar = progress_bar(total, out_path.name, unit="item")
         job = _Job(
             target,
@@ -627,9 +635,11 @@ def run(
         store.close()
         if bar is not None:
             bar.close()
+    if parquet_out is not None:
+        export_parquet(store.output, parquet_out)
     wall = clock.now() - t0
     return JobReport(
-        output=str(store.output),
+        output=str(parquet_out if parquet_out is not None else store.output),
         dead_letter=str(store.dead_letter),
         succeeded=job.succeeded,
         failed=job.failed,

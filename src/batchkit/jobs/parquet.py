@@ -1,0 +1,102 @@
+"""Parquet in and out for bulk jobs (needs pyarrow: ``pip install 'batchkit[parquet]'``).
+
+Input is streamed a row group batch at a time, so memory does not grow with the file. Output is
+journaled as JSONL like any job (that is what makes it resumable and exactly once) and converted
+to Parquet, in chunks, once the job has committed every record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .source import Malformed
+
+__all__ = ["export_parquet", "is_parquet", "parquet_rows", "read_parquet"]
+
+CHUNK_ROWS = 8192
+
+
+def is_parquet(path: str | os.PathLike[str]) -> bool:
+    """Whether a job's input or output path names a Parquet file (by its ``.parquet`` suffix)."""
+    return Path(path).suffix.lower() == ".parquet"
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "Parquet input or output needs pyarrow: pip install 'batchkit[parquet]'", name="pyarrow"
+        ) from exc
+    return pyarrow
+
+
+def read_parquet(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any] | Malformed]]:
+    """Yield ``(row_number, record)`` for each row of a Parquet file (1-based), one batch of rows
+    at a time."""
+    pa = _pyarrow()
+    f = pa.parquet.ParquetFile(str(path))
+    n = 0
+    for batch in f.iter_batches(batch_size=CHUNK_ROWS):
+        for rec in batch.to_pylist():
+            n += 1
+            yield n, rec
+
+
+def parquet_rows(path: str | os.PathLike[str]) -> int:
+    """Rows in a Parquet file (from its footer; for a progress bar's total)."""
+    return int(_pyarrow().parquet.ParquetFile(str(path)).metadata.num_rows)
+
+
+def export_parquet(jsonl: str | os.PathLike[str], target: str | os.PathLike[str]) -> int:
+    """Write the records of a JSONL file to a Parquet file, atomically (a temporary file renamed
+    into place); return the rows written. The schema is inferred from the first chunk of rows.
+
+    Raises:
+        ValueError: later rows do not fit the schema of the first ones (results of varying
+            types): keep such a job's output as JSONL.
+    """
+    pa = _pyarrow()
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp")
+    writer = None
+    rows = 0
+    try:
+        with Path(jsonl).open("rb") as f:
+            chunk: list[dict[str, Any]] = []
+            for raw in f:
+                if raw.strip():
+                    chunk.append(json.loads(raw))
+                if len(chunk) == CHUNK_ROWS:
+                    writer = _write(pa, writer, tmp, chunk)
+                    rows += len(chunk)
+                    chunk = []
+            if chunk or writer is None:
+                writer = _write(pa, writer, tmp, chunk)
+                rows += len(chunk)
+        writer.close()
+        writer = None
+        os.replace(tmp, target)
+    finally:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+    return rows
+
+
+def _write(pa: Any, writer: Any, path: Path, rows: list[dict[str, Any]]) -> Any:
+    try:
+        table = pa.Table.from_pylist(rows, schema=writer.schema if writer is not None else None)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+        raise ValueError(
+            f"the job's results do not fit one Parquet schema ({exc}); write the output as JSONL instead"
+        ) from None
+    if writer is None:
+        writer = pa.parquet.ParquetWriter(str(path), table.schema)
+    writer.write_table(table)
+    return writer
