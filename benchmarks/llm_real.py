@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import random
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,17 +162,7 @@ def async_api(
             asyncio.run(clients(loop))
         return row
     loop = lm.make_loop(args.num_blocks, engine="caller", **opts)
-
-    def serve() -> None:
-        try:
-            asyncio.run(clients(loop))
-        finally:
-            loop.close()
-
-    t = threading.Thread(target=serve)
-    t.start()
-    loop.run_engine()  # returns when serve() closes the loop
-    t.join()
+    loop.run_with(lambda: clients(loop))  # asyncio in a second thread, the engine in this one
     return row
 
 

@@ -752,3 +752,28 @@ def test_deadline_s_reaches_the_caller_as_deadline_exceeded() -> None:
         for bad in (0, -1.0, float("inf"), float("nan")):
             with pytest.raises(ValueError, match="deadline_s"):
                 loop.submit([1], deadline_s=bad)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_run_with_runs_the_app_beside_an_engine_in_this_thread(backend: str) -> None:
+    """run_with(main): main runs on an event loop in a second thread while this thread steps the
+    model; its result comes back, its exception is raised here, and the loop is closed after."""
+    loop = make_loop(engine="caller")
+
+    async def main() -> list[int]:
+        return [t async for t in loop.generate([1], max_new_tokens=3)]
+
+    assert loop.run_with(main, backend=backend) == [2, 3, 4]
+    with pytest.raises(BatcherClosed):
+        loop.submit([1])
+
+    failing = make_loop(engine="caller")
+
+    async def boom() -> None:
+        await failing.agenerate_all([1], max_new_tokens=1)
+        raise LookupError("the app failed")
+
+    with pytest.raises(LookupError, match="the app failed"):
+        failing.run_with(boom)
+    with pytest.raises(RuntimeError, match="engine='caller'"):
+        make_loop().run_with(main)

@@ -12,9 +12,9 @@ import concurrent.futures
 import math
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 from .._clock import Clock, MonotonicClock
 from .._errors import BatcherClosed, QueueFull
@@ -27,6 +27,8 @@ from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, Schedu
 from .step import StepBatch, check_logits
 
 __all__ = ["ContinuousDecodeLoop", "LoopStatistics"]
+
+T = TypeVar("T")
 
 StepFn = Callable[[StepBatch, PagedKVCache], Any]
 
@@ -507,6 +509,51 @@ class ContinuousDecodeLoop:
                 raise RuntimeError(f"the engine already runs in thread {self._thread.name!r}")
             self._thread = threading.current_thread()
         self._engine()
+
+    def run_with(self, main: Callable[[], Awaitable[T]], *, backend: str = "asyncio") -> T:
+        """Run ``main`` (an async function of yours: a server, a client, a job) on an event loop
+        in a second thread while the calling thread runs the engine; once ``main`` returns, close
+        the loop and return its result (or raise what it raised).
+
+        For a loop made with ``engine="caller"``, called from the main thread: on a CPU, torch
+        steps the model faster there (measured in docs/benchmarks.md, "A real LLM")::
+
+            loop = ContinuousDecodeLoop(model, kv, engine="caller")
+
+            async def main() -> list[int]:
+                return [t async for t in loop.generate(prompt_ids, max_new_tokens=32)]
+
+            tokens = loop.run_with(main)
+
+        Args:
+            main: an async function taking no arguments.
+            backend: ``"asyncio"`` or ``"trio"`` (anyio's backends).
+
+        Raises:
+            RuntimeError: the loop starts its own engine thread, or the engine already runs.
+        """
+        import anyio
+
+        if self.engine != "caller":
+            raise RuntimeError("run_with() needs a loop made with engine='caller'; this one runs its own thread")
+        outcome: list[Any] = []
+
+        def app() -> None:
+            try:
+                outcome.append((True, anyio.run(main, backend=backend)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                outcome.append((False, exc))
+            finally:
+                self.close()
+
+        thread = threading.Thread(target=app, name="batchkit-app", daemon=True)
+        thread.start()
+        self.run_engine()
+        thread.join()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return cast(T, value)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the engine: requests still running end with :class:`BatcherClosed`. Idempotent.
