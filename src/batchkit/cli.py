@@ -10,7 +10,6 @@ prints one line on stderr that names the argument and the fix, and exits with st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ._argtypes import float_in as _float_in
+from ._argtypes import import_from_cwd, one_line
 from ._argtypes import int_in as _int_in
 
 __all__ = ["main"]
@@ -117,18 +117,10 @@ def _require(module: str, what: str, extra: str) -> Any:
         raise _UsageError(f"{what} needs {module}: pip install 'batchkit[{extra}]'") from None
 
 
-def _import_from_cwd() -> None:
-    """Let ``module:function`` name a module in the current folder, as ``python -m batchkit`` does
-    (the ``batchkit`` console script starts with its own folder on ``sys.path`` instead)."""
-    cwd = os.getcwd()
-    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
-        sys.path.insert(0, cwd)
-
-
 def _load(spec: str, option: str) -> Callable[..., Any]:
     from .bench import load_callable
 
-    _import_from_cwd()
+    import_from_cwd()
     try:
         return load_callable(spec)
     except ValueError as exc:
@@ -735,14 +727,6 @@ def _prepare_run(args: argparse.Namespace) -> Callable[[], int]:
     return lambda: run_cli(args)
 
 
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else ""
-    if len(lines) > 1:
-        text += " ..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 done, 1 the target failed, 2 usage error)."""
     parser = _build_parser()
@@ -772,9 +756,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "raise --timeout if it is only slow"
             )
         elif args.command == "bench":
-            cause = f"{args.target} failed: {_one_line(exc)}"
+            cause = f"{args.target} failed: {one_line(exc)}"
         else:
-            cause = f"failed: {_one_line(exc)}"
+            cause = f"failed: {one_line(exc)}"
         hint = "" if args.traceback else " (--traceback shows where)"
         print(f"{prog}: {cause}{hint}", file=sys.stderr)
         return 1

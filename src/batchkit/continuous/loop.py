@@ -227,9 +227,7 @@ class ContinuousDecodeLoop:
             if self._closing:
                 raise BatcherClosed("the decode loop is closed")
             if self.max_waiting is not None:
-                # Requests the engine took from the inbox count until they are in the scheduler
-                # (then for a moment twice: at worst one is refused early, never one too many).
-                waiting = len(self._inbox) + self._admitting + len(self.scheduler.waiting)
+                waiting = self._num_waiting()
                 if waiting >= self.max_waiting:
                     raise QueueFull(
                         f"{waiting} requests are already waiting (max_waiting={self.max_waiting}); retry later, "
@@ -470,10 +468,16 @@ class ContinuousDecodeLoop:
 
     # ------------------------------------------------------------------ tuning (batchkit.adaptive.TunableTarget)
 
+    def _num_waiting(self) -> int:
+        """Requests not yet running (call under the lock). Those the engine took from the inbox
+        count until they are in the scheduler (then for a moment twice: at worst a request is
+        refused early, never one too many admitted)."""
+        return len(self._inbox) + self._admitting + len(self.scheduler.waiting)
+
     def queue_depth(self) -> int:
         """Requests waiting for admission now: submitted or preempted, not running."""
         with self._cond:
-            return len(self._inbox) + self._admitting + len(self.scheduler.waiting)
+            return self._num_waiting()
 
     def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
         """Time-per-output-token samples (seconds) after the first ``since``, and the next count."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
 from .._argtypes import float_in as _float_in
+from .._argtypes import import_from_cwd, one_line
 from .._argtypes import int_in as _int_in
 from .runner import RESERVED_FIELDS, run
 from .store import JobStateError
@@ -179,10 +179,7 @@ def _check_file_arg(path: str, option: str) -> Path:
 def _load_target(spec: str) -> Any:
     from ..bench import load_callable
 
-    # Like `python -m batchkit`, find module:function in the current folder first.
-    cwd = os.getcwd()
-    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
-        sys.path.insert(0, cwd)
+    import_from_cwd()  # like `python -m batchkit`, find module:function in the current folder first
     try:
         return load_callable(spec)
     except ValueError as exc:
@@ -214,12 +211,6 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
         stop_token_ids=lm.stop_token_ids,
     )
     return fn, loop
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    text = lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -290,7 +281,7 @@ def run_cli(args: argparse.Namespace) -> int:
         if show_tb:
             traceback.print_exc()
         hint = "" if show_tb else " (--traceback shows where)"
-        print(f"{prog}: failed: {_one_line(exc)}; rerun the same command to resume{hint}", file=sys.stderr)
+        print(f"{prog}: failed: {one_line(exc)}; rerun the same command to resume{hint}", file=sys.stderr)
         return 1
     print(report.summary())
     return report.exit_code
