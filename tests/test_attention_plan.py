@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,9 @@ from batchkit.kv.ops import paged_attention
 torch = pytest.importorskip("torch")
 
 
-def _case(seed: int, q_lens: list[int], ctx: list[int], heads: int = 4, kv_heads: int = 2, bs: int = 4):
+def _case(
+    seed: int, q_lens: list[int], ctx: list[int], heads: int = 4, kv_heads: int = 2, bs: int = 4
+) -> tuple[Any, ...]:
     """Random paged K/V with each sequence's blocks scattered over the pool."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)

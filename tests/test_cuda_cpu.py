@@ -10,7 +10,7 @@ import logging
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -20,7 +20,10 @@ from batchkit._cuda import emulate
 from batchkit.kv import ops
 from batchkit.kv.cache import choose_backend
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
 
 def _nvrtc_ok() -> bool:

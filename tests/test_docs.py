@@ -418,9 +418,7 @@ def actual_params(owner: Any, name: str, obj: Any) -> list[tuple[str, str, Any]]
     factory = {}
     if dataclasses.is_dataclass(obj) and inspect.isclass(obj):
         factory = {
-            f.name: f.default_factory()
-            for f in dataclasses.fields(obj)
-            if f.default_factory is not dataclasses.MISSING  # type: ignore[misc]
+            f.name: f.default_factory() for f in dataclasses.fields(obj) if f.default_factory is not dataclasses.MISSING
         }
     return [(p.name, p.kind.name, factory.get(p.name, p.default)) for p in params]
 

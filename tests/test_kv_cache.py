@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from batchkit import PagedKVAllocator, PagedKVCache
 from batchkit.kv import ops
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
 
 def make_cache(**kw: object) -> PagedKVCache:
-    args = {"num_layers": 2, "num_blocks": 32, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
+    args: dict[str, object] = {"num_layers": 2, "num_blocks": 32, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
     args.update(kw)
     return PagedKVCache(**args)  # type: ignore[arg-type]
 

@@ -145,4 +145,4 @@ def test_plan_refuses_negative_or_empty_sizes(kwargs: dict[str, int], match: str
     """Negative weights no longer plan a KV cache bigger than the device."""
     args: dict[str, int] = {"device_bytes": 80 * 1024**3, "weight_bytes": 0, **kwargs}
     with pytest.raises(ValueError, match=match):
-        plan(ModelShape(32, 8, 128, 2), **args)  # type: ignore[arg-type]
+        plan(ModelShape(32, 8, 128, 2), **args)

@@ -279,7 +279,8 @@ def test_stream_tally_reads_chunks_usage_and_errors() -> None:
     assert t.ttft_s is None
     t.feed('{"choices": [{"delta": {"content": "Hi"}}]}', 0.2)
     t.feed('{"choices": [{"text": " there"}]}', 0.3)
-    assert (t.ttft_s, t.output_tokens) == (0.2, 2)
+    assert t.ttft_s == 0.2
+    assert t.output_tokens == 2
     t.feed('{"choices": [], "usage": {"completion_tokens": 9}}', 0.4)
     assert t.output_tokens == 9
     assert t.feed("[DONE]", 0.5)

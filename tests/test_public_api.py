@@ -101,7 +101,7 @@ def test_models_resolves_from_a_bare_import() -> None:
 def test_unknown_attributes_still_raise_attribute_error() -> None:
     """The lazy loader answers only for its submodules; a typo is an AttributeError."""
     with pytest.raises(AttributeError, match="no attribute 'Batcher'"):
-        _ = batchkit.Batcher  # type: ignore[attr-defined]
+        _ = batchkit.Batcher
 
 
 def test_errors_share_one_root_and_their_builtin() -> None:

@@ -465,7 +465,7 @@ def cluster() -> Iterator[Any]:
     try:
         yield serve
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
 
 
@@ -558,7 +558,7 @@ def test_serve_replaces_a_replica_whose_breaker_is_open(cluster: Any) -> None:
 
     def served_by_a_new_replica() -> bool:
         try:
-            return handle.remote("ok").result(timeout_s=WAIT)[1] != first_pid
+            return bool(handle.remote("ok").result(timeout_s=WAIT)[1] != first_pid)
         except Exception:
             return False  # still the old replica (fails fast) or the swap in progress
 

@@ -78,7 +78,7 @@ class LiveServer:
 
         def ready() -> bool:
             try:
-                return httpx.get(f"{self.url}/ready", timeout=5).status_code == 200
+                return bool(httpx.get(f"{self.url}/ready", timeout=5).status_code == 200)
             except httpx.TransportError:
                 return False
 
@@ -127,13 +127,13 @@ def reference(models: tuple[Any, Any]) -> Callable[[list[int], int], str]:
     import transformers
 
     lm, _ = models
-    hf = transformers.AutoModelForCausalLM.from_pretrained(lm.path, local_files_only=True).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lm.path, local_files_only=True).eval()  # type: ignore[no-untyped-call]
     cache: dict[tuple[tuple[int, ...], int], str] = {}
 
     def greedy(prompt: list[int], max_new_tokens: int) -> str:
         key = (tuple(prompt), max_new_tokens)
         if key not in cache:
-            config = transformers.GenerationConfig(
+            config = transformers.GenerationConfig(  # type: ignore[no-untyped-call]
                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(lm.stop_token_ids), pad_token_id=0
             )
             with torch.inference_mode():
@@ -670,7 +670,7 @@ def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -
             def ready() -> bool:
                 assert proc.poll() is None, log.read_text()
                 try:
-                    return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+                    return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
                 except httpx.TransportError:
                     return False
 
@@ -704,7 +704,7 @@ def test_serve_command_steps_the_chat_model_in_the_main_thread_and_stops_on_sigt
             def ready() -> bool:
                 assert proc.poll() is None, log.read_text()
                 try:
-                    return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+                    return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
                 except httpx.TransportError:
                     return False
 

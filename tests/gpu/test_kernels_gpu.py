@@ -8,7 +8,7 @@ the kernels would fall back to torch and these tests would pass without testing 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
@@ -16,7 +16,10 @@ from batchkit import PagedKVAllocator, PagedKVCache, _cuda
 from batchkit.kv import ops
 
 pytestmark = pytest.mark.gpu
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -194,7 +197,7 @@ def test_cache_copy_blocks_on_the_kernels() -> None:
 def test_kernels_run_in_order_on_a_non_default_stream(checks_off: None) -> None:
     """Launches go to torch's current stream: a delayed producer on a side stream is always seen
     by the scatter after it, and the consumer after that sees the scatter's writes."""
-    s = torch.cuda.Stream()
+    s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     n = 2048
     with torch.cuda.stream(s):
         kc = torch.zeros(n, 16, 8, 128, device="cuda", dtype=torch.float16)
@@ -203,7 +206,7 @@ def test_kernels_run_in_order_on_a_non_default_stream(checks_off: None) -> None:
         table = torch.arange(n, dtype=torch.int32, device="cuda").view(n, 1)
         ones = torch.ones(n, dtype=torch.long, device="cuda")
         for i in range(5):
-            torch.cuda._sleep(20_000_000)  # keep the side stream busy: another stream would run first
+            torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # keep the side stream busy: another stream would run first
             k.fill_(float(i + 1))
             _cuda.scatter_kv(kc, kc, k, k, slots)
             got = _cuda.gather_kv(kc, table, ones, total_tokens=n)
@@ -215,7 +218,7 @@ R = TypeVar("R")
 
 def capture(fn: Callable[[], R]) -> tuple[torch.cuda.CUDAGraph, R]:
     """Warm ``fn`` up on a side stream, then capture one call of it in a CUDA graph."""
-    s = torch.cuda.Stream()
+    s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
