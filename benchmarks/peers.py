@@ -402,14 +402,14 @@ def measure(
 # --------------------------------------------------------------------------- the parent
 
 
-def venv_python() -> Path:
-    return PEERS_VENV / "bin" / "python"
+def venv_python(venv: Path = PEERS_VENV) -> Path:
+    return venv / "bin" / "python"
 
 
-def setup() -> None:
-    """Create bench-out/peers-venv: CPU torch first, batchkit from this checkout, then the peers."""
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(PEERS_VENV)], check=True)
-    pip = [str(venv_python()), "-m", "pip", "install"]
+def setup(venv: Path = PEERS_VENV) -> None:
+    """Create the peers' venv: CPU torch first, batchkit from this checkout, then the peers."""
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    pip = [str(venv_python(venv)), "-m", "pip", "install"]
     # A CPU wheel already known to pip (a local wheelhouse) is taken first; else the CPU index.
     local = subprocess.run([*pip, "--no-deps", "--no-index", f"torch=={TORCH_VERSION}"], check=False)
     if local.returncode == 0:
@@ -417,6 +417,8 @@ def setup() -> None:
     else:
         subprocess.run([*pip, f"torch=={TORCH_VERSION}", "--index-url", TORCH_CPU_INDEX], check=True)
     subprocess.run([*pip, "-e", str(ROOT)], check=True)
+    if subprocess.run([*pip, *PEER_REQUIREMENTS], check=False).returncode == 0:  # resolved together
+        return
     for req in PEER_REQUIREMENTS:  # one at a time: a peer that fails to install leaves the others
         if subprocess.run([*pip, req], check=False).returncode != 0:
             print(f"could not install {req}; its rows will say so", file=sys.stderr)
@@ -512,6 +514,7 @@ def report(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--setup", action="store_true", help="create bench-out/peers-venv and exit")
+    ap.add_argument("--venv", default=str(PEERS_VENV), help="the peers' virtual environment (bench-out/peers-venv)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--duration", type=float, default=3.0, help="seconds per closed-loop window")
     ap.add_argument("--open-duration", type=float, default=5.0, help="seconds of Poisson arrivals")
@@ -525,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     if args.setup:
-        setup()
+        setup(Path(args.venv))
         return
     if args.quick:
         args.repeats, args.duration, args.open_duration = 1, 1.0, 1.5
@@ -541,8 +544,9 @@ def main(argv: list[str] | None = None) -> None:
         if r not in ROWS:
             ap.error(f"--only: unknown row {r!r}; choose from {', '.join(ROWS)}")
     workloads = [w.strip() for w in args.workloads.split(",")]
-    python = args.python or (str(venv_python()) if venv_python().exists() else sys.executable)
-    if not venv_python().exists() and args.python is None:
+    venv = Path(args.venv)
+    python = args.python or (str(venv_python(venv)) if venv_python(venv).exists() else sys.executable)
+    if not venv_python(venv).exists() and args.python is None:
         print("note: no bench-out/peers-venv (run with --setup); peers will show as not installed")
     common = ["--duration", str(args.duration), "--open-duration", str(args.open_duration)]
     if args.requests:
