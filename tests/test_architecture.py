@@ -51,6 +51,7 @@ FLOORS: dict[str, int] = {
     "continuous.loop": 3,
     "continuous": 4,
     "decorator": 4,
+    "async_batcher": 4,
     "models": 4,
     "_demo": 4,
     "bench": 5,

@@ -26,6 +26,7 @@ from ._errors import (
     QueueFull,
 )
 from .adaptive import AdaptiveBatchController, AdaptiveTuner, CircuitBreaker, Decision
+from .async_batcher import AsyncBatcher
 from .batcher import BatcherStatistics, BatchInfo, DynamicBatcher
 from .continuous import ContinuousDecodeLoop, SamplingParams, Scheduler, StepBatch
 from .decorator import AsyncBatchedFunction, BatchedFunction, batched
@@ -71,6 +72,7 @@ __all__ = [
     "AdaptiveTuner",
     "AllocatorStatistics",
     "AsyncBatchedFunction",
+    "AsyncBatcher",
     "BatchInfo",
     "BatchSizeMismatch",
     "BatchTimeout",

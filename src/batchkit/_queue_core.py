@@ -152,7 +152,6 @@ class QueueCore(Generic[T]):
     """
 
     __slots__ = (
-        "_arrivals",
         "_cancellations",
         "_deadlines",
         "_drops",
@@ -183,7 +182,6 @@ class QueueCore(Generic[T]):
         self.seq = 0
         self.depth = 0
         self._peak = 0
-        self._arrivals = 0
         self._served = 0
         self._rejections = 0
         self._drops = 0
@@ -245,10 +243,9 @@ class QueueCore(Generic[T]):
         else:
             load[0] += 1
             load[1] += cost
-        self.depth += 1
-        self._arrivals += 1
-        if self.depth > self._peak:
-            self._peak = self.depth
+        depth = self.depth = self.depth + 1
+        if depth > self._peak:
+            self._peak = depth
 
     def insert(
         self,
@@ -385,7 +382,7 @@ class QueueCore(Generic[T]):
             maxsize=self.maxsize,
             depth=self.depth,
             peak_depth=self._peak,
-            arrivals=self._arrivals,
+            arrivals=self.seq,
             served=self._served,
             rejections=self._rejections,
             drops=self._drops,

@@ -36,7 +36,7 @@ import anyio
 
 from ._clock import Clock, ListenableClock
 from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
-from ._queue_core import TAKEN, Drop, QueueEntry, check_put_args, check_queue_options
+from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_put_args, check_queue_options
 from ._waiters import ThreadWaiter, new_async_waiter, wake_all
 from .adaptive import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
@@ -47,10 +47,13 @@ __all__ = [
     "FLUSH_REASONS",
     "BatchInfo",
     "BatcherOptions",
+    "BatcherShell",
     "BatcherStatistics",
     "DynamicBatcher",
     "check_batcher_options",
     "is_async_callable",
+    "item_key_and_cost",
+    "malformed_results",
 ]
 
 logger = logging.getLogger(__name__)
@@ -175,7 +178,198 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
         raise ValueError("queue already belongs to a batcher (its on_drop is set); give each its own")
 
 
-class DynamicBatcher(Generic[T, R]):
+class BatcherShell(Generic[T, R]):
+    """What :class:`DynamicBatcher` (threads) and :class:`~batchkit.AsyncBatcher` (one event
+    loop) share around their :class:`~batchkit.former.BatchFormer`: the settings, the counters,
+    ``statistics()`` and the ``TunableTarget`` methods. ``guard`` is the lock the shell drives
+    its former under (a null context where one event loop is the only driver)."""
+
+    def __init__(
+        self,
+        fn: Any,
+        core: QueueCore[Any],
+        guard: contextlib.AbstractContextManager[Any],
+        *,
+        max_batch_size: int,
+        max_wait_ms: float,
+        max_batch_cost: float | None,
+        size_fn: Callable[[T], float] | None,
+        group_by: Callable[[T], Hashable] | None,
+        isolate_errors: bool,
+        max_concurrent_batches: int,
+        batch_timeout_s: float | None,
+        controller: AdaptiveBatchController | None,
+        circuit_breaker: CircuitBreaker | None,
+        clock: Clock,
+        name: str | None,
+        block: bool,
+    ) -> None:
+        self.fn = fn
+        self.name: str = name or str(getattr(fn, "__qualname__", type(fn).__name__))
+        self.size_fn = size_fn
+        self.group_by = group_by
+        self.isolate_errors = isolate_errors
+        self.clock: Clock = clock
+        self._now = clock.now
+        self._core = core
+        self._guard = guard
+        self._block = block  # on_full="block": a full queue makes the caller wait for room
+        self.former: BatchFormer[Any] = BatchFormer(
+            core,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_batch_cost=max_batch_cost,
+            grouped=group_by is not None,
+            max_concurrent_batches=max_concurrent_batches,
+            batch_timeout_s=batch_timeout_s,
+            controller=controller,
+            circuit_breaker=circuit_breaker,
+        )
+        """The flush policy this batcher drives."""
+        # The settings the former was built with (they do not change; max_batch_size does).
+        self.max_wait_ms = self.former.max_wait_ms
+        self.max_batch_cost = max_batch_cost
+        self.max_concurrent_batches = max_concurrent_batches
+        self.batch_timeout_s = batch_timeout_s
+        self.controller = controller
+        self.circuit_breaker = circuit_breaker
+        self._closing = False
+        self._submitted = 0
+        self._succeeded = 0
+        self._failed = 0
+        self._cancelled = 0
+        self._expired = 0
+        self._rejected = 0
+        self._latency = SampleWindow()
+        self._batch_time = SampleWindow()
+        self._t_first: float | None = None
+        self._t_last = 0.0
+
+    @property
+    def max_batch_size(self) -> int:
+        """Most items per batch (an adaptive controller or tuner may change it)."""
+        return self.former.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int) -> None:
+        self.former.max_batch_size = value
+
+    @property
+    def closed(self) -> bool:
+        """Whether closing has begun (new submits are refused)."""
+        return self._closing
+
+    def queue_depth(self) -> int:
+        """Items waiting in the queue now (``TunableTarget``)."""
+        return self._core.depth
+
+    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+        """End-to-end latencies (seconds) of the callers answered after the first ``since``
+        (those still in the window), and the new count to pass next time (``TunableTarget``)."""
+        with self._guard:
+            return self._latency.since(since)
+
+    def set_batch_limit(self, size: int) -> None:
+        """Set ``max_batch_size`` (``TunableTarget``)."""
+        self.former.max_batch_size = size
+
+    def _key_and_cost(self, item: Any, priority: int, deadline_ms: float | None) -> tuple[Hashable, float]:
+        """Check a submit's arguments; the item's group key and cost (no guard needed)."""
+        if deadline_ms is not None or type(priority) is not int:
+            check_put_args(priority, deadline_ms)
+        if self.group_by is not None or self.size_fn is not None:
+            return item_key_and_cost(item, self.group_by, self.size_fn)
+        return None, 1
+
+    def _admit(
+        self, entry: QueueEntry[Any], priority: int, deadline_ms: float | None, key: Hashable, cost: float
+    ) -> tuple[Sequence[Drop], bool] | None:
+        """Admit ``entry`` through the former (guard held): the entries evicted for it and
+        whether the plan changed, or None when a ``"block"`` queue has no room (nothing done).
+
+        Raises:
+            BatcherClosed, CircuitOpen, QueueFull: refused (counted).
+        """
+        if self._closing:
+            raise BatcherClosed(f"{self.name}: the batcher is closed; create a new one to submit")
+        if self.circuit_breaker is not None:
+            try:
+                self.circuit_breaker.check()
+            except CircuitOpen:
+                self._rejected += 1
+                raise
+        core = self._core
+        if self._block and core.depth >= core.maxsize:
+            return None
+        now = self._now()
+        try:
+            added = self.former.add(entry, now, priority, deadline_ms, key, cost)
+        except QueueFull:
+            self._rejected += 1
+            raise
+        self._submitted += 1
+        if self._t_first is None:
+            self._t_first = now
+        return added
+
+    def _count_drop(self, exc: BaseException, count_as: str) -> None:
+        """Count one caller answered without running (guard held)."""
+        if count_as == "cancelled":
+            self._cancelled += 1
+        elif isinstance(exc, QueueFull):
+            self._rejected += 1
+        else:
+            self._expired += 1
+
+    def _count_answers(self, answered: int, failed: int, latencies: list[float], now: float) -> None:
+        """Count the callers a batch answered, and their latencies (guard held)."""
+        self._failed += failed
+        self._succeeded += answered - failed
+        if latencies:
+            self._latency.extend(latencies)
+            self.former.observe_latencies(latencies, now)
+            self._t_last = now
+
+    def statistics(self) -> BatcherStatistics:
+        """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
+        former = self.former
+        with self._guard:
+            span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
+            done = self._succeeded + self._failed
+            return BatcherStatistics(
+                pending=self._core.depth,
+                in_flight=len(former.running),
+                submitted=self._submitted,
+                succeeded=self._succeeded,
+                failed=self._failed,
+                cancelled=self._cancelled,
+                expired=self._expired,
+                rejected=self._rejected,
+                batches=former.batches,
+                mean_batch_size=former.batched_items / former.batches if former.batches else 0.0,
+                batch_size_histogram=dict(sorted(former.sizes.items())),
+                flush_reasons=dict(former.reasons),
+                queue_wait=self._core.statistics().wait,
+                latency=self._latency.summary(),
+                batch_time=self._batch_time.summary(),
+                throughput_rps=done / span if span > 0 else 0.0,
+            )
+
+    def recent_batches(self) -> list[BatchInfo]:
+        """The last 64 batches dispatched (size, cost, group key, flush reason), oldest first."""
+        with self._guard:
+            return list(self.former.recent)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else "open"
+        return (
+            f"<{type(self).__name__} {self.name} {state} pending={self._core.depth} "
+            f"in_flight={len(self.former.running)} max_batch_size={self.max_batch_size} "
+            f"max_wait_ms={self.max_wait_ms:g}>"
+        )
+
+
+class DynamicBatcher(BatcherShell[T, R]):
     """Collects items from many callers into batches for one batch function.
 
     Args:
@@ -251,36 +445,26 @@ class DynamicBatcher(Generic[T, R]):
         )
         if queue is None:
             queue = BoundedQueue(max_queue, on_full, clock=clock)
-        self.fn = fn
-        self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
-        self.size_fn = size_fn
-        self.group_by = group_by
-        self.isolate_errors = isolate_errors
-        self.clock: Clock = clock if clock is not None else queue.clock
-        self._now = self.clock.now
-        self.queue: BoundedQueue[Any] = queue
-        queue.on_drop = self._on_drop
-        self.former: BatchFormer[_Request] = BatchFormer(
+        super().__init__(
+            fn,
             queue.core,
+            queue.mutex,
             max_batch_size=max_batch_size,
             max_wait_ms=max_wait_ms,
             max_batch_cost=max_batch_cost,
-            grouped=group_by is not None,
+            size_fn=size_fn,
+            group_by=group_by,
+            isolate_errors=isolate_errors,
             max_concurrent_batches=max_concurrent_batches,
             batch_timeout_s=batch_timeout_s,
             controller=controller,
             circuit_breaker=circuit_breaker,
+            clock=clock if clock is not None else queue.clock,
+            name=name,
+            block=queue.on_full == "block",
         )
-        """The flush policy this batcher drives (under ``queue.mutex``)."""
-        # The settings the former was built with (they do not change; max_batch_size does).
-        self.max_wait_ms = self.former.max_wait_ms
-        self.max_batch_cost = max_batch_cost
-        self.max_concurrent_batches = max_concurrent_batches
-        self.batch_timeout_s = batch_timeout_s
-        self.controller = controller
-        self.circuit_breaker = circuit_breaker
-        self._core = queue.core
-        self._block = queue.on_full == "block"
+        self.queue: BoundedQueue[Any] = queue
+        queue.on_drop = self._on_drop
         self._is_async = is_async_callable(fn)
         self._mutex = queue.mutex
         self._cond = threading.Condition(self._mutex)
@@ -291,47 +475,8 @@ class DynamicBatcher(Generic[T, R]):
         self._portal: Any = None
         self._portal_lock = threading.Lock()
         self._portal_stopped: str | None = None  # why: no async batch may start after close stopped it
-        self._closing = False
         self._closed = False
         self._dispatcher_idle = False
-        # statistics
-        self._submitted = 0
-        self._succeeded = 0
-        self._failed = 0
-        self._cancelled = 0
-        self._expired = 0
-        self._rejected = 0
-        self._latency = SampleWindow()
-        self._batch_time = SampleWindow()
-        self._t_first: float | None = None
-        self._t_last = 0.0
-
-    # ------------------------------------------------------------------ the former's limits
-
-    @property
-    def max_batch_size(self) -> int:
-        """Most items per batch (an adaptive controller or tuner may change it)."""
-        return self.former.max_batch_size
-
-    @max_batch_size.setter
-    def max_batch_size(self, value: int) -> None:
-        self.former.max_batch_size = value
-
-    # ------------------------------------------------------------------ what AdaptiveTuner reads
-
-    def queue_depth(self) -> int:
-        """Items waiting in the queue now (``TunableTarget``)."""
-        return self._core.depth
-
-    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
-        """End-to-end latencies (seconds) of the callers answered after the first ``since``
-        (those still in the window), and the new count to pass next time (``TunableTarget``)."""
-        with self._mutex:
-            return self._latency.since(since)
-
-    def set_batch_limit(self, size: int) -> None:
-        """Set ``max_batch_size`` (``TunableTarget``)."""
-        self.former.max_batch_size = size
 
     # ------------------------------------------------------------------ submitting
 
@@ -404,24 +549,6 @@ class DynamicBatcher(Generic[T, R]):
             raise
         return req.outcome()  # type: ignore[no-any-return]
 
-    def _prepare(self, req: _Request) -> tuple[Hashable, float]:
-        key: Hashable = None
-        cost: float = 1
-        if self.group_by is not None:
-            key = self.group_by(req.item)
-            try:
-                hash(key)
-            except TypeError:
-                raise TypeError(
-                    f"group_by returned an unhashable key {key!r}; return a hashable value "
-                    "(a tuple, str or int) that names the item's group"
-                ) from None
-        if self.size_fn is not None:
-            cost = self.size_fn(req.item)
-            if not cost >= 0:
-                raise ValueError(f"size_fn must return a cost >= 0, got {cost!r}")
-        return key, cost
-
     def _enqueue(self, req: _Request, priority: int, deadline_ms: float | None) -> bool:
         """Admit ``req`` through the former; False (nothing done) when a ``"block"`` queue has
         no room, so that the caller waits for some.
@@ -429,32 +556,12 @@ class DynamicBatcher(Generic[T, R]):
         Raises:
             BatcherClosed, CircuitOpen, QueueFull, TypeError, ValueError: refused.
         """
-        if self.group_by is not None or self.size_fn is not None:
-            key, cost = self._prepare(req)
-        else:
-            key, cost = None, 1
-        if deadline_ms is not None or type(priority) is not int:
-            check_put_args(priority, deadline_ms)
+        key, cost = self._key_and_cost(req.item, priority, deadline_ms)
         with self._mutex:
-            if self._closing:
-                raise BatcherClosed(f"{self.name}: the batcher is closed; create a new one to submit")
-            if self.circuit_breaker is not None:
-                try:
-                    self.circuit_breaker.check()
-                except CircuitOpen:
-                    self._rejected += 1
-                    raise
-            if self._block and self._core.depth >= self._core.maxsize:
+            added = self._admit(req, priority, deadline_ms, key, cost)
+            if added is None:
                 return False
-            now = self._now()
-            try:
-                drops, replan = self.former.add(req, now, priority, deadline_ms, key, cost)
-            except QueueFull:
-                self._rejected += 1
-                raise
-            self._submitted += 1
-            if self._t_first is None:
-                self._t_first = now
+            drops, replan = added
             if self._dispatcher is None:
                 self._start()
             elif replan and self._dispatcher_idle:
@@ -586,10 +693,6 @@ class DynamicBatcher(Generic[T, R]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    @property
-    def closed(self) -> bool:
-        return self._closing
 
     # ------------------------------------------------------------------ the dispatcher
 
@@ -758,29 +861,9 @@ class DynamicBatcher(Generic[T, R]):
                 return self._call_and_deliver(batch, reqs[mid:], held) and first
             self._deliver(batch, None, exc, reqs, held)
             return False
-        if isinstance(results, (str, bytes)) or (not isinstance(results, Sequence) and not _is_array(results)):
-            self._deliver(
-                batch,
-                None,
-                BatchSizeMismatch(
-                    f"{self.name} returned {type(results).__name__}, not a sequence; a batch "
-                    "function must return one result per input, in order"
-                ),
-                reqs,
-                held,
-            )
-            return False
-        if len(results) != len(reqs):
-            self._deliver(
-                batch,
-                None,
-                BatchSizeMismatch(
-                    f"{self.name} returned {len(results)} results for a batch of {len(reqs)}; "
-                    "return exactly one result per input, in order"
-                ),
-                reqs,
-                held,
-            )
+        malformed = malformed_results(self.name, results, len(reqs))
+        if malformed is not None:
+            self._deliver(batch, None, malformed, reqs, held)
             return False
         self._deliver(batch, results, None, reqs, held)
         return True
@@ -818,12 +901,7 @@ class DynamicBatcher(Generic[T, R]):
                     else:
                         r.value = v
                 claimed.append(r)
-            self._failed += failed
-            self._succeeded += len(claimed) - failed
-            lat = [now - r.arrival for r in claimed]
-            self._latency.extend(lat)
-            self.former.observe_latencies(lat, now)
-            self._t_last = now
+            self._count_answers(len(claimed), failed, [now - r.arrival for r in claimed], now)
         if held is not None:
             held.extend(claimed)
         else:
@@ -863,54 +941,9 @@ class DynamicBatcher(Generic[T, R]):
                     r.value = r.fallback
                 else:
                     r.error = exc
-                if count_as == "cancelled":
-                    self._cancelled += 1
-                elif isinstance(exc, QueueFull):
-                    self._rejected += 1
-                else:
-                    self._expired += 1
+                self._count_drop(exc, count_as)
                 claimed.append(r)
         self._wake(claimed)
-
-    # ------------------------------------------------------------------ observing
-
-    def statistics(self) -> BatcherStatistics:
-        """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
-        qs = self.queue.statistics()
-        former = self.former
-        with self._mutex:
-            span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
-            done = self._succeeded + self._failed
-            return BatcherStatistics(
-                pending=self._core.depth,
-                in_flight=len(former.running),
-                submitted=self._submitted,
-                succeeded=self._succeeded,
-                failed=self._failed,
-                cancelled=self._cancelled,
-                expired=self._expired,
-                rejected=self._rejected,
-                batches=former.batches,
-                mean_batch_size=former.batched_items / former.batches if former.batches else 0.0,
-                batch_size_histogram=dict(sorted(former.sizes.items())),
-                flush_reasons=dict(former.reasons),
-                queue_wait=qs.wait,
-                latency=self._latency.summary(),
-                batch_time=self._batch_time.summary(),
-                throughput_rps=done / span if span > 0 else 0.0,
-            )
-
-    def recent_batches(self) -> list[BatchInfo]:
-        """The last 64 batches dispatched (size, cost, group key, flush reason), oldest first."""
-        with self._mutex:
-            return list(self.former.recent)
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closing else "open"
-        return (
-            f"<DynamicBatcher {self.name} {state} pending={self._core.depth} in_flight={len(self.former.running)} "
-            f"max_batch_size={self.max_batch_size} max_wait_ms={self.max_wait_ms:g}>"
-        )
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -924,6 +957,49 @@ def is_async_callable(fn: object) -> bool:
     while hasattr(fn, "func"):  # functools.partial
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def item_key_and_cost(
+    item: Any, group_by: Callable[[Any], Hashable] | None, size_fn: Callable[[Any], float] | None
+) -> tuple[Hashable, float]:
+    """An item's group key (``group_by``; None without) and cost (``size_fn``; 1 without).
+
+    Raises:
+        TypeError: ``group_by`` returned an unhashable key.
+        ValueError: ``size_fn`` returned a negative (or NaN) cost.
+    """
+    key: Hashable = None
+    cost: float = 1
+    if group_by is not None:
+        key = group_by(item)
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(
+                f"group_by returned an unhashable key {key!r}; return a hashable value "
+                "(a tuple, str or int) that names the item's group"
+            ) from None
+    if size_fn is not None:
+        cost = size_fn(item)
+        if not cost >= 0:
+            raise ValueError(f"size_fn must return a cost >= 0, got {cost!r}")
+    return key, cost
+
+
+def malformed_results(name: str, results: object, n: int) -> BatchSizeMismatch | None:
+    """The error for a batch function's return value that is not ``n`` results in a sequence
+    (or an array), or None when it is well formed."""
+    if isinstance(results, (str, bytes)) or (not isinstance(results, Sequence) and not _is_array(results)):
+        return BatchSizeMismatch(
+            f"{name} returned {type(results).__name__}, not a sequence; a batch "
+            "function must return one result per input, in order"
+        )
+    if len(results) != n:  # type: ignore[arg-type]
+        return BatchSizeMismatch(
+            f"{name} returned {len(results)} results for a batch of {n}; "  # type: ignore[arg-type]
+            "return exactly one result per input, in order"
+        )
+    return None
 
 
 def _is_array(x: object) -> bool:

@@ -1,0 +1,458 @@
+"""AsyncBatcher: the same flush policy as DynamicBatcher, driven on the callers' asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import pytest
+
+from batchkit import (
+    AsyncBatcher,
+    BatcherClosed,
+    BatchSizeMismatch,
+    BatchTimeout,
+    CircuitBreaker,
+    CircuitOpen,
+    DeadlineExceeded,
+    QueueFull,
+)
+from batchkit.testing import MockClock
+
+WAIT = 10.0  # seconds: the bound on every wait in this file; nothing should come near it
+
+T = TypeVar("T")
+
+
+def run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    return asyncio.run(asyncio.wait_for(main(), WAIT))
+
+
+async def settle() -> None:
+    """Let the loop run every callback and task that is ready (the pump, batch tasks, callers)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+class Recorder:
+    """An async batch function that records its batches; ``gate`` holds calls while unset."""
+
+    def __init__(self, fn: Callable[[int], object] = lambda x: x * 10) -> None:
+        self.fn = fn
+        self.batches: list[list[int]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def __call__(self, xs: list[int]) -> list[object]:
+        self.batches.append(list(xs))
+        await self.gate.wait()
+        return [self.fn(x) for x in xs]
+
+
+def test_a_full_batch_runs_at_once_and_each_caller_gets_its_own_result() -> None:
+    """max_batch_size arrivals form one batch (reason size) without waiting for max_wait_ms."""
+
+    async def main() -> None:
+        rec = Recorder()
+        b = AsyncBatcher(rec, max_batch_size=4, max_wait_ms=60_000)
+        out = await asyncio.gather(*(b.submit(i) for i in range(4)))
+        assert out == [0, 10, 20, 30]
+        assert rec.batches == [[0, 1, 2, 3]]
+        assert b.statistics().flush_reasons == {"size": 1}
+        await b.aclose()
+
+    run(main)
+
+
+def test_a_partial_batch_waits_for_max_wait_ms_on_the_clock() -> None:
+    """Fewer items than max_batch_size run when the oldest has waited max_wait_ms, not before."""
+
+    async def main() -> None:
+        clock = MockClock()
+        rec = Recorder()
+        b = AsyncBatcher(rec, max_batch_size=8, max_wait_ms=10, clock=clock)
+        calls = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        await settle()
+        clock.advance(0.005)
+        await settle()
+        assert rec.batches == []
+        clock.advance(0.005)
+        assert await asyncio.gather(*calls) == [0, 10, 20]
+        assert b.recent_batches()[0].reason == "timeout"
+        await b.aclose()
+
+    run(main)
+
+
+def test_flush_dispatches_what_waits_without_waiting() -> None:
+    """flush() makes the waiting items due now (reason flush)."""
+
+    async def main() -> None:
+        b = AsyncBatcher(Recorder(), max_batch_size=8, max_wait_ms=60_000, clock=MockClock())
+        calls = [asyncio.ensure_future(b.submit(i)) for i in range(2)]
+        await settle()
+        b.flush()
+        assert await asyncio.gather(*calls) == [0, 10]
+        assert b.statistics().flush_reasons == {"flush": 1}
+        await b.aclose()
+
+    run(main)
+
+
+def test_a_plain_function_runs_on_the_loop_thread_and_offload_moves_it_off() -> None:
+    """Without offload a sync batch function runs in the loop's thread; with it, in a worker
+    thread, the same one for every batch."""
+
+    async def main() -> None:
+        seen: list[threading.Thread] = []
+
+        def fn(xs: list[int]) -> list[int]:
+            seen.append(threading.current_thread())
+            return xs
+
+        on_loop = AsyncBatcher(fn, max_batch_size=2, max_wait_ms=60_000)
+        assert list(await asyncio.gather(on_loop.submit(1), on_loop.submit(2))) == [1, 2]
+        await on_loop.aclose()
+        off = AsyncBatcher(fn, max_batch_size=2, max_wait_ms=60_000, offload=True)
+        for _ in range(2):
+            assert list(await asyncio.gather(off.submit(1), off.submit(2))) == [1, 2]
+        await off.aclose()
+        assert seen[0] is threading.current_thread()
+        assert seen[1] is not threading.current_thread()
+        assert seen[1] is seen[2]
+
+    run(main)
+
+
+def test_an_exception_in_a_slot_fails_only_that_caller() -> None:
+    """A result that is an Exception is raised to its own caller; the others get values."""
+
+    async def main() -> None:
+        b = AsyncBatcher(Recorder(lambda x: ValueError("bad") if x == 1 else x), max_batch_size=3, max_wait_ms=60_000)
+        out = await asyncio.gather(*(b.submit(i) for i in range(3)), return_exceptions=True)
+        assert out[0] == 0
+        assert out[2] == 2
+        assert isinstance(out[1], ValueError)
+        st = b.statistics()
+        assert (st.succeeded, st.failed) == (2, 1)
+        await b.aclose()
+
+    run(main)
+
+
+def test_a_raising_batch_fails_its_callers_and_isolate_errors_narrows_it_to_the_culprit() -> None:
+    """Without isolate_errors every caller of the batch sees the error; with it, only the
+    failing item's caller does."""
+
+    def fn(xs: list[int]) -> list[int]:
+        if 3 in xs:
+            raise RuntimeError("three")
+        return xs
+
+    async def main(isolate: bool) -> list[object]:
+        b = AsyncBatcher(fn, max_batch_size=4, max_wait_ms=60_000, isolate_errors=isolate)
+        out: list[object] = list(await asyncio.gather(*(b.submit(i) for i in range(4)), return_exceptions=True))
+        await b.aclose()
+        return out
+
+    plain = run(lambda: main(False))
+    assert all(isinstance(o, RuntimeError) for o in plain)
+    isolated = run(lambda: main(True))
+    assert isolated[:3] == [0, 1, 2]
+    assert isinstance(isolated[3], RuntimeError)
+
+
+def test_a_wrong_number_of_results_is_a_batch_size_mismatch() -> None:
+    """A batch function that drops a result fails the batch with BatchSizeMismatch."""
+
+    async def main() -> None:
+        b = AsyncBatcher(lambda xs: xs[:-1], max_batch_size=2, max_wait_ms=60_000)
+        out = await asyncio.gather(b.submit(1), b.submit(2), return_exceptions=True)
+        assert all(isinstance(o, BatchSizeMismatch) for o in out)
+        await b.aclose()
+
+    run(main)
+
+
+def test_a_cancelled_caller_leaves_the_queue_before_its_batch() -> None:
+    """Cancelling a waiting caller removes its item: the batch holds only the others."""
+
+    async def main() -> None:
+        clock = MockClock()
+        rec = Recorder()
+        b = AsyncBatcher(rec, max_batch_size=8, max_wait_ms=10, clock=clock)
+        calls = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        await settle()
+        calls[1].cancel()
+        await settle()
+        assert b.queue_depth() == 2
+        clock.advance(0.010)
+        assert await calls[0] == 0
+        assert await calls[2] == 20
+        assert rec.batches == [[0, 2]]
+        assert b.statistics().cancelled == 1
+        await b.aclose()
+
+    run(main)
+
+
+def test_a_deadline_expires_a_waiting_item_with_an_error_or_its_fallback() -> None:
+    """An item still waiting at deadline_ms fails with DeadlineExceeded, or returns fallback."""
+
+    async def main() -> None:
+        clock = MockClock()
+        rec = Recorder()
+        b = AsyncBatcher(rec, max_batch_size=8, max_wait_ms=50, clock=clock)
+        strict = asyncio.ensure_future(b.submit(1, deadline_ms=5))
+        lenient = asyncio.ensure_future(b.submit(2, deadline_ms=5, fallback=-1))
+        await settle()
+        clock.advance(0.005)
+        with pytest.raises(DeadlineExceeded):
+            await strict
+        assert await lenient == -1
+        assert rec.batches == []
+        assert b.statistics().expired == 2
+        await b.aclose()
+
+    run(main)
+
+
+def test_lower_priority_values_are_served_first() -> None:
+    """With more waiting than a batch holds, the batch takes the lowest priority values."""
+
+    async def main() -> None:
+        rec = Recorder()
+        b = AsyncBatcher(rec, max_batch_size=2, max_wait_ms=0)
+        rec.gate.clear()
+        first = [asyncio.ensure_future(b.submit(i)) for i in (0, 1)]  # fills a batch, held running
+        await settle()
+        later = [asyncio.ensure_future(b.submit(i, priority=p)) for i, p in ((5, 2), (6, 0), (7, 1))]
+        await settle()
+        rec.gate.set()
+        await asyncio.gather(*first, *later)
+        assert rec.batches[1:] == [[6, 7], [5]]
+        await b.aclose()
+
+    run(main)
+
+
+def test_items_of_different_groups_never_share_a_batch() -> None:
+    """group_by keeps keys apart; a full group runs while the other waits."""
+
+    async def main() -> None:
+        rec = Recorder()
+        b = AsyncBatcher(rec, max_batch_size=2, max_wait_ms=60_000, group_by=lambda x: x % 2)
+        out = await asyncio.gather(*(b.submit(i) for i in range(4)))
+        assert out == [0, 10, 20, 30]
+        assert sorted(rec.batches) == [[0, 2], [1, 3]]
+        await b.aclose()
+
+    run(main)
+
+
+def test_a_full_queue_rejects_or_makes_the_caller_wait_for_room() -> None:
+    """on_full="reject" raises QueueFull; "block" admits the caller once a batch takes items,
+    or raises QueueFull after its timeout."""
+
+    async def main() -> None:
+        clock = MockClock()
+        rec = Recorder()
+        b = AsyncBatcher(rec, max_batch_size=1, max_wait_ms=60_000, max_queue=1, clock=clock)
+        rec.gate.clear()
+        running = asyncio.ensure_future(b.submit(0))  # taken at once: runs, held
+        await settle()
+        waiting = asyncio.ensure_future(b.submit(1))  # fills the queue
+        await settle()
+        with pytest.raises(QueueFull):
+            await b.submit(2)
+        rec.gate.set()
+        assert list(await asyncio.gather(running, waiting)) == [0, 10]
+        await b.aclose()
+
+        blocking = AsyncBatcher(rec, max_batch_size=1, max_wait_ms=60_000, max_queue=1, on_full="block")
+        rec.gate.clear()
+        held = [asyncio.ensure_future(blocking.submit(i)) for i in (0, 1)]
+        await settle()
+        with pytest.raises(QueueFull):
+            await blocking.submit(9, timeout=0.01)
+        third = asyncio.ensure_future(blocking.submit(2))
+        await settle()
+        assert not third.done()
+        rec.gate.set()
+        assert await asyncio.gather(*held, third) == [0, 10, 20]
+        await blocking.aclose()
+
+    run(main)
+
+
+def test_close_drains_by_default_and_fails_waiting_items_without_drain() -> None:
+    """aclose() runs what waits; aclose(drain=False) fails it with BatcherClosed; submits after
+    close raise BatcherClosed."""
+
+    async def main() -> None:
+        clock = MockClock()
+        b = AsyncBatcher(Recorder(), max_batch_size=8, max_wait_ms=60_000, clock=clock)
+        calls = [asyncio.ensure_future(b.submit(i)) for i in range(2)]
+        await settle()
+        await b.aclose()
+        assert await asyncio.gather(*calls) == [0, 10]
+        with pytest.raises(BatcherClosed):
+            await b.submit(5)
+
+        c = AsyncBatcher(Recorder(), max_batch_size=8, max_wait_ms=60_000, clock=clock)
+        dropped = asyncio.ensure_future(c.submit(1))
+        await settle()
+        await c.aclose(drain=False)
+        with pytest.raises(BatcherClosed):
+            await dropped
+        assert c.statistics().cancelled == 1
+
+    run(main)
+
+
+def test_close_with_timeout_cancels_a_stuck_batch_and_fails_its_callers() -> None:
+    """A batch still running at aclose's timeout is cancelled; its callers get BatcherClosed."""
+
+    async def main() -> None:
+        rec = Recorder()
+        rec.gate.clear()
+        b = AsyncBatcher(rec, max_batch_size=1, max_wait_ms=0)
+        stuck = asyncio.ensure_future(b.submit(1))
+        await settle()
+        await b.aclose(timeout=0.01)
+        with pytest.raises(BatcherClosed):
+            await stuck
+
+    run(main)
+
+
+def test_batch_timeout_fails_the_callers_of_a_batch_that_runs_too_long() -> None:
+    """batch_timeout_s: the callers get BatchTimeout when the clock passes it; the next batch runs."""
+
+    async def main() -> None:
+        clock = MockClock()
+        rec = Recorder()
+        rec.gate.clear()
+        b = AsyncBatcher(rec, max_batch_size=1, max_wait_ms=0, batch_timeout_s=1.0, clock=clock)
+        stuck = asyncio.ensure_future(b.submit(1))
+        await settle()
+        clock.advance(1.0)
+        with pytest.raises(BatchTimeout):
+            await stuck
+        rec.gate.set()
+        assert await b.submit(2) == 20
+        await b.aclose()
+
+    run(main)
+
+
+def test_batch_timeout_on_the_loop_is_refused() -> None:
+    """A plain function on the loop cannot be interrupted, so batch_timeout_s asks for offload."""
+    with pytest.raises(ValueError, match="offload=True"):
+        AsyncBatcher(lambda xs: xs, batch_timeout_s=1.0)
+    AsyncBatcher(lambda xs: xs, batch_timeout_s=1.0, offload=True)
+
+
+def test_an_open_circuit_fails_submits_fast() -> None:
+    """After failure_threshold failing batches the breaker opens and submit raises CircuitOpen."""
+
+    def broken(xs: list[int]) -> list[int]:
+        raise RuntimeError("down")
+
+    async def main() -> None:
+        breaker = CircuitBreaker(failure_threshold=2, reset_timeout_s=60, clock=MockClock())
+        b = AsyncBatcher(broken, max_batch_size=1, max_wait_ms=0, circuit_breaker=breaker)
+        for i in range(2):
+            with pytest.raises(RuntimeError):
+                await b.submit(i)
+        with pytest.raises(CircuitOpen):
+            await b.submit(3)
+        assert b.statistics().rejected == 1
+        await b.aclose()
+
+    run(main)
+
+
+def test_concurrent_batches_overlap_up_to_max_concurrent_batches() -> None:
+    """With max_concurrent_batches=2 two async batches run at once; a third waits for a slot."""
+
+    async def main() -> None:
+        rec = Recorder()
+        rec.gate.clear()
+        b = AsyncBatcher(rec, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=2)
+        calls = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        await settle()
+        assert rec.batches == [[0], [1]]
+        assert b.statistics().in_flight == 2
+        rec.gate.set()
+        assert await asyncio.gather(*calls) == [0, 10, 20]
+        await b.aclose()
+
+    run(main)
+
+
+def test_a_second_live_event_loop_is_refused_and_a_closed_one_is_replaced() -> None:
+    """One AsyncBatcher serves one loop: a submit from another loop while the first is alive
+    raises RuntimeError naming DynamicBatcher; once the first loop is closed, a new one may bind."""
+    b = AsyncBatcher(lambda xs: xs, max_batch_size=1, max_wait_ms=0)
+    first = asyncio.new_event_loop()
+    errors: list[BaseException] = []
+
+    def from_another_loop() -> None:
+        try:
+            asyncio.run(b.submit(2))
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        assert first.run_until_complete(b.submit(1)) == 1
+        t = threading.Thread(target=from_another_loop)
+        t.start()
+        t.join(WAIT)
+    finally:
+        first.close()
+    assert len(errors) == 1
+    assert isinstance(errors[0], RuntimeError)
+    assert "DynamicBatcher" in str(errors[0])
+    assert asyncio.run(b.submit(3)) == 3
+
+
+def test_statistics_count_every_caller_once() -> None:
+    """submitted = succeeded + failed + expired + cancelled + rejected after a mixed run."""
+
+    async def main() -> None:
+        b = AsyncBatcher(Recorder(lambda x: ValueError() if x % 5 == 0 else x), max_batch_size=4, max_wait_ms=1)
+        out = await asyncio.gather(*(b.submit(i) for i in range(50)), return_exceptions=True)
+        await b.aclose()
+        st = b.statistics()
+        assert st.submitted == 50
+        assert st.succeeded + st.failed == 50
+        assert st.failed == sum(isinstance(o, ValueError) for o in out) == 10
+        assert st.latency is not None
+        assert st.latency.count == 50
+
+    run(main)
+
+
+async def _drive(b: AsyncBatcher[int, int], n: int) -> list[int]:
+    return await asyncio.gather(*(b.submit(i) for i in range(n)))
+
+
+def test_many_concurrent_callers_on_a_real_clock_all_get_their_results() -> None:
+    """A burst of 500 callers with a 1 ms wait: every result comes back to its own caller."""
+
+    async def main() -> None:
+        async def double(xs: list[int]) -> list[int]:
+            await asyncio.sleep(0)
+            return [2 * x for x in xs]
+
+        fn: Callable[[list[int]], Awaitable[list[int]]] = double
+        b: AsyncBatcher[int, int] = AsyncBatcher(fn, max_batch_size=16, max_wait_ms=1)
+        assert await _drive(b, 500) == [2 * i for i in range(500)]
+        st = b.statistics()
+        assert st.batches >= 500 // 16
+        await b.aclose()
+
+    run(main)
