@@ -11,24 +11,26 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from batchkit import BatchkitError, KVCacheExhausted, PagedKVAllocator, UnknownSequence
+from batchkit.kv.prefix import PrefixCache
 
 
 def check_invariants(a: PagedKVAllocator) -> None:
-    """The accounting identities every operation must preserve."""
+    """The accounting identities every operation must preserve (read through the cores)."""
     s = a.statistics()
     assert s.free_blocks + s.used_blocks + s.cached_blocks == s.total_blocks
-    ref = a._ref
+    ref = a.pool.ref
     assert (ref >= 0).all()
     assert ref[0] == 0, "the null block is never handed out"
-    free = a._free[: a._num_free].tolist()
+    free = a.pool.free_block_ids()
+    evictable = a.prefix.evictable_blocks()
     assert len(set(free)) == len(free), "a block is on the free list twice"
     assert all(ref[b] == 0 for b in free)
-    assert all(ref[b] == 0 for b in a._evictable)
-    assert not set(free) & set(a._evictable)
+    assert all(ref[b] == 0 for b in evictable)
+    assert not set(free) & set(evictable)
     # Reference counts equal the number of resident block tables holding each block.
     held: Counter[int] = Counter()
-    for sid, info in a._seqs.items():
-        if info.cpu_blocks is None:
+    for sid in list(a):
+        if not a.is_swapped(sid):
             table = a.block_table(sid).tolist()
             assert len(table) == a.blocks_needed(a.num_tokens(sid))
             held.update(table)
@@ -36,10 +38,10 @@ def check_invariants(a: PagedKVAllocator) -> None:
             assert set((slots // a.block_size).tolist()) <= set(table)
     for b in range(1, a.num_blocks):
         assert ref[b] == held[b], f"block {b}: refcount {ref[b]}, held by {held[b]} tables"
-    assert a._shared == int(np.maximum(ref - 1, 0).sum()), "the shared-reference counter drifted"
+    assert a.pool.num_shared == int(np.maximum(ref - 1, 0).sum()), "the shared-reference counter drifted"
     # Cache index is consistent both ways.
-    for h, b in a._hash_to_block.items():
-        assert a._block_key[b][0] == h
+    for h, b, tokens in a.prefix.entries():
+        assert tokens, f"block {b} is indexed under {h} but keyed otherwise"
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -166,7 +168,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one_on_write() -> None:
     check_invariants(a)
 
 
-def test_prefix_cache_reuses_blocks_and_verifies_tokens() -> None:
+def test_prefix_cache_reuses_blocks_and_verifies_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt sharing full blocks with a cached one reuses them; different tokens never hit."""
     a = PagedKVAllocator(64, block_size=4, enable_prefix_caching=True)
     prompt = list(range(100, 111))  # 11 tokens: 2 full blocks + 3
@@ -176,11 +178,12 @@ def test_prefix_cache_reuses_blocks_and_verifies_tokens() -> None:
     assert a.statistics().cached_blocks == 2
     assert a.allocate("b", [*prompt[:8], 7, 7]) == 8
     assert a.allocate("c", [1, 2, 3, 4, 5]) == 0
-    # A forged collision: the index says this hash is ours, but the tokens differ.
-    h = next(iter(a._hash_to_block))
-    b = a._hash_to_block[h]
-    a._block_key[b] = (h, (0, 0, 0, 0))
-    assert a.allocate("d", prompt) == 0
+    # A forged collision: every block gets the same key, but the tokens differ.
+    monkeypatch.setattr(PrefixCache, "block_hash", staticmethod(lambda prev, tokens, salt: hash("forged")))
+    a.allocate("e", [9, 9, 9, 9, 9])
+    a.mark_computed("e", 5)
+    assert a.allocate("d", [8, 8, 8, 8, 8]) == 0
+    assert a.allocate("f", [9, 9, 9, 9, 9]) == 4  # the control: equal tokens under that key hit
     check_invariants(a)
 
 

@@ -1,5 +1,12 @@
 """PagedKVAllocator: the bookkeeping of a paged KV cache, with no tensors and no I/O.
 
+A thin facade over one sans-I/O core per concern: :class:`BlockPool` (reference counts, free
+stack; ``kv/blocks.py``), :class:`BlockTables` (a row of block ids per sequence;
+``kv/tables.py``), :class:`PrefixCache` (content hash -> block, the LRU of evictable cached
+blocks; ``kv/prefix.py``), :class:`SwapSpace` (CPU blocks; ``kv/swap.py``) and
+:class:`TenantQuotas` (``kv/quotas.py``). The facade checks every precondition before it
+changes anything, and keeps the sequences: which row, tenant and tokens each one has.
+
 KV memory is cut into blocks of ``block_size`` token slots. Each sequence owns a block table (the
 blocks holding its tokens, in order); token ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``. Block 0 is reserved as the null
@@ -14,13 +21,17 @@ and the rare copy-on-write and block-filling paths.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .._errors import BatchkitError, InvalidBlock, KVCacheExhausted, UnknownSequence
+from .blocks import BlockPool
+from .prefix import PrefixCache
+from .quotas import TenantQuotas
+from .swap import SwapSpace
+from .tables import BlockTables
 
 __all__ = [
     "AllocatorStatistics",
@@ -29,8 +40,6 @@ __all__ = [
     "SeqBatch",
     "UnknownSequence",
 ]
-
-NULL_BLOCK = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +93,7 @@ class _SeqInfo:
         self.row = row
         self.tenant = tenant
         self.tokens: list[int] | None = None  # kept only with prefix caching
-        self.hashes: list[int] = []  # chained hash of each full block (prefix caching)
+        self.hashes: list[int] = []  # keys of the blocks indexed in the prefix cache so far
         self.cpu_blocks: list[int] | None = None  # set while swapped out
 
 
@@ -103,6 +112,13 @@ class PagedKVAllocator:
 
     Raises:
         ValueError: for out-of-range arguments.
+
+    The cores are attributes: ``pool`` (:class:`~batchkit.kv.blocks.BlockPool`), ``tables``
+    (:class:`~batchkit.kv.tables.BlockTables`), ``prefix``
+    (:class:`~batchkit.kv.prefix.PrefixCache`), ``swap_space``
+    (:class:`~batchkit.kv.swap.SwapSpace`) and ``quotas``
+    (:class:`~batchkit.kv.quotas.TenantQuotas`); read them, change state only through the
+    allocator's methods.
     """
 
     def __init__(
@@ -128,101 +144,39 @@ class PagedKVAllocator:
         self.watermark = watermark
         self.enable_prefix_caching = enable_prefix_caching
         self.total_blocks = num_blocks - 1
-        self._watermark_blocks = int(watermark * self.total_blocks)
-        # Free stack: the top is at _num_free - 1. Low ids on top, so allocation order is stable.
-        self._free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)
-        self._num_free = num_blocks - 1
-        self._ref = np.zeros(num_blocks, dtype=np.int32)
-        # Prefix cache: hash -> block, block -> (hash, tokens); evictable cached blocks in LRU order.
-        self._hash_to_block: dict[int, int] = {}
-        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        # CPU swap pool.
         self.num_cpu_blocks = num_cpu_blocks
-        self._cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
-        # Sequences: a dense row per live sequence in the block-table array.
+        self._watermark_blocks = int(watermark * self.total_blocks)
+        self.pool = BlockPool(num_blocks)
+        self.tables = BlockTables(block_size)
+        self.prefix = PrefixCache(block_size)
+        self.swap_space = SwapSpace(num_cpu_blocks)
+        self.quotas = TenantQuotas(tenant_quotas, self.total_blocks)
         self._seqs: dict[Hashable, _SeqInfo] = {}
-        self._free_rows: list[int] = []
-        self._tables = np.zeros((8, 8), dtype=np.int32)
-        self._lens = np.zeros(8, dtype=np.int64)  # tokens per row
-        self._nblk = np.zeros(8, dtype=np.int32)  # blocks per row
-        self._next_row = 0
-        # Quotas.
-        self._quotas: dict[Hashable, int] = {}
-        for tenant, q in (tenant_quotas or {}).items():
-            blocks = int(q * self.total_blocks) if isinstance(q, float) else int(q)
-            if blocks < 0:
-                raise ValueError(f"tenant_quotas[{tenant!r}] must be >= 0, got {q!r}")
-            self._quotas[tenant] = blocks
-        self._tenant_blocks: dict[Hashable, int] = {}
         self._copies: list[tuple[int, int]] = []
-        self._num_swapped = 0
-        self._shared = 0  # references beyond the first, over all blocks: 0 means nothing is shared
-        self._epoch = 0  # bumped whenever a row may change owner (free, swap): SeqBatch handles check it
-        # Statistics.
-        self._prefix_queries = 0
-        self._prefix_hits = 0
-        self._swaps_out = 0
-        self._swaps_in = 0
         self._num_copies = 0
-        self._evictions = 0
+        self._epoch = 0  # bumped whenever a row may change owner (free, swap): SeqBatch handles check it
 
     # ------------------------------------------------------------------ blocks
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free ones plus evictable cached ones."""
-        return self._num_free + len(self._evictable)
+        return self.pool.num_free + self.prefix.num_evictable
 
     def _take_blocks(self, n: int) -> np.ndarray:
-        """Pop ``n`` blocks (ref set to 1), evicting cached blocks in LRU order if needed.
-
-        Callers check availability first, so this never fails half-way.
-        """
-        out = np.empty(n, dtype=np.int32)
-        k = min(n, self._num_free)
-        if k:
-            top = self._num_free
-            out[:k] = self._free[top - k : top][::-1]
-            self._num_free -= k
-        for i in range(k, n):
-            block, _ = self._evictable.popitem(last=False)
-            h, _tokens = self._block_key.pop(block)
-            del self._hash_to_block[h]
-            self._evictions += 1
-            out[i] = block
-        self._ref[out] = 1
+        """Hand out ``n`` blocks (reference count 1): free ones first, then evicted cached ones in
+        LRU order. Callers check availability first, so this never fails half-way."""
+        k = min(n, self.pool.num_free)
+        out = self.pool.pop_free(k)
+        if k < n:
+            out = np.concatenate((out, np.asarray(self.prefix.evict(n - k), dtype=np.int32)))
+        self.pool.hold(out)
         return out
 
-    def _release_block(self, block: int) -> None:
-        """Drop one reference; a block nobody holds goes back to the pool (or the LRU, if cached)."""
-        r = self._ref[block] - 1
-        self._ref[block] = r
-        if r > 0:
-            self._shared -= 1
-        elif r == 0:
-            if block in self._block_key:
-                self._evictable[block] = None
-            else:
-                self._free[self._num_free] = block
-                self._num_free += 1
-
     def _release_blocks(self, blocks: np.ndarray) -> None:
-        """:meth:`_release_block` for one sequence's (distinct) blocks, vectorised."""
-        if not blocks.size:
-            return
-        r = self._ref[blocks] - 1
-        self._ref[blocks] = r
-        self._shared -= int(np.count_nonzero(r > 0))
-        zero = blocks[r == 0]
-        if self._block_key and zero.size:
-            cached = np.fromiter((b in self._block_key for b in zero.tolist()), dtype=bool, count=zero.size)
-            for b in zero[cached].tolist():
-                self._evictable[b] = None
-            zero = zero[~cached]
-        k = zero.size
-        self._free[self._num_free : self._num_free + k] = zero[::-1]
-        self._num_free += k
+        """Drop one reference from each of one sequence's (distinct) blocks; a block nobody holds
+        goes back to the pool, or onto the prefix cache's LRU list if it is cached."""
+        self.pool.push_free(self.prefix.park(self.pool.release(blocks)))
 
     def _check_room(self, n: int, tenant: Hashable, *, admission: bool) -> None:
         avail = self.num_free_blocks - (self._watermark_blocks if admission else 0)
@@ -232,37 +186,9 @@ class PagedKVAllocator:
                 + (f" above the watermark ({self._watermark_blocks} kept free)" if admission else "")
                 + "; free or preempt sequences, or give the cache more blocks"
             )
-        quota = self._quotas.get(tenant)
-        if quota is not None and self._tenant_blocks.get(tenant, 0) + n > quota:
-            raise KVCacheExhausted(
-                f"tenant {tenant!r} would hold {self._tenant_blocks.get(tenant, 0) + n} blocks, over its quota of "
-                f"{quota}; free some of its sequences or raise its quota"
-            )
+        self.quotas.check(tenant, n)
 
-    def _charge(self, tenant: Hashable, n: int) -> None:
-        if n:
-            self._tenant_blocks[tenant] = self._tenant_blocks.get(tenant, 0) + n
-
-    # ------------------------------------------------------------------ rows
-
-    def _new_row(self) -> int:
-        if self._free_rows:
-            return self._free_rows.pop()
-        row = self._next_row
-        if row >= self._tables.shape[0]:
-            rows = 2 * self._tables.shape[0]
-            self._tables = _grow(self._tables, (rows, self._tables.shape[1]))
-            self._lens = _grow(self._lens, (rows,))
-            self._nblk = _grow(self._nblk, (rows,))
-        self._next_row += 1
-        return row
-
-    def _ensure_cols(self, nblocks: int) -> None:
-        cols = self._tables.shape[1]
-        if nblocks > cols:
-            while cols < nblocks:
-                cols *= 2
-            self._tables = _grow(self._tables, (self._tables.shape[0], cols))
+    # ------------------------------------------------------------------ sequences
 
     def _seq(self, seq_id: Hashable) -> _SeqInfo:
         info = self._seqs.get(seq_id)
@@ -276,47 +202,14 @@ class PagedKVAllocator:
             raise BatchkitError(f"sequence {seq_id!r} is swapped out; swap_in it first")
         return info
 
+    def _rows(self, seqs: SeqBatch) -> np.ndarray:
+        """The handle's rows, revalidated in place if a free or swap may have moved them."""
+        if seqs.epoch != self._epoch:
+            fresh = self.batch(seqs.seq_ids)
+            seqs.rows, seqs.epoch = fresh.rows, fresh.epoch
+        return seqs.rows
+
     # ------------------------------------------------------------------ prefix caching
-
-    def _block_hash(self, prev: int | None, tokens: tuple[int, ...], salt: Hashable) -> int:
-        # The first block mixes in the tenant salt, so tenants never share cached blocks.
-        return hash(("batchkit-kv", salt, tokens) if prev is None else (prev, tokens))
-
-    def _lookup_prefix(self, tokens: Sequence[int], salt: Hashable) -> tuple[list[int], list[int]]:
-        """Cached blocks (and their hashes) matching the prompt's leading full blocks."""
-        bs = self.block_size
-        blocks: list[int] = []
-        hashes: list[int] = []
-        prev: int | None = None
-        # Leave at least one prompt token to compute, so that the step yields logits.
-        for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = self._block_hash(prev, chunk, salt)
-            b = self._hash_to_block.get(h)
-            if b is None or self._block_key[b][1] != chunk:  # a collision never serves others' cache
-                break
-            blocks.append(b)
-            hashes.append(h)
-            prev = h
-        return blocks, hashes
-
-    def _register_full_blocks(self, info: _SeqInfo, salt: Hashable, num_computed: int) -> None:
-        """Index the sequence's full blocks among its first ``num_computed`` tokens in the prefix cache."""
-        tokens = info.tokens
-        if tokens is None:
-            return
-        bs = self.block_size
-        row = info.row
-        full = min(num_computed, len(tokens)) // bs
-        for i in range(len(info.hashes), full):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            prev = info.hashes[-1] if info.hashes else None
-            h = self._block_hash(prev, chunk, salt)
-            info.hashes.append(h)
-            block = int(self._tables[row, i])
-            if h not in self._hash_to_block and block not in self._block_key:
-                self._hash_to_block[h] = block
-                self._block_key[block] = (h, chunk)
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Tell the allocator that the K/V of the sequence's first ``num_tokens`` tokens are written.
@@ -331,10 +224,11 @@ class PagedKVAllocator:
             UnknownSequence, BatchkitError (swapped out), ValueError (more tokens than it holds).
         """
         info = self._resident(seq_id)
-        if num_tokens > int(self._lens[info.row]) or num_tokens < 0:
-            raise ValueError(f"num_tokens={num_tokens} is outside the sequence's {int(self._lens[info.row])} tokens")
+        length = int(self.tables.lens[info.row])
+        if num_tokens > length or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} is outside the sequence's {length} tokens")
         if info.tokens is not None:
-            self._register_full_blocks(info, info.tenant, num_tokens)
+            self.prefix.mark_computed(info.hashes, info.tokens, self.tables.blocks(info.row), num_tokens, info.tenant)
 
     # ------------------------------------------------------------------ admission and allocation
 
@@ -346,7 +240,7 @@ class PagedKVAllocator:
     @property
     def has_quotas(self) -> bool:
         """Whether any tenant has a block quota."""
-        return bool(self._quotas)
+        return bool(self.quotas)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that ``num_tokens`` tokens occupy."""
@@ -354,12 +248,11 @@ class PagedKVAllocator:
 
     def quota_of(self, tenant: Hashable) -> int | None:
         """The tenant's block quota (None: unlimited)."""
-        return self._quotas.get(tenant)
+        return self.quotas.quota_of(tenant)
 
     def within_quota(self, num_tokens: int, tenant: Hashable) -> bool:
         """Whether the tenant may take ``num_tokens`` more tokens' blocks under its quota."""
-        quota = self._quotas.get(tenant)
-        return quota is None or self._tenant_blocks.get(tenant, 0) + self.blocks_needed(num_tokens) <= quota
+        return self.quotas.allows(tenant, self.blocks_needed(num_tokens))
 
     def can_allocate(self, num_tokens: int, *, tenant: Hashable = None) -> bool:
         """Whether a whole prompt of ``num_tokens`` fits now, above the watermark and within quota.
@@ -399,76 +292,126 @@ class PagedKVAllocator:
         n = prompt if isinstance(prompt, int) else len(prompt)
         if n < 1:
             raise ValueError("a prompt needs at least one token")
-        tokens = None if isinstance(prompt, int) else [int(t) for t in prompt]
+        tokens = None if isinstance(prompt, int) or not self.enable_prefix_caching else [int(t) for t in prompt]
         hit_blocks: list[int] = []
         hashes: list[int] = []
-        if self.enable_prefix_caching and tokens is not None:
-            hit_blocks, hashes = self._lookup_prefix(tokens, tenant)
+        if tokens is not None:
+            hit_blocks, hashes = self.prefix.lookup(tokens, tenant)
         need_total = self.blocks_needed(n)
         fresh = need_total - len(hit_blocks)
-        # Reviving an evictable hit also consumes an available block.
-        revived = sum(1 for b in hit_blocks if self._ref[b] == 0)
-        self._check_room(fresh + revived, tenant, admission=True)
+        ref = self.pool.ref
+        revived = [b for b in hit_blocks if ref[b] == 0]  # reviving an evictable hit takes an available block
+        self._check_room(fresh + len(revived), tenant, admission=True)
         # Checks passed: mutate.
-        for b in hit_blocks:
-            if self._ref[b] == 0:
-                del self._evictable[b]
-            else:
-                self._shared += 1
-            self._ref[b] += 1
+        for b in revived:
+            self.prefix.revive(b)
+        self.pool.share(hit_blocks)
         new = self._take_blocks(fresh)
-        row = self._new_row()
-        self._ensure_cols(need_total)
-        self._tables[row, : len(hit_blocks)] = hit_blocks
-        self._tables[row, len(hit_blocks) : need_total] = new
-        self._lens[row] = n
-        self._nblk[row] = need_total
+        row = self.tables.new_row()
+        self.tables.set_blocks(row, np.concatenate((np.asarray(hit_blocks, dtype=np.int32), new)), n)
         info = _SeqInfo(row, tenant)
-        if self.enable_prefix_caching and tokens is not None:
+        if tokens is not None:
             info.tokens = tokens
             info.hashes = hashes  # the hits; blocks filled from here on register in mark_computed
-            self._prefix_queries += n
-            self._prefix_hits += len(hit_blocks) * self.block_size
+            self.prefix.count_lookup(n, len(hit_blocks) * self.block_size)
         self._seqs[seq_id] = info
-        self._charge(tenant, need_total)
+        self.quotas.charge(tenant, need_total)
         return len(hit_blocks) * self.block_size
+
+    # ------------------------------------------------------------------ growth (one path for one or many)
+
+    def _growth(self, rows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """For ``n`` more tokens in each row: the rows' token counts, the new blocks each row
+        takes, and which rows first copy a shared, partially filled last block (None: no block
+        is shared, so none does)."""
+        t = self.tables
+        bs = self.block_size
+        lens = t.lens[rows]
+        # A resident row holds exactly blocks_needed(lens) blocks.
+        new = (lens % bs == 0) if n == 1 else (lens + (n + bs - 1)) // bs - (lens + (bs - 1)) // bs
+        if not self.pool.num_shared:
+            return lens, new, None
+        last = t.table[rows, np.maximum(t.num_blocks[rows] - 1, 0)]
+        cow = (lens % bs != 0) & (self.pool.ref[last] > 1)
+        return lens, new, cow
+
+    def _append(self, seq_ids: Sequence[Hashable], rows: np.ndarray, n: int) -> np.ndarray:
+        """``n`` new slots for each row (all-or-nothing); return their slot mapping, row after row."""
+        lens, new, cow = self._growth(rows, n)
+        grows = np.flatnonzero(new if cow is None else new | cow)
+        if grows.size:
+            infos = [self._seqs[seq_ids[i]] for i in grows.tolist()]
+            if n == 1 and cow is None:  # a decode step: each growing row takes one new block
+                per_row = fresh = [1] * grows.size
+            else:
+                fresh_arr = new[grows].astype(np.int64)
+                per_row = (fresh_arr + cow[grows] if cow is not None else fresh_arr).tolist()
+                fresh = fresh_arr.tolist()
+            total = sum(per_row)
+            if total > self.num_free_blocks:
+                self._check_room(total, None, admission=False)
+            per_tenant: dict[Hashable, int] = {}  # blocks each tenant takes
+            charge: dict[Hashable, int] = {}  # of which new blocks (copy-on-write swaps one for one)
+            for info, k, f in zip(infos, per_row, fresh, strict=True):
+                per_tenant[info.tenant] = per_tenant.get(info.tenant, 0) + k
+                if f:
+                    charge[info.tenant] = charge.get(info.tenant, 0) + f
+            if self.quotas:
+                for tenant, k in per_tenant.items():
+                    self.quotas.check(tenant, k)
+            # Checks passed: mutate.
+            if cow is not None:
+                for info, copies in zip(infos, cow[grows].tolist(), strict=True):
+                    if copies:
+                        self._cow_last_block(info)
+            if charge:
+                if n == 1:  # at most one new block per row
+                    adds = grows if cow is None else grows[new[grows]]
+                    self.tables.add_blocks(rows[adds], None, self._take_blocks(adds.size))
+                else:
+                    counts = np.asarray(fresh, dtype=np.int64)
+                    self.tables.add_blocks(rows[grows[counts > 0]], counts[counts > 0], self._take_blocks(sum(fresh)))
+                for tenant, k in charge.items():
+                    self.quotas.charge(tenant, k)
+        self.tables.lens[rows] = lens + n
+        return self.tables.slots(rows, lens, n)
 
     def _cow_last_block(self, info: _SeqInfo) -> None:
         """Give the sequence its own copy of a shared, partially filled last block."""
         row = info.row
-        last = int(self._nblk[row]) - 1
-        old = int(self._tables[row, last])
+        table = self.tables.table
+        last = int(self.tables.num_blocks[row]) - 1
+        old = int(table[row, last])
         (new,) = self._take_blocks(1)
-        self._tables[row, last] = new
-        self._release_block(old)
+        table[row, last] = new
+        self._release_blocks(np.array([old], dtype=np.int32))
         self._copies.append((old, int(new)))
         self._num_copies += 1
 
+    def _record_tokens(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | None, n: int) -> None:
+        """Keep the new tokens of caching sequences (``n`` each, row after row); a sequence whose
+        new ids are unknown stops caching its blocks."""
+        for j, sid in enumerate(seq_ids):
+            info = self._seqs[sid]
+            if info.tokens is None:
+                continue
+            if token_ids is None:
+                info.tokens = None
+            else:
+                info.tokens.extend(int(t) for t in token_ids[j * n : (j + 1) * n])
+
     def can_append_slots(self, seq_ids: Iterable[Hashable], n: int = 1) -> bool:
         """Whether every listed sequence can take ``n`` more tokens now (blocks and quotas)."""
-        need = 0
-        per_tenant: dict[Hashable, int] = {}
-        for sid in seq_ids:
-            info = self._resident(sid)
-            k = self._blocks_for_append(info, n)
-            need += k
-            per_tenant[info.tenant] = per_tenant.get(info.tenant, 0) + k
-        if need > self.num_free_blocks:
+        infos = [self._resident(sid) for sid in seq_ids]
+        rows = np.fromiter((i.row for i in infos), dtype=np.int64, count=len(infos))
+        _, new, cow = self._growth(rows, n)
+        need = new.astype(np.int64) if cow is None else new.astype(np.int64) + cow
+        if int(need.sum()) > self.num_free_blocks:
             return False
-        for tenant, k in per_tenant.items():
-            quota = self._quotas.get(tenant)
-            if quota is not None and self._tenant_blocks.get(tenant, 0) + k > quota:
-                return False
-        return True
-
-    def _blocks_for_append(self, info: _SeqInfo, n: int) -> int:
-        row = info.row
-        length = int(self._lens[row])
-        nb = int(self._nblk[row])
-        k = self.blocks_needed(length + n) - nb
-        if length % self.block_size and self._ref[self._tables[row, nb - 1]] > 1:
-            k += 1  # copy-on-write of the shared partial block
-        return k
+        per_tenant: dict[Hashable, int] = {}
+        for info, k in zip(infos, need.tolist(), strict=True):
+            per_tenant[info.tenant] = per_tenant.get(info.tenant, 0) + k
+        return all(self.quotas.allows(tenant, k) for tenant, k in per_tenant.items())
 
     def append_slots(self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None) -> np.ndarray:
         """Reserve slots for ``n`` new tokens of a sequence; return their slot mapping (int64).
@@ -486,28 +429,9 @@ class PagedKVAllocator:
         info = self._resident(seq_id)
         if token_ids is not None and len(token_ids) != n:
             raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} slots")
-        k = self._blocks_for_append(info, n)
-        self._check_room(k, info.tenant, admission=False)
-        row = info.row
-        length = int(self._lens[row])
-        bs = self.block_size
-        if length % bs and self._ref[self._tables[row, self._nblk[row] - 1]] > 1:
-            self._cow_last_block(info)
-            k -= 1
-        nb = int(self._nblk[row])
-        if k:
-            self._ensure_cols(nb + k)
-            self._tables[row, nb : nb + k] = self._take_blocks(k)
-            self._nblk[row] = nb + k
-            self._charge(info.tenant, k)
-        self._lens[row] = length + n
-        pos = np.arange(length, length + n, dtype=np.int64)
-        slots: np.ndarray = self._tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+        slots = self._append((seq_id,), np.array([info.row], dtype=np.int64), n)
         if info.tokens is not None:
-            if token_ids is None:
-                info.tokens = None  # generated ids unknown: stop caching this sequence's blocks
-            else:
-                info.tokens.extend(int(t) for t in token_ids)
+            self._record_tokens((seq_id,), token_ids, n)
         return slots
 
     def batch(self, seq_ids: Sequence[Hashable]) -> SeqBatch:
@@ -522,7 +446,7 @@ class PagedKVAllocator:
         seq_ids = tuple(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("a batch lists each sequence once")
-        if self._num_swapped:
+        if self.swap_space.num_swapped:
             infos = [self._resident(s) for s in seq_ids]
         else:
             seqs = self._seqs
@@ -535,17 +459,8 @@ class PagedKVAllocator:
 
     def blocks_needed_batch(self, seqs: SeqBatch) -> int:
         """Blocks one more token for each sequence of the handle would take (copy-on-write included)."""
-        if seqs.epoch != self._epoch:
-            fresh = self.batch(seqs.seq_ids)
-            seqs.rows, seqs.epoch = fresh.rows, fresh.epoch
-        rows = seqs.rows
-        offs = self._lens[rows] % self.block_size
-        needs_block = offs == 0
-        n = int(np.count_nonzero(needs_block))
-        if self._shared:
-            last = self._tables[rows, np.maximum(self._nblk[rows] - 1, 0)]
-            n += int(np.count_nonzero((~needs_block) & (self._ref[last] > 1)))
-        return n
+        _, new, cow = self._growth(self._rows(seqs), 1)
+        return int(np.count_nonzero(new)) + (int(np.count_nonzero(cow)) if cow is not None else 0)
 
     def append_slots_batch(
         self, seqs: Sequence[Hashable] | SeqBatch, token_ids: Sequence[int] | None = None
@@ -558,62 +473,14 @@ class PagedKVAllocator:
         """
         if not isinstance(seqs, SeqBatch):
             seqs = self.batch(seqs)
-        elif seqs.epoch != self._epoch:  # rows may have changed owner: revalidate in place
-            fresh = self.batch(seqs.seq_ids)
-            seqs.rows, seqs.epoch = fresh.rows, fresh.epoch
-        rows = seqs.rows
+        rows = self._rows(seqs)
         if token_ids is not None and len(token_ids) != rows.size:
             raise ValueError(f"token_ids has {len(token_ids)} ids for {rows.size} sequences")
         if not rows.size:
             return np.empty(0, dtype=np.int64)
-        bs = self.block_size
-        lens = self._lens[rows]
-        offs = lens % bs
-        needs_block = offs == 0
-        if self._shared:
-            last = self._tables[rows, np.maximum(self._nblk[rows] - 1, 0)]
-            shared_partial = (~needs_block) & (self._ref[last] > 1)
-            grows = np.flatnonzero(needs_block | shared_partial)
-        else:
-            shared_partial = None
-            grows = np.flatnonzero(needs_block)
-        if grows.size:
-            infos = [self._seqs[seqs.seq_ids[i]] for i in grows]
-            if grows.size > self.num_free_blocks:
-                self._check_room(int(grows.size), None, admission=False)
-            grow_flags = needs_block[grows].tolist()
-            per_tenant: dict[Hashable, int] = {}  # blocks each tenant takes this step
-            charge: dict[Hashable, int] = {}  # of which new blocks (copy-on-write swaps one for one)
-            for info, new_block in zip(infos, grow_flags, strict=True):
-                per_tenant[info.tenant] = per_tenant.get(info.tenant, 0) + 1
-                if new_block:
-                    charge[info.tenant] = charge.get(info.tenant, 0) + 1
-            if self._quotas:
-                for t, k in per_tenant.items():
-                    self._check_room(k, t, admission=False)
-            if shared_partial is not None:
-                for info, new_block in zip(infos, grow_flags, strict=True):
-                    if not new_block:
-                        self._cow_last_block(info)
-            grow_rows = rows[needs_block]
-            if grow_rows.size:
-                cols = self._nblk[grow_rows]
-                self._ensure_cols(int(cols.max()) + 1)
-                self._tables[grow_rows, cols] = self._take_blocks(int(grow_rows.size))
-                self._nblk[grow_rows] = cols + 1
-                for t, k in charge.items():
-                    self._charge(t, k)
-        self._lens[rows] = lens + 1
-        slots: np.ndarray = self._tables[rows, lens // bs].astype(np.int64) * bs + offs
+        slots = self._append(seqs.seq_ids, rows, 1)
         if self.enable_prefix_caching:
-            for j, sid in enumerate(seqs.seq_ids):
-                info = self._seqs[sid]
-                if info.tokens is None:
-                    continue
-                if token_ids is None:
-                    info.tokens = None
-                    continue
-                info.tokens.append(int(token_ids[j]))
+            self._record_tokens(seqs.seq_ids, token_ids, 1)
         return slots
 
     # ------------------------------------------------------------------ sharing and freeing
@@ -630,24 +497,21 @@ class PagedKVAllocator:
         info = self._resident(parent)
         if child in self._seqs:
             raise ValueError(f"sequence {child!r} is already allocated")
-        nb = int(self._nblk[info.row])
-        quota = self._quotas.get(info.tenant)
-        if quota is not None and self._tenant_blocks.get(info.tenant, 0) + nb > quota:
+        t = self.tables
+        nb = int(t.num_blocks[info.row])
+        if not self.quotas.allows(info.tenant, nb):
+            quota = self.quotas.quota_of(info.tenant)
             raise KVCacheExhausted(f"tenant {info.tenant!r} would exceed its quota of {quota} blocks by forking")
-        row = self._new_row()
-        self._ensure_cols(nb)
-        blocks = self._tables[info.row, :nb]
-        self._tables[row, :nb] = blocks
-        self._lens[row] = self._lens[info.row]
-        self._nblk[row] = nb
-        np.add.at(self._ref, blocks, 1)
-        self._shared += nb
+        row = t.new_row()
+        blocks = t.blocks(info.row).copy()
+        t.set_blocks(row, blocks, int(t.lens[info.row]))
+        self.pool.share(blocks)
         new = _SeqInfo(row, info.tenant)
         if info.tokens is not None:
             new.tokens = list(info.tokens)
             new.hashes = list(info.hashes)
         self._seqs[child] = new
-        self._charge(info.tenant, nb)
+        self.quotas.charge(info.tenant, nb)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks (cached ones stay reusable until evicted).
@@ -658,19 +522,13 @@ class PagedKVAllocator:
         info = self._seq(seq_id)
         del self._seqs[seq_id]
         row = info.row
-        nb = int(self._nblk[row])
+        nb = int(self.tables.num_blocks[row])
         if info.cpu_blocks is not None:
-            self._cpu_free.extend(info.cpu_blocks)
-            self._num_swapped -= 1
+            self.swap_space.discard(info.cpu_blocks)
         else:
-            self._release_blocks(self._tables[row, :nb].copy())
-        self._tenant_blocks[info.tenant] = self._tenant_blocks.get(info.tenant, 0) - nb
-        if not self._tenant_blocks[info.tenant]:
-            del self._tenant_blocks[info.tenant]
-        self._tables[row, :nb] = NULL_BLOCK
-        self._lens[row] = 0
-        self._nblk[row] = 0
-        self._free_rows.append(row)
+            self._release_blocks(self.tables.blocks(row).copy())
+        self.quotas.refund(info.tenant, nb)
+        self.tables.release_row(row)
         self._epoch += 1
 
     # ------------------------------------------------------------------ swap
@@ -685,18 +543,18 @@ class PagedKVAllocator:
         """
         info = self._resident(seq_id)
         row = info.row
-        nb = int(self._nblk[row])
-        if nb > len(self._cpu_free):
-            raise KVCacheExhausted(f"swap_out needs {nb} CPU blocks, {len(self._cpu_free)} free; add num_cpu_blocks")
-        gpu = self._tables[row, :nb].tolist()
-        cpu = [self._cpu_free.pop() for _ in range(nb)]
-        self._release_blocks(self._tables[row, :nb].copy())
+        gpu = self.tables.blocks(row).copy()
+        nb = gpu.size
+        if not self.swap_space.can_swap_out(nb):
+            raise KVCacheExhausted(
+                f"swap_out needs {nb} CPU blocks, {self.swap_space.num_free} free; add num_cpu_blocks"
+            )
+        cpu = self.swap_space.swap_out(nb)
+        self._release_blocks(gpu)
         info.cpu_blocks = cpu
-        self._num_swapped += 1
         self._epoch += 1
-        self._tables[row, :nb] = NULL_BLOCK
-        self._swaps_out += 1
-        return list(zip(gpu, cpu, strict=True))
+        self.tables.detach(row)
+        return list(zip(gpu.tolist(), cpu, strict=True))
 
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring a swapped-out sequence back; return the (cpu, device) block copies to do.
@@ -705,21 +563,19 @@ class PagedKVAllocator:
             UnknownSequence, BatchkitError (not swapped out), KVCacheExhausted (nothing changes).
         """
         info = self._seq(seq_id)
-        if info.cpu_blocks is None:
+        cpu = info.cpu_blocks
+        if cpu is None:
             raise BatchkitError(f"sequence {seq_id!r} is not swapped out")
-        nb = len(info.cpu_blocks)
+        nb = len(cpu)
         if nb > self.num_free_blocks:
             raise KVCacheExhausted(f"swap_in needs {nb} blocks, {self.num_free_blocks} free")
         new = self._take_blocks(nb)
-        self._tables[info.row, :nb] = new
-        cpu = info.cpu_blocks
+        self.tables.attach(info.row, new)
         info.cpu_blocks = None
-        self._num_swapped -= 1
-        self._cpu_free.extend(cpu)
+        self.swap_space.swap_in(cpu)
         # Blocks rewritten from CPU get fresh ids, so this sequence's cache index restarts; they
         # register again once marked computed (the copies run before the next step).
         info.hashes = info.hashes[:0]
-        self._swaps_in += 1
         return list(zip(cpu, new.tolist(), strict=True))
 
     def is_swapped(self, seq_id: Hashable) -> bool:
@@ -733,14 +589,17 @@ class PagedKVAllocator:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def __iter__(self) -> Iterator[Hashable]:
+        """The live sequences' ids (resident or swapped out), oldest first."""
+        return iter(list(self._seqs))
+
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens the sequence holds slots for."""
-        return int(self._lens[self._seq(seq_id).row])
+        return int(self.tables.lens[self._seq(seq_id).row])
 
     def block_table(self, seq_id: Hashable) -> np.ndarray:
         """The sequence's blocks, in order (a copy, int32)."""
-        info = self._resident(seq_id)
-        return self._tables[info.row, : self._nblk[info.row]].copy()
+        return self.tables.blocks(self._resident(seq_id).row).copy()
 
     def block_tables(self, seq_ids: Sequence[Hashable], width: int | None = None) -> np.ndarray:
         """Block tables of several sequences as one ``[n, width]`` int32 array, padded with block 0."""
@@ -748,26 +607,24 @@ class PagedKVAllocator:
             rows = self.batch(seq_ids).rows
         except ValueError:  # a sequence listed twice: fine for a view, look each one up
             rows = np.fromiter((self._resident(s).row for s in seq_ids), dtype=np.int64, count=len(seq_ids))
-        need = int(self._nblk[rows].max()) if rows.size else 0
+        t = self.tables
+        need = int(t.num_blocks[rows].max()) if rows.size else 0
         width = need if width is None else width
         if width < need:
             raise ValueError(f"width={width} is narrower than the longest block table ({need})")
         out = np.zeros((rows.size, width), dtype=np.int32)
-        k = min(width, self._tables.shape[1])
-        out[:, :k] = self._tables[rows, :k]
+        k = min(width, t.table.shape[1])
+        out[:, :k] = t.table[rows, :k]
         return out
 
     def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> np.ndarray:
         """Slots (int64) of the sequence's token positions ``start..end-1``."""
         info = self._resident(seq_id)
-        length = int(self._lens[info.row])
+        length = int(self.tables.lens[info.row])
         end = length if end is None else end
         if not 0 <= start <= end <= length:
             raise ValueError(f"positions {start}..{end} are outside the sequence's {length} tokens")
-        pos = np.arange(start, end, dtype=np.int64)
-        bs = self.block_size
-        slots: np.ndarray = self._tables[info.row, pos // bs].astype(np.int64) * bs + pos % bs
-        return slots
+        return self.tables.slots(np.array([info.row]), np.array([start], dtype=np.int64), end - start)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write block copies (src, dst) queued since the last call; perform them
@@ -778,35 +635,37 @@ class PagedKVAllocator:
     def ref_count(self, block: int) -> int:
         if not 0 < block < self.num_blocks:
             raise InvalidBlock(f"block {block} is not in 1..{self.num_blocks - 1}")
-        return int(self._ref[block])
+        return int(self.pool.ref[block])
 
     def statistics(self) -> AllocatorStatistics:
-        used = int(np.count_nonzero(self._ref))
-        cached = len(self._evictable)
+        used = self.pool.num_used
         resident_rows = [i.row for i in self._seqs.values() if i.cpu_blocks is None]
         rows = np.asarray(resident_rows, dtype=np.int64)
-        tokens = int(self._lens[rows].sum()) if rows.size else 0
-        slots = int(self._nblk[rows].sum()) * self.block_size if rows.size else 0
+        t = self.tables
+        tokens = int(t.lens[rows].sum()) if rows.size else 0
+        slots = int(t.num_blocks[rows].sum()) * self.block_size if rows.size else 0
+        prefix = self.prefix
+        swap = self.swap_space
         return AllocatorStatistics(
             block_size=self.block_size,
             total_blocks=self.total_blocks,
-            free_blocks=self._num_free,
+            free_blocks=self.pool.num_free,
             used_blocks=used,
-            cached_blocks=cached,
+            cached_blocks=prefix.num_evictable,
             usage=used / self.total_blocks,
             num_seqs=len(self._seqs),
             num_tokens=tokens,
             fragmentation=(slots - tokens) / slots if slots else 0.0,
-            prefix_queries=self._prefix_queries,
-            prefix_hits=self._prefix_hits,
-            prefix_hit_rate=self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0,
+            prefix_queries=prefix.queries,
+            prefix_hits=prefix.hits,
+            prefix_hit_rate=prefix.hit_rate,
             cpu_total_blocks=self.num_cpu_blocks,
-            cpu_free_blocks=len(self._cpu_free),
-            swaps_out=self._swaps_out,
-            swaps_in=self._swaps_in,
+            cpu_free_blocks=swap.num_free,
+            swaps_out=swap.swaps_out,
+            swaps_in=swap.swaps_in,
             copies=self._num_copies,
-            evictions=self._evictions,
-            tenant_usage=dict(self._tenant_blocks),
+            evictions=prefix.evictions,
+            tenant_usage=self.quotas.usage(),
         )
 
     def __repr__(self) -> str:
@@ -814,9 +673,3 @@ class PagedKVAllocator:
             f"<PagedKVAllocator blocks={self.total_blocks} free={self.num_free_blocks} "
             f"seqs={len(self._seqs)} block_size={self.block_size}>"
         )
-
-
-def _grow(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    out = np.zeros(shape, dtype=arr.dtype)
-    out[tuple(slice(0, s) for s in arr.shape)] = arr
-    return out
