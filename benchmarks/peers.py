@@ -330,18 +330,21 @@ async def open_loop(submit: Submit, w: Workload, rate: float, duration_s: float)
     rng = random.Random(7)
     lat: list[float] = []
     mismatches = checked = 0
+    last = 0.0
 
     async def one(i: int, sched: float) -> None:
         nonlocal mismatches, checked
         k = i % CALLERS
+        nonlocal last
         y = await submit(w.inputs[k])
-        lat.append(loop.time() - sched)
+        last = loop.time()
+        lat.append(last - sched)
         if i < CALLERS:
             checked += 1
             mismatches += not w.matches(k, y)
 
     tasks = []
-    t0 = loop.time()
+    last = t0 = loop.time()
     t = t0
     i = 0
     while t - t0 < duration_s:
@@ -356,12 +359,38 @@ async def open_loop(submit: Submit, w: Workload, rate: float, duration_s: float)
     ms = [v * 1000 for v in lat]
     return {
         "rate": rate,
+        "served": len(ms) / (last - t0),  # below the offered rate: the row could not keep up
         "requests": len(ms),
         "p50_ms": ms[len(ms) // 2],
         "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
         "checked": checked,
         "mismatches": mismatches,
     }
+
+
+def model_times(batches: int = 15) -> dict[str, Any]:
+    """t_batch(MAX_BATCH) of the MLP, called in this process's main thread and in a second
+    thread, interleaved: the ceiling of every row, and what the thread that runs it costs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = Workload("mlp-loop")
+    xs = [w.inputs[k % CALLERS] for k in range(MAX_BATCH)]
+    main_s: list[float] = []
+    thread_s: list[float] = []
+
+    def timed(out: list[float]) -> None:
+        t0 = time.perf_counter()
+        w.model(xs)
+        out.append(time.perf_counter() - t0)
+
+    with ThreadPoolExecutor(1) as second:
+        for _ in range(3):  # warm-up, in both threads
+            w.model(xs)
+            second.submit(w.model, xs).result()
+        for _ in range(batches):
+            timed(main_s)
+            second.submit(timed, thread_s).result()
+    return {"main_ms": 1000 * statistics.median(main_s), "thread_ms": 1000 * statistics.median(thread_s)}
 
 
 def measure(
@@ -476,6 +505,7 @@ def report(
         rate[row] = _median([r["rate"] for r in ok]) if ok else None
         p50 = _median([r["p50_ms"] for r in oks]) if oks else None
         p99[row] = _median([r["p99_ms"] for r in oks]) if oks else None
+        behind = [r for r in oks if r["served"] < 0.95 * r["rate"]]
         checked = sum(r["checked"] for r in ok + oks)
         bad = sum(r["mismatches"] for r in ok + oks)
         outputs = "—" if not checked else (f"{checked} checked, equal" if not bad else f"{bad}/{checked} WRONG")
@@ -487,6 +517,9 @@ def report(
         cells = [LABELS[row], _fmt_rate(rate[row]), "—" if mb is None else f"{mb:.1f}"]
         if has_open:
             cells += [_fmt_ms(p50), _fmt_ms(p99[row])]
+            if behind:
+                served = _median([r["served"] for r in behind])
+                cells[-1] += f" (fell behind in {len(behind)}/{len(oks)} runs: served {served:,.0f} req/s)"
         lines.append("| " + " | ".join([*cells, outputs]) + " |")
     peers = [r for r in rows if r not in BATCHKIT_ROWS and rate[r] is not None]
     best = max(peers, key=lambda r: rate[r] or 0.0, default=None)
@@ -535,7 +568,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         row, workload, phase = args.child
         duration = args.open_duration if phase == "open" else args.duration
-        res = measure(row, workload, phase, duration_s=duration, requests=args.requests, rate=args.rate)
+        if phase == "times":
+            res = model_times()
+        else:
+            res = measure(row, workload, phase, duration_s=duration, requests=args.requests, rate=args.rate)
         print(json.dumps(res), flush=True)
         return
 
@@ -562,6 +598,17 @@ def main(argv: list[str] | None = None) -> None:
         f"open loop {args.open_duration:g} s at {OPEN_LOAD:.0%} of the workload's best closed-loop rate",
         flush=True,
     )
+    if any(w.startswith("mlp") for w in workloads):
+        tb = run_child(python, ["model", "mlp-loop", "times"], timeout)
+        if "error" in tb:
+            print(f"t_batch({MAX_BATCH}): not measured: {tb['error']}")
+        else:
+            print(
+                f"t_batch({MAX_BATCH}) of the MLP, median of 15 interleaved: {tb['main_ms']:.2f} ms in the main thread "
+                f"(ceiling {MAX_BATCH / tb['main_ms'] * 1000:,.0f} req/s), {tb['thread_ms']:.2f} ms in a second "
+                f"thread ({MAX_BATCH / tb['thread_ms'] * 1000:,.0f} req/s)",
+                flush=True,
+            )
     closed: dict[str, dict[str, list[dict[str, Any]]]] = {w: {r: [] for r in rows} for w in workloads}
     opened: dict[str, dict[str, list[dict[str, Any]]]] = {w: {r: [] for r in rows} for w in workloads}
     unavailable: set[tuple[str, str]] = set()
