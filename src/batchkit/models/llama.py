@@ -144,6 +144,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    d = config.dim_per_head
+    return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+
+
 class LlamaModel(nn.Module):
     """A Llama decoder whose forward is a batchkit step: ``model(batch, kv) -> logits``.
 
@@ -158,8 +163,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        d = config.dim_per_head
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+        inv_freq = _rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.to(device=device, dtype=dtype)
         self.inv_freq = inv_freq.to(device)
@@ -167,11 +171,23 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
 
     @classmethod
+    def empty(cls, config: LlamaConfig, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> LlamaModel:
+        """A model whose weights are allocated but not initialised, to load weights into with
+        :meth:`load_hf_state_dict` (skips the random initialisation, seconds on a CPU)."""
+        with torch.device("meta"):
+            model = cls(config, dtype=dtype, device="meta")
+        model.to_empty(device=device)
+        if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = _rope_inv_freq(config).to(device)
+        return model
+
+    @classmethod
     def from_hf(cls, hf_model: Any, *, dtype: torch.dtype | None = None) -> LlamaModel:
         """Build from a ``transformers.LlamaForCausalLM`` (its config and weights)."""
         cfg = LlamaConfig.from_hf(hf_model.config)
         p = next(hf_model.parameters())
-        model = cls(cfg, dtype=dtype or p.dtype, device=p.device)
+        model = cls.empty(cfg, dtype=dtype or p.dtype, device=p.device)
         model.load_hf_state_dict(hf_model.state_dict())
         return model
 

@@ -280,7 +280,7 @@ def load_pretrained(
             f"{source!r} is a {getattr(config, 'model_type', '?')!r} model; batchkit's reference step "
             "model implements the Llama architecture only"
         )
-    model = LlamaModel(LlamaConfig.from_hf(config), dtype=dtype, device=device)
+    model = LlamaModel.empty(LlamaConfig.from_hf(config), dtype=dtype, device=device)
     model.load_hf_state_dict(_read_state_dict(folder))
     tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     eos = _eos_ids(folder, config, tokenizer)
