@@ -198,3 +198,20 @@ def test_minilm_embeddings_equal_sentence_transformers() -> None:
     assert torch.allclose(vectors.norm(dim=1), torch.ones(3), atol=1e-5)
     assert counts[0] == 3  # [CLS] hello [SEP]
     assert counts[2] <= enc.max_seq_length
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_empty_model_loaded_with_weights_is_the_model_those_weights_define(tie: bool) -> None:
+    """LlamaModel.empty skips initialisation only: once loaded it holds the same weights, rotary
+    table and (for tied embeddings) one shared tensor, as a model built the slow way."""
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    reference = LlamaModel(cfg)
+    model = LlamaModel.empty(cfg)
+    model.load_hf_state_dict(reference.state_dict())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tie
+    assert torch.equal(model.inv_freq, reference.inv_freq)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
