@@ -229,8 +229,7 @@ class QueueCore(Generic[T]):
         entry.key = key
         entry.cost = cost
         entry.state = WAITING
-        self.seq += 1
-        entry.seq = self.seq
+        entry.seq = self.seq = self.seq + 1
         level = self._levels.get(priority)
         if level is None:
             level = self._levels[priority] = deque()

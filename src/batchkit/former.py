@@ -163,11 +163,11 @@ class BatchFormer(Generic[E]):
             QueueFull: the queue's full policy refused it (counted by the queue).
         """
         q = self.queue
-        drops = q.admit(priority) if q.depth >= q.maxsize else _NO_DROPS
-        was_empty = q.depth == 0
+        depth = q.depth
+        drops = q.admit(priority) if depth >= q.maxsize else _NO_DROPS
         deadline = None if deadline_ms is None else now + deadline_ms / 1e3
         q.add(entry, priority, deadline, key, cost, now)
-        if was_empty or drops:
+        if depth == 0 or drops:  # a first entry starts the wait clock; evictions change the plan
             return drops, True
         load = self._loads[key]
         replan = (
