@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from batchkit import BatcherClosed, ContinuousDecodeLoop, KVCacheExhausted, PagedKVAllocator, SamplingParams
-from batchkit.continuous import Request, Scheduler, StepBatch, sample
+from batchkit.continuous import Request, RequestStatus, Scheduler, StepBatch, sample
 
 torch = pytest.importorskip("torch")
 
@@ -777,3 +777,32 @@ def test_run_with_runs_the_app_beside_an_engine_in_this_thread(backend: str) -> 
         failing.run_with(boom)
     with pytest.raises(RuntimeError, match="engine='caller'"):
         make_loop().run_with(main)
+
+
+# ------------------------------------------------------------------- slot mappings from the allocator (issue 11)
+
+
+def test_a_prefill_that_stops_one_token_short_is_not_reserved_twice() -> None:
+    """A prompt whose last chunk is its last token alone: the step that computes that token
+    reserves no second slot for it, so the allocator holds exactly the tokens computed, the step
+    writes each token at its own position, and the prefix cache indexes the sequence's real
+    tokens. Fails on the previous main: the vectorised decode path reserved a slot for that
+    token again and recorded it twice, so later blocks were indexed one token off."""
+    a = PagedKVAllocator(64, block_size=2, enable_prefix_caching=True)
+    sched = Scheduler(a, max_num_batched_tokens=4)
+    sched.add(Request("r", [10, 11, 12, 13, 14], SamplingParams(max_new_tokens=6)))
+    req = sched.get("r")
+    assert req is not None
+    sampled = iter([20, 21, 22, 23, 24, 25])
+    while sched.has_work():
+        step = sched.schedule()
+        assert step.slot_mapping is not None
+        starts = {r.request_id: r.num_computed for r in step.requests}
+        slots = a.slot_mapping("r", starts["r"], starts["r"] + step.num_new_tokens[0])
+        assert step.slot_mapping.tolist() == slots.tolist(), "the step writes each token at its own position"
+        sched.update(step, [next(sampled) for s in step.samples if s])
+        if req.status is RequestStatus.RUNNING:  # the prompt is reserved whole, then one slot per token
+            assert a.num_tokens("r") == max(req.num_computed, req.prompt_len)
+    # Ten tokens were computed (the last sampled one never is): five full blocks, real content.
+    assert a.allocate("same", [10, 11, 12, 13, 14, 20, 21, 22, 23, 24, 99]) == 10
+    assert a.allocate("shifted", [10, 11, 12, 13, 14, 14, 20, 21, 22, 23, 99]) == 4

@@ -118,12 +118,12 @@ def test_prefix_registers_only_computed_full_blocks() -> None:
     """mark_computed indexes the full blocks among the computed tokens, and lookup finds them,
     always leaving one prompt token to compute."""
     cache = PrefixCache(2)
-    tokens = [1, 2, 3, 4, 5]
-    hashes: list[int] = []
-    cache.mark_computed(hashes, tokens, blocks(7, 8, 9), 3, salt=None)
-    assert len(hashes) == 1
+    keys = cache.new_keys([1, 2, 3, 4, 5], None, [])
+    assert len(cache) == 0, "keyed is not indexed"
+    cache.mark_computed(keys, blocks(7, 8, 9), 3)
+    assert keys.num_indexed == 1
     assert len(cache) == 1
-    cache.mark_computed(hashes, tokens, blocks(7, 8, 9), 5, salt=None)
+    cache.mark_computed(keys, blocks(7, 8, 9), 5)
     assert len(cache) == 2
     assert cache.lookup([1, 2, 3, 4, 5], None)[0] == [7, 8]
     assert cache.lookup([1, 2, 3, 4], None)[0] == [7], "the last token is always left to compute"
@@ -134,7 +134,7 @@ def test_prefix_lookup_checks_tokens_on_a_hash_hit(monkeypatch: pytest.MonkeyPat
     """Two different blocks under one key: the second is not served the first one's block."""
     monkeypatch.setattr(PrefixCache, "block_hash", staticmethod(lambda prev, tokens, salt: 42))
     cache = PrefixCache(2)
-    cache.mark_computed([], [1, 1, 0], blocks(5, 6), 2, salt=None)
+    cache.mark_computed(cache.new_keys([1, 1, 0], None, []), blocks(5, 6), 2)
     assert cache.lookup([1, 1, 0], None)[0] == [5]
     assert cache.lookup([2, 2, 0], None)[0] == []
 
@@ -143,7 +143,7 @@ def test_prefix_parks_cached_blocks_and_evicts_them_lru() -> None:
     """Released cached blocks wait on an LRU list (uncached ones go back); evict hands out the
     least recently released first and forgets it; revive takes one off the list."""
     cache = PrefixCache(1)
-    cache.mark_computed([], [1, 2, 3], blocks(4, 5, 6), 3, salt=None)
+    cache.mark_computed(cache.new_keys([1, 2, 3], None, []), blocks(4, 5, 6), 3)
     rest = cache.park(blocks(6, 9, 4))
     assert rest.tolist() == [9]
     cache.park(blocks(5))
@@ -154,6 +154,25 @@ def test_prefix_parks_cached_blocks_and_evicts_them_lru() -> None:
     assert cache.evictions == 1
     assert cache.num_evictable == 1
     assert {b for _, b, _ in cache.entries()} == {4, 5}
+
+
+def test_prefix_keys_keep_no_token_list() -> None:
+    """A sequence's keys hold one key per full block, the tokens of its partial last block and
+    of full blocks not yet indexed, and nothing more once its blocks are indexed; tokens arriving
+    one by one key the same blocks as the same tokens given at once."""
+    cache = PrefixCache(4)
+    keys = cache.new_keys(list(range(10)), "t", [])
+    assert (len(keys.hashes), len(keys.pending), keys.tail) == (2, 2, [8, 9])
+    cache.mark_computed(keys, blocks(1, 2, 3), 10)
+    assert (keys.num_indexed, keys.pending) == (2, [])
+    one_by_one = cache.new_keys([0], "t", [])
+    for t in range(1, 10):
+        cache.extend(one_by_one, [t])
+    assert one_by_one.hashes == keys.hashes
+    fork = one_by_one.copy()
+    cache.extend(fork, [10, 11])
+    assert len(fork.hashes) == 3
+    assert len(one_by_one.hashes) == 2, "a copy is independent"
 
 
 def test_prefix_counts_hit_rate() -> None:

@@ -446,9 +446,11 @@ class ContinuousDecodeLoop:
         tables = a.block_tables(rids)
         q_lens = np.asarray(counts, dtype=np.int64)
         pos = np.asarray(positions, dtype=np.int64)
-        seq_idx = np.repeat(np.arange(len(reqs)), q_lens)
-        bs = a.block_size
-        slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        slots = step.slot_mapping  # as the scheduler reserved them
+        if slots is None:  # a step built by hand: derive them from the block tables
+            seq_idx = np.repeat(np.arange(len(reqs)), q_lens)
+            bs = a.block_size
+            slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
         ends = np.cumsum(q_lens)
         query_start = np.concatenate(([0], ends))
         sample_idx = (ends - 1)[np.asarray(step.samples, dtype=bool)]

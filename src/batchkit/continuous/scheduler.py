@@ -19,8 +19,10 @@ import bisect
 import enum
 import heapq
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 from .._clock import Clock, MonotonicClock
 from .._errors import DeadlineExceeded, KVCacheExhausted
@@ -109,6 +111,10 @@ class ScheduledStep:
 
     Block moves the KV cache must perform before the step runs, in this order: ``swap_out``
     (device -> CPU), ``swap_in`` (CPU -> device), ``copies`` (copy-on-write, device).
+
+    ``slot_mapping`` (int64, one entry per new token, request after request) is where each new
+    token's K/V go, as the allocator handed the slots out while scheduling; None in a step
+    built by hand, whose runtime then derives the slots from the block tables.
     """
 
     requests: tuple[Request, ...]
@@ -117,6 +123,7 @@ class ScheduledStep:
     swap_out: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
     copies: tuple[tuple[int, int], ...] = ()
+    slot_mapping: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -383,6 +390,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: list[Request] = []
         counts: list[int] = []
+        slots: list[np.ndarray] = []  # the slots of the chosen requests' new tokens, in order
         scheduled: set[int] = set()
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
@@ -403,9 +411,13 @@ class Scheduler:
         decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1]
         if decoding and len(decoding) == len(self.running) and len(decoding) <= budget and not a.has_quotas:
             handle = a.batch([r.request_id for r in decoding])
-            if a.blocks_needed_batch(handle) <= a.num_free_blocks:
+            # A request whose prefill stopped one token short already holds that token's slot:
+            # then the per-request path below runs, which reserves nothing for it. The allocator
+            # holds at least each request's computed tokens, so equal sums mean none is ahead.
+            ahead = int(a.tables.lens[handle.rows].sum()) != sum([r.num_computed for r in decoding])
+            if not ahead and a.blocks_needed_batch(handle) <= a.num_free_blocks:
                 ids = [r.tokens[-1] for r in decoding] if a.enable_prefix_caching else None
-                a.append_slots_batch(handle, ids)
+                slots.append(a.append_slots_batch(handle, ids))
                 chosen.extend(decoding)
                 counts.extend([1] * len(decoding))
                 scheduled.update(id(r) for r in decoding)
@@ -427,10 +439,7 @@ class Scheduler:
                 self._preempt(victim, swap_out)
                 preempted = True
                 continue  # the list changed: look at position i again
-            if need > 0:
-                start = a.num_tokens(req.request_id)
-                ids = req.tokens[start : start + need] if a.enable_prefix_caching else None
-                a.append_slots(req.request_id, need, ids)
+            slots.append(self._reserve(req, n, need))
             chosen.append(req)
             counts.append(n)
             scheduled.add(id(req))
@@ -449,8 +458,7 @@ class Scheduler:
                 self.running.append(req)
                 n = min(len(req.tokens) - req.num_computed, budget)
                 need = req.num_computed + n - a.num_tokens(req.request_id)
-                if need > 0:
-                    a.append_slots(req.request_id, need)
+                slots.append(self._reserve(req, n, need, with_ids=False))
                 chosen.append(req)
                 counts.append(n)
                 budget -= n
@@ -481,6 +489,7 @@ class Scheduler:
                     self._queue_wait.add(now - req.arrival)
                 self.running.append(req)
                 n = min(total - cached, budget)
+                slots.append(a.slot_mapping(req.request_id, cached, cached + n))
                 chosen.append(req)
                 counts.append(n)
                 budget -= n
@@ -490,7 +499,25 @@ class Scheduler:
         if chosen:
             self._steps += 1
             self._batch_tokens += sum(counts)
-        return ScheduledStep(tuple(chosen), tuple(counts), samples, tuple(swap_out), tuple(swap_in), copies)
+        slot_mapping = np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)
+        return ScheduledStep(
+            tuple(chosen), tuple(counts), samples, tuple(swap_out), tuple(swap_in), copies, slot_mapping
+        )
+
+    def _reserve(self, req: Request, n: int, need: int, *, with_ids: bool = True) -> np.ndarray:
+        """Slots for a running request's next ``n`` tokens (from ``num_computed`` on), of which
+        the last ``need`` are new to the allocator; with ``with_ids``, the allocator is told
+        their ids (prefix caching)."""
+        a = self.allocator
+        rid = req.request_id
+        if need <= 0:
+            return a.slot_mapping(rid, req.num_computed, req.num_computed + n)
+        start = a.num_tokens(rid)
+        ids = req.tokens[start : start + need] if with_ids and a.enable_prefix_caching else None
+        new = a.append_slots(rid, need, ids)
+        if need == n:  # the usual case: the step computes exactly the tokens just reserved
+            return new
+        return a.slot_mapping(rid, req.num_computed, req.num_computed + n)
 
     # ------------------------------------------------------------------ results
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .._errors import BatchkitError, InvalidBlock, KVCacheExhausted, UnknownSequence
 from .blocks import BlockPool
-from .prefix import PrefixCache
+from .prefix import PrefixCache, SeqKeys
 from .quotas import TenantQuotas
 from .swap import SwapSpace
 from .tables import BlockTables
@@ -87,13 +87,14 @@ class SeqBatch:
 
 
 class _SeqInfo:
-    __slots__ = ("cpu_blocks", "hashes", "row", "tenant", "tokens")
+    __slots__ = ("cpu_blocks", "keys", "row", "tenant")
 
     def __init__(self, row: int, tenant: Hashable) -> None:
         self.row = row
         self.tenant = tenant
-        self.tokens: list[int] | None = None  # kept only with prefix caching
-        self.hashes: list[int] = []  # keys of the blocks indexed in the prefix cache so far
+        # Prefix-cache keys of the sequence's blocks (None: no caching, or its ids are unknown).
+        # The allocator keeps no token list: the caller holds the tokens.
+        self.keys: SeqKeys | None = None
         self.cpu_blocks: list[int] | None = None  # set while swapped out
 
 
@@ -227,8 +228,8 @@ class PagedKVAllocator:
         length = int(self.tables.lens[info.row])
         if num_tokens > length or num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} is outside the sequence's {length} tokens")
-        if info.tokens is not None:
-            self.prefix.mark_computed(info.hashes, info.tokens, self.tables.blocks(info.row), num_tokens, info.tenant)
+        if info.keys is not None:
+            self.prefix.mark_computed(info.keys, self.tables.blocks(info.row), num_tokens)
 
     # ------------------------------------------------------------------ admission and allocation
 
@@ -292,7 +293,8 @@ class PagedKVAllocator:
         n = prompt if isinstance(prompt, int) else len(prompt)
         if n < 1:
             raise ValueError("a prompt needs at least one token")
-        tokens = None if isinstance(prompt, int) or not self.enable_prefix_caching else [int(t) for t in prompt]
+        # With prefix caching the prompt is keyed, not kept: the caller holds the tokens.
+        tokens = None if isinstance(prompt, int) or not self.enable_prefix_caching else prompt
         hit_blocks: list[int] = []
         hashes: list[int] = []
         if tokens is not None:
@@ -311,8 +313,8 @@ class PagedKVAllocator:
         self.tables.set_blocks(row, np.concatenate((np.asarray(hit_blocks, dtype=np.int32), new)), n)
         info = _SeqInfo(row, tenant)
         if tokens is not None:
-            info.tokens = tokens
-            info.hashes = hashes  # the hits; blocks filled from here on register in mark_computed
+            # The hits are indexed; the prompt's other full blocks are once marked computed.
+            info.keys = self.prefix.new_keys(tokens, tenant, hashes)
             self.prefix.count_lookup(n, len(hit_blocks) * self.block_size)
         self._seqs[seq_id] = info
         self.quotas.charge(tenant, need_total)
@@ -389,16 +391,16 @@ class PagedKVAllocator:
         self._num_copies += 1
 
     def _record_tokens(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | None, n: int) -> None:
-        """Keep the new tokens of caching sequences (``n`` each, row after row); a sequence whose
-        new ids are unknown stops caching its blocks."""
+        """Key the blocks that caching sequences' new tokens fill (``n`` each, row after row); a
+        sequence whose new ids are unknown stops caching its blocks."""
         for j, sid in enumerate(seq_ids):
             info = self._seqs[sid]
-            if info.tokens is None:
+            if info.keys is None:
                 continue
             if token_ids is None:
-                info.tokens = None
+                info.keys = None
             else:
-                info.tokens.extend(int(t) for t in token_ids[j * n : (j + 1) * n])
+                self.prefix.extend(info.keys, token_ids[j * n : (j + 1) * n])
 
     def can_append_slots(self, seq_ids: Iterable[Hashable], n: int = 1) -> bool:
         """Whether every listed sequence can take ``n`` more tokens now (blocks and quotas)."""
@@ -430,7 +432,7 @@ class PagedKVAllocator:
         if token_ids is not None and len(token_ids) != n:
             raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} slots")
         slots = self._append((seq_id,), np.array([info.row], dtype=np.int64), n)
-        if info.tokens is not None:
+        if info.keys is not None:
             self._record_tokens((seq_id,), token_ids, n)
         return slots
 
@@ -507,9 +509,8 @@ class PagedKVAllocator:
         t.set_blocks(row, blocks, int(t.lens[info.row]))
         self.pool.share(blocks)
         new = _SeqInfo(row, info.tenant)
-        if info.tokens is not None:
-            new.tokens = list(info.tokens)
-            new.hashes = list(info.hashes)
+        if info.keys is not None:
+            new.keys = info.keys.copy()
         self._seqs[child] = new
         self.quotas.charge(info.tenant, nb)
 
@@ -573,9 +574,9 @@ class PagedKVAllocator:
         self.tables.attach(info.row, new)
         info.cpu_blocks = None
         self.swap_space.swap_in(cpu)
-        # Blocks rewritten from CPU get fresh ids, so this sequence's cache index restarts; they
-        # register again once marked computed (the copies run before the next step).
-        info.hashes = info.hashes[:0]
+        # The blocks come back under fresh ids. Those indexed before the swap-out stay indexed
+        # under their old ids (evictable) until evicted; the keys of the others are kept, and
+        # they enter the index under the new ids once marked computed.
         return list(zip(cpu, new.tolist(), strict=True))
 
     def is_swapped(self, seq_id: Hashable) -> bool:

@@ -5,6 +5,11 @@ and of the previous block's key (the first block mixes in a salt, the tenant, so
 never share blocks). A hit is served only if the stored tokens equal the asked ones, so a hash
 collision never serves another prompt's K/V.
 
+A sequence's keys (:class:`SeqKeys`) are computed as its tokens arrive, so that the cache keeps
+no sequence's tokens: only the key of each full block, the tokens of its partial last block, and
+the tokens of full blocks whose K/V are not written yet (those enter the index, as the block's
+content for the token check, once they are).
+
 A block enters the index once its K/V are written (:meth:`mark_computed`). A cached block
 nobody holds any more is *evictable*: it stays indexed, on an LRU list, until the pool needs
 it back (:meth:`evict`), or until a new sequence hits it (:meth:`revive`).
@@ -17,7 +22,36 @@ from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["PrefixCache"]
+__all__ = ["PrefixCache", "SeqKeys"]
+
+
+class SeqKeys:
+    """One sequence's prefix-cache keys (see :meth:`PrefixCache.new_keys`).
+
+    ``hashes`` holds the key of each full block of the sequence's known tokens, in order; the
+    first ``num_indexed`` blocks are indexed (or were found in the index), ``pending`` holds the
+    tokens of the others, and ``tail`` the tokens of the partial last block.
+    """
+
+    __slots__ = ("hashes", "num_indexed", "pending", "salt", "tail")
+
+    def __init__(self, salt: Hashable, hashes: list[int] | None = None) -> None:
+        self.salt = salt
+        self.hashes: list[int] = hashes if hashes is not None else []
+        self.num_indexed = len(self.hashes)
+        self.pending: list[tuple[int, ...]] = []
+        self.tail: list[int] = []
+
+    def copy(self) -> SeqKeys:
+        """An independent copy (a forked sequence's)."""
+        out = SeqKeys(self.salt, list(self.hashes))
+        out.num_indexed = self.num_indexed
+        out.pending = list(self.pending)
+        out.tail = list(self.tail)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<SeqKeys blocks={len(self.hashes)} indexed={self.num_indexed} tail={len(self.tail)}>"
 
 
 class PrefixCache:
@@ -59,7 +93,7 @@ class PrefixCache:
         hashes: list[int] = []
         prev: int | None = None
         for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            chunk = tuple(int(t) for t in tokens[i * bs : (i + 1) * bs])
             h = self.block_hash(prev, chunk, salt)
             b = self._hash_to_block.get(h)
             if b is None or self._block_key[b][1] != chunk:  # a collision never serves others' cache
@@ -79,26 +113,52 @@ class PrefixCache:
         """Cached prompt tokens / prompt tokens looked up (0 before any lookup)."""
         return self.hits / self.queries if self.queries else 0.0
 
-    def mark_computed(
-        self, hashes: list[int], tokens: Sequence[int], blocks: np.ndarray, num_computed: int, salt: Hashable
-    ) -> None:
-        """Index a sequence's full blocks among its first ``num_computed`` tokens (their K/V are
-        written now).
+    def new_keys(self, tokens: Sequence[int], salt: Hashable, hit_hashes: list[int]) -> SeqKeys:
+        """The keys of a new sequence with these prompt tokens, whose first blocks were found in
+        the index under ``hit_hashes`` (from :meth:`lookup`; the list is taken, not copied)."""
+        keys = SeqKeys(salt, hit_hashes)
+        self.extend(keys, tokens[len(hit_hashes) * self.block_size :])
+        return keys
 
-        ``hashes`` holds the keys of the sequence's blocks indexed so far (its prefix hits, then
-        what earlier calls added); it is extended in place. ``blocks`` is the sequence's block
-        table. A key or block already indexed is left as it is (the first writer owns the key).
-        """
+    def extend(self, keys: SeqKeys, token_ids: Sequence[int]) -> None:
+        """Add a sequence's next tokens: each block they fill gets its key (indexed later, by
+        :meth:`mark_computed`)."""
         bs = self.block_size
-        full = min(num_computed, len(tokens)) // bs
-        for i in range(len(hashes), full):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = self.block_hash(hashes[-1] if hashes else None, chunk, salt)
-            hashes.append(h)
+        tail = keys.tail
+        i, n = 0, len(token_ids)
+        if tail:
+            i = min(bs - len(tail), n)
+            tail.extend(int(t) for t in token_ids[:i])
+            if len(tail) < bs:
+                return
+            self._add_block(keys, tuple(tail))
+            keys.tail = []
+        while i + bs <= n:
+            self._add_block(keys, tuple(int(t) for t in token_ids[i : i + bs]))
+            i += bs
+        if i < n:
+            keys.tail.extend(int(t) for t in token_ids[i:])
+
+    def _add_block(self, keys: SeqKeys, chunk: tuple[int, ...]) -> None:
+        keys.hashes.append(self.block_hash(keys.hashes[-1] if keys.hashes else None, chunk, keys.salt))
+        keys.pending.append(chunk)
+
+    def mark_computed(self, keys: SeqKeys, blocks: np.ndarray, num_computed: int) -> None:
+        """Index a sequence's full blocks among its first ``num_computed`` tokens: their K/V are
+        written now. ``blocks`` is the sequence's block table. A key or block already indexed
+        is left as it is (the first writer owns the key)."""
+        start = keys.num_indexed
+        full = min(num_computed // self.block_size, len(keys.hashes))
+        if full <= start:
+            return
+        for i, chunk in zip(range(start, full), keys.pending, strict=False):
+            h = keys.hashes[i]
             block = int(blocks[i])
             if h not in self._hash_to_block and block not in self._block_key:
                 self._hash_to_block[h] = block
                 self._block_key[block] = (h, chunk)
+        del keys.pending[: full - start]
+        keys.num_indexed = full
 
     # ------------------------------------------------------------------ blocks nobody holds
 
