@@ -456,3 +456,11 @@ def test_many_concurrent_callers_on_a_real_clock_all_get_their_results() -> None
         await b.aclose()
 
     run(main)
+
+
+def test_submit_outside_an_asyncio_loop_says_what_to_use_instead() -> None:
+    """From trio (or any non-asyncio context) submit raises RuntimeError naming DynamicBatcher."""
+    trio = pytest.importorskip("trio")
+    b = AsyncBatcher(lambda xs: xs)
+    with pytest.raises(RuntimeError, match="DynamicBatcher"):
+        trio.run(b.submit, 1)

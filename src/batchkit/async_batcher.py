@@ -207,7 +207,13 @@ class AsyncBatcher(BatcherShell[T, R]):
             CircuitOpen: the circuit breaker is open.
             RuntimeError: called from another event loop than the first submit's.
         """
-        loop = _get_running_loop()
+        try:
+            loop = _get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                f"{self.name}: AsyncBatcher.submit runs in a task of an asyncio event loop; from "
+                "threads or trio, use a DynamicBatcher (submit, asubmit)"
+            ) from None
         if loop is not self._loop:
             self._bind(loop)
         fut: asyncio.Future[Any] = loop.create_future()
