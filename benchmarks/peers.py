@@ -137,6 +137,7 @@ class Workload:
         self.name = name
         self.batches = 0
         self.items = 0
+        self.model_s: list[float] = []  # wall time of each model call, in whichever thread ran it
         if name == "noop":
             self.inputs: list[Any] = [object() for _ in range(CALLERS)]
             self.expected: list[Any] = self.inputs
@@ -163,8 +164,11 @@ class Workload:
     def _mlp(self, xs: list[Any]) -> list[Any]:
         self.batches += 1
         self.items += len(xs)
+        t0 = time.perf_counter()
         with self.torch.inference_mode():  # thread-local: entered in whichever thread runs the model
-            return list(self.net(self.torch.stack(xs)).unbind(0))
+            out = list(self.net(self.torch.stack(xs)).unbind(0))
+        self.model_s.append(time.perf_counter() - t0)
+        return out
 
     def on_loop(self) -> BatchFn:
         """The model called inside the batch function, on the event loop."""
@@ -421,6 +425,8 @@ def measure(
 
         result.update(asyncio.run(main()))
         result["mean_batch"] = w.items / w.batches if w.batches else 0.0
+        if w.model_s:
+            result["model_ms"] = 1000 * statistics.median(w.model_s)
     except Unavailable as exc:
         result["error"] = str(exc)
     except Exception as exc:
@@ -492,7 +498,13 @@ def report(
 ) -> str:
     """One markdown table for a workload, then batchkit against the best peer."""
     has_open = workload != "noop"
-    head = "| row | closed req/s | mean batch |" + (" open p50 ms | open p99 ms |" if has_open else "") + " outputs |"
+    has_model = any("model_ms" in r for rs in closed.values() for r in rs)
+    head = (
+        "| row | closed req/s | mean batch |"
+        + (" model ms/batch |" if has_model else "")
+        + (" open p50 ms | open p99 ms |" if has_open else "")
+        + " outputs |"
+    )
     offered = [r["rate"] for rs in opened.values() for r in rs if "error" not in r]
     title = f"### {workload}" + (f" (open loop offered {offered[0]:,.0f} req/s)" if offered else "")
     lines = [title, "", head, "|" + " --- |" * (head.count("|") - 1)]
@@ -515,6 +527,8 @@ def report(
             outputs += f"; {len(errs)} run(s) failed: {errs[0]}"
         mb = _median([r["mean_batch"] for r in ok]) if ok else None
         cells = [LABELS[row], _fmt_rate(rate[row]), "—" if mb is None else f"{mb:.1f}"]
+        if has_model:
+            cells.append(_fmt_ms(_median([r["model_ms"] for r in ok if "model_ms" in r]) if ok else None))
         if has_open:
             cells += [_fmt_ms(p50), _fmt_ms(p99[row])]
             if behind:
