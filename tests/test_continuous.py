@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Hashable, Sequence
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -26,7 +26,7 @@ class EchoStep:
     def __init__(self) -> None:
         self.batches: list[StepBatch] = []
 
-    def __call__(self, batch: StepBatch, kv: Any) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, kv: Any) -> Any:
         self.batches.append(batch)
         last = batch.input_ids[batch.sample_indices]
         return torch.nn.functional.one_hot((last + 1) % VOCAB, VOCAB).to(torch.float32)
@@ -202,7 +202,7 @@ def test_prefix_caching_lets_a_preempted_request_reuse_its_blocks() -> None:
         ({"max_new_tokens": 10, "stop": ("45",)}, [2, 3, 4, 5], "stop"),
     ],
 )
-def test_stop_conditions(params: dict, expected: list[int], reason: str) -> None:
+def test_stop_conditions(params: dict[str, Any], expected: list[int], reason: str) -> None:
     """max_new_tokens, stop ids, EOS (unless ignored) and stop strings end a request at once."""
     loop = make_loop(detokenize=lambda ids: "".join(str(t) for t in ids))
     req = Request("r", [1], SamplingParams(**params))
@@ -242,7 +242,8 @@ def test_sampling_is_reproducible_under_a_seed_and_respects_top_k_top_p() -> Non
     greedy = logits.argmax(-1).tolist()
     assert draw(SamplingParams(temperature=0.7, top_k=1, seed=1)) == greedy
     assert draw(SamplingParams(temperature=0.7, top_p=1e-6, seed=1)) == greedy
-    for bad in ({"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -1}):
+    bads: tuple[dict[str, Any], ...] = ({"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -1})
+    for bad in bads:
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
@@ -277,7 +278,7 @@ async def test_leaving_the_stream_early_aborts_and_frees() -> None:
                 got.append(t)
                 if len(got) == 3:
                     break
-            await gen.aclose()
+            await cast("AsyncGenerator[int, None]", gen).aclose()
             while loop.scheduler.has_work():
                 await anyio.sleep(0.001)
         assert got == [2, 3, 4]
@@ -307,7 +308,7 @@ def test_sync_generate_submit_and_close() -> None:
 # --------------------------------------------------------------------------- the whole stack against transformers
 
 
-def _hf_pair(dtype: torch.dtype) -> tuple[Any, Any]:
+def _hf_pair(dtype: Any) -> tuple[Any, Any]:
     transformers = pytest.importorskip("transformers")
     from batchkit.models import LlamaModel
 
@@ -429,7 +430,7 @@ _ops = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(ops=_ops, mode=st.sampled_from(["recompute", "swap"]), prefix=st.booleans())
-def test_scheduler_invariants_under_random_traffic(ops: list, mode: str, prefix: bool) -> None:
+def test_scheduler_invariants_under_random_traffic(ops: list[Any], mode: str, prefix: bool) -> None:
     """Random adds, aborts and steps: every step respects the token budget and max_num_seqs,
     every request ends exactly once with exactly its own tokens, and no block leaks."""
     budget, max_seqs = 24, 5
@@ -445,8 +446,8 @@ def test_scheduler_invariants_under_random_traffic(ops: list, mode: str, prefix:
     )
     sched = loop.scheduler
     expected: dict[int, list[int]] = {}
-    got: dict[int, list[int]] = {}
-    ended: set[int] = set()
+    got: dict[Hashable, list[int]] = {}
+    ended: set[Hashable] = set()
     next_id = 0
 
     def run_steps(n: int) -> None:
@@ -462,7 +463,7 @@ def test_scheduler_invariants_under_random_traffic(ops: list, mode: str, prefix:
                     ended.add(ev.request_id)
                     reasons[ev.request_id] = ev.finish_reason
 
-    reasons: dict[int, str | None] = {}
+    reasons: dict[Hashable, str | None] = {}
     for kind, a, b, prio in ops:
         if kind == "add":
             prompt = [(next_id + k) % VOCAB for k in range(a)]
@@ -622,7 +623,7 @@ def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
     release = threading.Event()
     echo = EchoStep()
 
-    def blocking_step(batch: StepBatch, kv: Any) -> torch.Tensor:
+    def blocking_step(batch: StepBatch, kv: Any) -> Any:
         entered.set()
         assert release.wait(WAIT)
         return echo(batch, kv)
@@ -659,7 +660,12 @@ def test_the_callers_thread_can_run_the_engine() -> None:
     before = set(threading.enumerate())
     fut = loop.submit([1], max_new_tokens=3)
     assert set(threading.enumerate()) <= before  # no engine thread was started
-    worker = threading.Thread(target=lambda: (fut.result(WAIT), loop.close(timeout=WAIT)))
+
+    def wait_then_close() -> None:
+        fut.result(WAIT)
+        loop.close(timeout=WAIT)
+
+    worker = threading.Thread(target=wait_then_close)
     worker.start()
     loop.run_engine()  # returns when the worker closes the loop
     worker.join(WAIT)
@@ -667,7 +673,7 @@ def test_the_callers_thread_can_run_the_engine() -> None:
     with pytest.raises(RuntimeError, match="engine='caller'"):
         make_loop().run_engine()
     with pytest.raises(ValueError, match="engine must be"):
-        make_loop(engine="process")  # type: ignore[arg-type]
+        make_loop(engine="process")
 
 
 def test_the_loop_is_a_tunable_target() -> None:
@@ -735,7 +741,7 @@ def test_deadline_s_reaches_the_caller_as_deadline_exceeded() -> None:
     release = threading.Event()
     echo = EchoStep()
 
-    def blocking_step(batch: StepBatch, kv: Any) -> torch.Tensor:
+    def blocking_step(batch: StepBatch, kv: Any) -> Any:
         entered.set()
         assert release.wait(WAIT)
         return echo(batch, kv)

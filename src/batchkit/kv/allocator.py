@@ -5,7 +5,8 @@ stack; ``kv/blocks.py``), :class:`BlockTables` (a row of block ids per sequence;
 ``kv/tables.py``), :class:`PrefixCache` (content hash -> block, the LRU of evictable cached
 blocks; ``kv/prefix.py``), :class:`SwapSpace` (CPU blocks; ``kv/swap.py``) and
 :class:`TenantQuotas` (``kv/quotas.py``). The facade checks every precondition before it
-changes anything, and keeps the sequences: which row, tenant and tokens each one has.
+changes anything, and keeps the sequences: each one's row, tenant and prefix-cache keys (the
+caller keeps the tokens).
 
 KV memory is cut into blocks of ``block_size`` token slots. Each sequence owns a block table (the
 blocks holding its tokens, in order); token ``p`` of a sequence lives in slot

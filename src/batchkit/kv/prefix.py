@@ -180,7 +180,8 @@ class PrefixCache:
         return list(self._evictable)
 
     def entries(self) -> Iterator[tuple[int, int, tuple[int, ...]]]:
-        """The index as (key, block, tokens) triples."""
+        """The index as (key, block, tokens) triples, read from the key side; ``tokens`` is ()
+        where the block's own record names another key (which would be a corrupt index)."""
         for h, b in self._hash_to_block.items():
             key, tokens = self._block_key[b]
             yield h, b, tokens if key == h else ()
