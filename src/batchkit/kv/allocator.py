@@ -294,8 +294,9 @@ class PagedKVAllocator:
         n = prompt if isinstance(prompt, int) else len(prompt)
         if n < 1:
             raise ValueError("a prompt needs at least one token")
-        # With prefix caching the prompt is keyed, not kept: the caller holds the tokens.
-        tokens = None if isinstance(prompt, int) or not self.enable_prefix_caching else prompt
+        # With prefix caching the prompt is keyed, not kept: the caller holds the tokens (read
+        # here as Python ints, so that keys hash and compare alike whatever ints were given).
+        tokens = None if isinstance(prompt, int) or not self.enable_prefix_caching else list(map(int, prompt))
         hit_blocks: list[int] = []
         hashes: list[int] = []
         if tokens is not None:
@@ -331,7 +332,7 @@ class PagedKVAllocator:
         bs = self.block_size
         lens = t.lens[rows]
         # A resident row holds exactly blocks_needed(lens) blocks.
-        new = (lens % bs == 0) if n == 1 else (lens + (n + bs - 1)) // bs - (lens + (bs - 1)) // bs
+        new = (lens % bs == 0) if n == 1 else (lens + (n + bs - 1)) // bs - t.num_blocks[rows]
         if not self.pool.num_shared:
             return lens, new, None
         last = t.table[rows, np.maximum(t.num_blocks[rows] - 1, 0)]
@@ -341,15 +342,16 @@ class PagedKVAllocator:
     def _append(self, seq_ids: Sequence[Hashable], rows: np.ndarray, n: int) -> np.ndarray:
         """``n`` new slots for each row (all-or-nothing); return their slot mapping, row after row."""
         lens, new, cow = self._growth(rows, n)
-        grows = np.flatnonzero(new if cow is None else new | cow)
+        grows = (new if cow is None else new | cow).nonzero()[0]
         if grows.size:
             infos = [self._seqs[seq_ids[i]] for i in grows.tolist()]
-            if n == 1 and cow is None:  # a decode step: each growing row takes one new block
-                per_row = fresh = [1] * grows.size
+            if n > 1:
+                fresh: list[int] = new[grows].tolist()
+            elif cow is None:  # a decode step: each growing row takes one new block
+                fresh = [1] * grows.size
             else:
-                fresh_arr = new[grows].astype(np.int64)
-                per_row = (fresh_arr + cow[grows] if cow is not None else fresh_arr).tolist()
-                fresh = fresh_arr.tolist()
+                fresh = [int(f) for f in new[grows].tolist()]
+            per_row = fresh if cow is None else [f + c for f, c in zip(fresh, cow[grows].tolist(), strict=True)]
             total = sum(per_row)
             if total > self.num_free_blocks:
                 self._check_room(total, None, admission=False)
@@ -368,12 +370,9 @@ class PagedKVAllocator:
                     if copies:
                         self._cow_last_block(info)
             if charge:
-                if n == 1:  # at most one new block per row
-                    adds = grows if cow is None else grows[new[grows]]
-                    self.tables.add_blocks(rows[adds], None, self._take_blocks(adds.size))
-                else:
-                    counts = np.asarray(fresh, dtype=np.int64)
-                    self.tables.add_blocks(rows[grows[counts > 0]], counts[counts > 0], self._take_blocks(sum(fresh)))
+                adds = grows if cow is None else grows[new[grows] > 0]
+                counts = None if n == 1 else new[adds]  # None: one block each
+                self.tables.add_blocks(rows[adds], counts, self._take_blocks(sum(fresh)))
                 for tenant, k in charge.items():
                     self.quotas.charge(tenant, k)
         self.tables.lens[rows] = lens + n
@@ -401,7 +400,7 @@ class PagedKVAllocator:
             if token_ids is None:
                 info.keys = None
             else:
-                self.prefix.extend(info.keys, token_ids[j * n : (j + 1) * n])
+                self.prefix.extend(info.keys, [int(t) for t in token_ids[j * n : (j + 1) * n]])
 
     def can_append_slots(self, seq_ids: Iterable[Hashable], n: int = 1) -> bool:
         """Whether every listed sequence can take ``n`` more tokens now (blocks and quotas)."""

@@ -83,7 +83,8 @@ class PrefixCache:
         return hash(("batchkit-kv", salt, tokens) if prev is None else (prev, tokens))
 
     def lookup(self, tokens: Sequence[int], salt: Hashable) -> tuple[list[int], list[int]]:
-        """Cached blocks (and their keys) holding the prompt's leading full blocks.
+        """Cached blocks (and their keys) holding the prompt's leading full blocks (``tokens``:
+        Python ints).
 
         At least one prompt token is left out of the match, so that the step that computes the
         rest yields logits.
@@ -93,7 +94,7 @@ class PrefixCache:
         hashes: list[int] = []
         prev: int | None = None
         for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(int(t) for t in tokens[i * bs : (i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = self.block_hash(prev, chunk, salt)
             b = self._hash_to_block.get(h)
             if b is None or self._block_key[b][1] != chunk:  # a collision never serves others' cache
@@ -114,30 +115,30 @@ class PrefixCache:
         return self.hits / self.queries if self.queries else 0.0
 
     def new_keys(self, tokens: Sequence[int], salt: Hashable, hit_hashes: list[int]) -> SeqKeys:
-        """The keys of a new sequence with these prompt tokens, whose first blocks were found in
+        """The keys of a new sequence with these prompt tokens (Python ints), whose first blocks were found in
         the index under ``hit_hashes`` (from :meth:`lookup`; the list is taken, not copied)."""
         keys = SeqKeys(salt, hit_hashes)
         self.extend(keys, tokens[len(hit_hashes) * self.block_size :])
         return keys
 
     def extend(self, keys: SeqKeys, token_ids: Sequence[int]) -> None:
-        """Add a sequence's next tokens: each block they fill gets its key (indexed later, by
-        :meth:`mark_computed`)."""
+        """Add a sequence's next tokens (Python ints): each block they fill gets its key
+        (indexed later, by :meth:`mark_computed`)."""
         bs = self.block_size
         tail = keys.tail
         i, n = 0, len(token_ids)
         if tail:
             i = min(bs - len(tail), n)
-            tail.extend(int(t) for t in token_ids[:i])
+            tail.extend(token_ids[:i])
             if len(tail) < bs:
                 return
             self._add_block(keys, tuple(tail))
             keys.tail = []
         while i + bs <= n:
-            self._add_block(keys, tuple(int(t) for t in token_ids[i : i + bs]))
+            self._add_block(keys, tuple(token_ids[i : i + bs]))
             i += bs
         if i < n:
-            keys.tail.extend(int(t) for t in token_ids[i:])
+            keys.tail.extend(token_ids[i:])
 
     def _add_block(self, keys: SeqKeys, chunk: tuple[int, ...]) -> None:
         keys.hashes.append(self.block_hash(keys.hashes[-1] if keys.hashes else None, chunk, keys.salt))

@@ -94,6 +94,13 @@ class BlockTables:
             self.table[rows, nb] = blocks
             self.num_blocks[rows] = nb + 1
             return
+        if rows.size == 1:  # one sequence (append_slots)
+            start = int(nb[0])
+            end = start + blocks.size
+            self.ensure_cols(end)
+            self.table[rows[0], start:end] = blocks
+            self.num_blocks[rows] = end
+            return
         self.ensure_cols(int((nb + counts).max()))
         rep = np.repeat(np.arange(rows.size), counts)
         first = np.cumsum(counts) - counts  # index in ``blocks`` of each row's first new block
@@ -107,6 +114,9 @@ class BlockTables:
         if isinstance(counts, int) and counts == 1:
             pos = starts
             idx = rows
+        elif isinstance(counts, int) and rows.size == 1:  # one sequence (append_slots, slot_mapping)
+            pos = np.arange(starts[0], starts[0] + counts, dtype=np.int64)
+            idx = rows[0]
         else:
             c = np.broadcast_to(np.asarray(counts, dtype=np.int64), rows.shape)
             rep = np.repeat(np.arange(rows.size), c)
