@@ -28,6 +28,7 @@ EXPECTED = {
     "kv_cache_bytes",
     "sim",
     "AsyncBatchedFunction",
+    "AsyncBatcher",
     "BatchInfo",
     "BatchSizeMismatch",
     "BatchTimeout",
