@@ -21,7 +21,8 @@ import anyio
 import torch
 
 import batchkit
-from batchkit import _demo, sim
+from batchkit import sim
+from batchkit.demo import mlp as demo_mlp
 from batchkit.metrics import percentiles
 
 FIXED = (1, 4, 16, 64, 128)
@@ -30,7 +31,7 @@ ETA = 4  # the controller's step: a phase change is met within a few batches
 
 
 def measure_cost(model, sizes=(1, 2, 4, 8, 16, 32, 64, 128)) -> dict[int, float]:  # type: ignore[no-untyped-def]
-    fn = _demo.batch_fn_for(model)
+    fn = demo_mlp.batch_fn_for(model)
     table = {}
     for b in sizes:
         xs = [torch.randn(1024) for _ in range(b)]
@@ -50,7 +51,7 @@ def run(model, phases, windows, slo_ms: float, fixed_b: int | None):  # type: ig
             target_queue=1, eta=ETA, min_batch=1, max_batch=128, latency_slo_ms=slo_ms
         )
     b = batchkit.DynamicBatcher(
-        _demo.batch_fn_for(model),
+        demo_mlp.batch_fn_for(model),
         max_batch_size=fixed_b or 1,
         max_wait_ms=MAX_WAIT_MS,
         max_queue=1_000_000,
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--slo-ms", type=float, default=80.0)
     ap.add_argument("--plot", default=None, help="write the plot here (PNG)")
     args = ap.parse_args()
-    model = _demo.make_mlp(threads=2)
+    model = demo_mlp.make_mlp(threads=2)
     cost = measure_cost(model)
     cap16 = 16 / cost[16]
     high, low = 0.6 * cap16, 0.1 * cap16

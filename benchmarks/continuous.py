@@ -24,8 +24,8 @@ import warnings
 
 import torch
 
-from batchkit import _llm_demo as demo
 from batchkit.continuous import ContinuousDecodeLoop, Request, SamplingParams
+from batchkit.demo import llm as demo
 
 
 def batchkit_tokens_per_s(model, requests, batch: int = 32) -> float:  # type: ignore[no-untyped-def]

@@ -317,7 +317,7 @@ def test_one_by_one_baseline_serves_in_arrival_order() -> None:
     """The demo's unbatched baseline is a FIFO queue with one worker: inputs run one at a time, in
     the order they were submitted, so its latency percentiles reflect honest queueing."""
     torch = pytest.importorskip("torch")
-    from batchkit._demo import OneByOneServer
+    from batchkit.demo.mlp import OneByOneServer
 
     seen: list[int] = []
     started = threading.Event()

@@ -45,6 +45,7 @@ from .queue import BoundedQueue, QueueEntry, QueueStatistics
 
 if TYPE_CHECKING:  # for type checkers: the real imports are lazy (see __getattr__)
     from . import bench as bench
+    from . import demo as demo
     from . import jobs as jobs
     from . import models as models
     from . import serve as serve
@@ -52,7 +53,7 @@ if TYPE_CHECKING:  # for type checkers: the real imports are lazy (see __getattr
 __version__ = "0.1.0"
 
 # Submodules loaded on first access: not in __all__, so that ``from batchkit import *`` stays light.
-_LAZY_SUBMODULES = frozenset({"bench", "jobs", "models", "serve"})
+_LAZY_SUBMODULES = frozenset({"bench", "demo", "jobs", "models", "serve"})
 
 
 def __getattr__(name: str) -> ModuleType:

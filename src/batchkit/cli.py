@@ -146,9 +146,9 @@ def _prepare_demo(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _demo_dynamic(args: argparse.Namespace, torch: Any) -> None:
-    from . import _demo
+    from .demo import mlp as mlp_demo
 
-    model = _demo.make_mlp(threads=args.threads)
+    model = mlp_demo.make_mlp(threads=args.threads)
     torch.manual_seed(1)
     inputs = [torch.randn(1024) for _ in range(min(args.callers, 256))]
     print(
@@ -156,8 +156,8 @@ def _demo_dynamic(args: argparse.Namespace, torch: Any) -> None:
         f"concurrent callers, {args.seconds:g} s per row."
     )
     rows = [
-        _demo.serve_one_by_one(model, inputs, args.callers, args.seconds),
-        _demo.serve_batched(model, inputs, args.callers, args.seconds, args.max_batch, args.max_wait_ms),
+        mlp_demo.serve_one_by_one(model, inputs, args.callers, args.seconds),
+        mlp_demo.serve_batched(model, inputs, args.callers, args.seconds, args.max_batch, args.max_wait_ms),
     ]
     base = rows[0].rps
     print(f"{'serving':44} {'req/s':>9} {'speed-up':>9} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6}")
@@ -166,18 +166,18 @@ def _demo_dynamic(args: argparse.Namespace, torch: Any) -> None:
 
 
 def _demo_llm(args: argparse.Namespace) -> None:
-    from . import _llm_demo
+    from .demo import llm as llm_demo
 
-    model = _llm_demo.make_model(threads=args.threads)
-    reqs = _llm_demo.make_requests(args.llm_requests, 8, args.llm_max_out, seed=0)
+    model = llm_demo.make_model(threads=args.threads)
+    reqs = llm_demo.make_requests(args.llm_requests, 8, args.llm_max_out, seed=0)
     print(
         f"Continuous batching: a random Llama-style model (4 layers, hidden 256, GQA 8/4 heads) on CPU, "
         f"{len(reqs)} requests arriving together, outputs of 8..{args.llm_max_out} tokens, batch {args.llm_batch}."
     )
     rows = [
-        _llm_demo.serve(model, reqs, "single"),
-        _llm_demo.serve(model, reqs, "static", batch=args.llm_batch),
-        _llm_demo.serve(model, reqs, "continuous", batch=args.llm_batch),
+        llm_demo.serve(model, reqs, "single"),
+        llm_demo.serve(model, reqs, "static", batch=args.llm_batch),
+        llm_demo.serve(model, reqs, "continuous", batch=args.llm_batch),
     ]
     base = rows[0].tokens_per_s
     print(f"{'serving':30} {'tok/s':>7} {'speed-up':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'util':>5}")
@@ -336,10 +336,10 @@ def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
         make_item = _load(args.make_item, "--make-item")
     if args.target == "demo":
         torch = _require("torch", "argument target: 'demo' (the built-in MLP)", "torch")
-        from . import _demo
+        from .demo import mlp as mlp_demo
 
-        model = _demo.make_mlp(threads=args.threads)
-        fn: Callable[..., Any] = _demo.batch_fn_for(model)
+        model = mlp_demo.make_mlp(threads=args.threads)
+        fn: Callable[..., Any] = mlp_demo.batch_fn_for(model)
         if make_item is None:
             gen = torch.Generator().manual_seed(0)
 

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .continuous.loop import ContinuousDecodeLoop
-from .continuous.sampling import SamplingParams
-from .continuous.scheduler import Request
-from .metrics import percentiles
+from ..continuous.loop import ContinuousDecodeLoop
+from ..continuous.sampling import SamplingParams
+from ..continuous.scheduler import Request
+from ..metrics import percentiles
 
 __all__ = ["DemoRequest", "ServeReport", "make_model", "make_requests", "serve"]
 
@@ -49,7 +49,7 @@ def make_model(seed: int = 0, threads: int = 2) -> Any:
     """The demo model: a seeded, randomly initialised Llama-style decoder (float32, CPU)."""
     import torch
 
-    from .models.llama import LlamaConfig, LlamaModel
+    from ..models.llama import LlamaConfig, LlamaModel
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""The demo workload shared by ``batchkit demo`` and the model benchmarks: a torch MLP on CPU.
+"""The dynamic-batching demo workload of ``batchkit demo`` and the model benchmarks: a torch MLP on CPU.
 
 A 1024 -> 4096 -> 1024 MLP reads ~32 MB of weights per call, so one request at a time is bound by
 memory traffic and a batch of 32 costs little more than a batch of 1: the case batching is for.
@@ -14,10 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .batcher import DynamicBatcher
-from .metrics import percentiles
+from ..batcher import DynamicBatcher
+from ..metrics import percentiles
 
-__all__ = ["OneByOneServer", "ServeResult", "make_mlp", "serve_batched", "serve_one_by_one"]
+__all__ = [
+    "OneByOneServer",
+    "ServeResult",
+    "batch_fn_for",
+    "ceiling_rps",
+    "make_mlp",
+    "serve_batched",
+    "serve_one_by_one",
+]
 
 
 def make_mlp(d_in: int = 1024, d_hidden: int = 4096, threads: int = 2, seed: int = 0) -> Any:
