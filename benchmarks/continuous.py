@@ -93,7 +93,7 @@ def scheduler_step_us(n_running: int = 256, steps: int = 300) -> tuple[float, fl
         t0 = time.perf_counter()
         s = loop.scheduler.schedule()
         t1 = time.perf_counter()
-        loop._build_batch(s, kv.device)
+        loop.build_batch(s, kv.device)
         t2 = time.perf_counter()
         loop.scheduler.update(s, [0] * sum(s.samples))
         t3 = time.perf_counter()

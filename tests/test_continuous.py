@@ -57,6 +57,29 @@ def drive(
     raise AssertionError("the loop did not finish")
 
 
+def test_build_batch_is_the_batch_step_once_hands_the_model() -> None:
+    """build_batch(schedule()) gives the very StepBatch a step would get: the same ids,
+    positions, slots, tables, lengths and sample indices (a decode and a chunked prefill together)."""
+
+    def two_requests(echo: EchoStep) -> ContinuousDecodeLoop:
+        loop = make_loop(echo, max_num_batched_tokens=6)
+        loop.scheduler.add(Request("a", [1, 2, 3], SamplingParams(max_new_tokens=3)))
+        loop.step_once()
+        loop.scheduler.add(Request("b", [4, 5, 6, 7, 8], SamplingParams(max_new_tokens=3)))
+        return loop
+
+    probe = two_requests(EchoStep())
+    built = probe.build_batch(probe.scheduler.schedule())
+    echo = EchoStep()
+    two_requests(echo).step_once()
+    seen = echo.batches[-1]
+    assert seen.num_seqs == 2
+    tensors = ("input_ids", "positions", "query_start", "query_lens", "seq_lens", "slot_mapping", "block_tables")
+    for name in (*tensors, "sample_indices"):
+        assert torch.equal(getattr(built, name), getattr(seen, name)), name
+    assert (built.seq_ids, built.sampling) == (seen.seq_ids, seen.sampling)
+
+
 # --------------------------------------------------------------------------- the step contract
 
 

@@ -412,7 +412,7 @@ class ContinuousDecodeLoop:
             self.cpu_cache.swap_blocks(kv, step.swap_in)
         if step.copies:
             kv.copy_blocks(step.copies)
-        batch = self._build_batch(step, kv.device)
+        batch = self.build_batch(step, kv.device)
         t0 = self.clock.now()
         logits = check_logits(self.step_fn(batch, kv), batch)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
@@ -426,7 +426,9 @@ class ContinuousDecodeLoop:
         self._t_last = now
         return self.scheduler.update(step, tokens)
 
-    def _build_batch(self, step: ScheduledStep, device: Any) -> StepBatch:
+    def build_batch(self, step: ScheduledStep, device: Any = "cpu") -> StepBatch:
+        """The :class:`StepBatch` that :meth:`step_once` hands the step function for ``step``
+        (a ``Scheduler.schedule()`` result), on ``device``; for profiling and custom drivers."""
         import numpy as np
         import torch
 
