@@ -153,6 +153,7 @@ class PagedKVAllocator:
         self.prefix = PrefixCache(block_size)
         self.swap_space = SwapSpace(num_cpu_blocks)
         self.quotas = TenantQuotas(tenant_quotas, self.total_blocks)
+        self._has_quotas = bool(self.quotas)  # fixed at construction: checked once per call, not looked up
         self._seqs: dict[Hashable, _SeqInfo] = {}
         self._copies: list[tuple[int, int]] = []
         self._num_copies = 0
@@ -225,12 +226,16 @@ class PagedKVAllocator:
         Raises:
             UnknownSequence, BatchkitError (swapped out), ValueError (more tokens than it holds).
         """
-        info = self._resident(seq_id)
+        info = self._seqs.get(seq_id)
+        if info is None or info.cpu_blocks is not None:
+            info = self._resident(seq_id)  # raises
         length = int(self.tables.lens[info.row])
         if num_tokens > length or num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} is outside the sequence's {length} tokens")
-        if info.keys is not None:
-            self.prefix.mark_computed(info.keys, self.tables.blocks(info.row), num_tokens)
+        keys = info.keys
+        # Called after every step: most calls fill no new block, so skip the block-table view.
+        if keys is not None and keys.num_indexed < min(num_tokens // self.block_size, len(keys.hashes)):
+            self.prefix.mark_computed(keys, self.tables.blocks(info.row), num_tokens)
 
     # ------------------------------------------------------------------ admission and allocation
 
@@ -342,6 +347,13 @@ class PagedKVAllocator:
     def _append(self, seq_ids: Sequence[Hashable], rows: np.ndarray, n: int) -> np.ndarray:
         """``n`` new slots for each row (all-or-nothing); return their slot mapping, row after row."""
         lens, new, cow = self._growth(rows, n)
+        if cow is None and n == 1:  # a decode step with no block shared: the common case
+            grows = new.nonzero()[0]
+            if grows.size:
+                self._grow_one_each(seq_ids, rows, grows)
+            t = self.tables
+            t.lens[rows] = lens + 1
+            return t.slots(rows, lens, 1)
         grows = (new if cow is None else new | cow).nonzero()[0]
         if grows.size:
             infos = [self._seqs[seq_ids[i]] for i in grows.tolist()]
@@ -378,6 +390,25 @@ class PagedKVAllocator:
         self.tables.lens[rows] = lens + n
         return self.tables.slots(rows, lens, n)
 
+    def _grow_one_each(self, seq_ids: Sequence[Hashable], rows: np.ndarray, grows: np.ndarray) -> None:
+        """One new block for each row ``rows[grows]`` (all-or-nothing; no copy-on-write)."""
+        k = int(grows.size)
+        if k > self.pool.num_free and k > self.num_free_blocks:
+            self._check_room(k, None, admission=False)  # raises
+        seqs = self._seqs
+        charge: dict[Hashable, int] = {}  # blocks each tenant takes
+        for i in grows.tolist():
+            tenant = seqs[seq_ids[i]].tenant
+            charge[tenant] = charge.get(tenant, 0) + 1
+        quotas = self.quotas
+        if self._has_quotas:
+            for tenant, c in charge.items():
+                quotas.check(tenant, c)
+        # Checks passed: mutate.
+        self.tables.add_blocks(rows[grows], None, self._take_blocks(k))
+        for tenant, c in charge.items():
+            quotas.charge(tenant, c)
+
     def _cow_last_block(self, info: _SeqInfo) -> None:
         """Give the sequence its own copy of a shared, partially filled last block."""
         row = info.row
@@ -399,6 +430,8 @@ class PagedKVAllocator:
                 continue
             if token_ids is None:
                 info.keys = None
+            elif n == 1:
+                self.prefix.extend(info.keys, [int(token_ids[j])])
             else:
                 self.prefix.extend(info.keys, [int(t) for t in token_ids[j * n : (j + 1) * n]])
 
@@ -428,12 +461,36 @@ class PagedKVAllocator:
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n!r}")
-        info = self._resident(seq_id)
+        info = self._seqs.get(seq_id)
+        if info is None or info.cpu_blocks is not None:
+            info = self._resident(seq_id)  # raises
         if token_ids is not None and len(token_ids) != n:
             raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} slots")
-        slots = self._append((seq_id,), np.array([info.row], dtype=np.int64), n)
-        if info.keys is not None:
-            self._record_tokens((seq_id,), token_ids, n)
+        # The one-sequence path reads the row as plain ints: a decode loop calls it every step for
+        # every sequence, and index arrays cost more than the bookkeeping they would vectorise.
+        t = self.tables
+        row = info.row
+        bs = self.block_size
+        length = int(t.lens[row])
+        nb = -(-length // bs)  # a resident row holds exactly blocks_needed(length) blocks
+        if length % bs and self.pool.num_shared and self.pool.ref[t.table[row, nb - 1]] > 1:
+            # Copy-on-write of a shared partial last block (after fork): the general path.
+            slots = self._append((seq_id,), np.array([row], dtype=np.int64), n)
+        else:
+            new = (length + n - 1) // bs + 1 - nb
+            if new:
+                if self._has_quotas or new > self.pool.num_free:
+                    self._check_room(new, info.tenant, admission=False)
+                t.extend_row(row, nb, self._take_blocks(new))
+                self.quotas.charge(info.tenant, new)
+            t.lens[row] = length + n
+            slots = t.row_slots(row, length, n)
+        keys = info.keys
+        if keys is not None:
+            if token_ids is None:
+                info.keys = None  # generated ids unknown: this sequence stops caching its blocks
+            else:
+                self.prefix.extend(keys, [int(token_ids[0])] if n == 1 else [int(x) for x in token_ids])
         return slots
 
     def batch(self, seq_ids: Sequence[Hashable]) -> SeqBatch:
@@ -625,7 +682,7 @@ class PagedKVAllocator:
         end = length if end is None else end
         if not 0 <= start <= end <= length:
             raise ValueError(f"positions {start}..{end} are outside the sequence's {length} tokens")
-        return self.tables.slots(np.array([info.row]), np.array([start], dtype=np.int64), end - start)
+        return self.tables.row_slots(info.row, start, end - start)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write block copies (src, dst) queued since the last call; perform them

@@ -127,6 +127,9 @@ class PrefixCache:
         bs = self.block_size
         tail = keys.tail
         i, n = 0, len(token_ids)
+        if len(tail) + n < bs:  # the common decode step: the partial last block stays partial
+            tail.extend(token_ids)
+            return
         if tail:
             i = min(bs - len(tail), n)
             tail.extend(token_ids[:i])

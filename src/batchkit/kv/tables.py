@@ -83,6 +83,26 @@ class BlockTables:
         self.num_blocks[row] = n
         self.lens[row] = num_tokens
 
+    def extend_row(self, row: int, num_blocks: int, blocks: np.ndarray) -> None:
+        """Append ``blocks`` to one row that holds ``num_blocks`` blocks now (the one-sequence
+        growth path: plain ints, no index arrays)."""
+        end = num_blocks + blocks.size
+        if end > self.table.shape[1]:
+            self.ensure_cols(end)
+        self.table[row, num_blocks:end] = blocks
+        self.num_blocks[row] = end
+
+    def row_slots(self, row: int, start: int, count: int) -> np.ndarray:
+        """Slots (int64) of positions ``start..start+count-1`` of one row."""
+        bs = self.block_size
+        if count == 1:  # a decode step: one table read, no index arrays
+            return np.array([int(self.table[row, start // bs]) * bs + start % bs], dtype=np.int64)
+        pos = np.arange(start, start + count, dtype=np.int64)
+        out: np.ndarray = self.table[row].take(pos // bs).astype(np.int64)
+        out *= bs
+        out += pos % bs
+        return out
+
     def add_blocks(self, rows: np.ndarray, counts: np.ndarray | None, blocks: np.ndarray) -> None:
         """Append ``counts[i]`` of ``blocks`` (in order) to row ``rows[i]``, for each ``i``
         (``counts`` None: one block each)."""
