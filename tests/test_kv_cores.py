@@ -84,6 +84,34 @@ def test_tables_add_blocks_in_order_and_grow_columns() -> None:
     assert t.blocks(r1).tolist() == [2, 13, 20]
 
 
+def test_tables_row_slots_agree_with_slots() -> None:
+    """row_slots (one row, plain ints) gives the same int64 slots as slots, for no position,
+    one position and runs that cross block boundaries."""
+    t = BlockTables(4)
+    row = t.new_row()
+    t.set_blocks(row, [7, 3, 9], 12)
+    for start in range(12):
+        for count in range(12 - start + 1):
+            got = t.row_slots(row, start, count)
+            want = t.slots(np.array([row]), np.array([start], dtype=np.int64), count)
+            assert got.dtype == np.int64
+            assert got.tolist() == want.tolist(), (start, count)
+
+
+def test_tables_extend_row_appends_in_order_and_grows_columns() -> None:
+    """extend_row appends blocks after the row's last one, widening the array as needed and
+    leaving other rows alone."""
+    t = BlockTables(2)
+    r0, r1 = t.new_row(), t.new_row()
+    t.set_blocks(r0, [1], 2)
+    t.set_blocks(r1, [2], 1)
+    t.extend_row(r0, 1, np.arange(3, 13, dtype=np.int32))
+    assert t.blocks(r0).tolist() == [1, *range(3, 13)]
+    assert t.blocks(r1).tolist() == [2]
+    t.extend_row(r1, 1, blocks(20))
+    assert t.blocks(r1).tolist() == [2, 20]
+
+
 def test_tables_recycle_released_rows_empty() -> None:
     """A released row comes back from new_row with no blocks and no tokens; many rows grow
     the arrays without losing the old ones."""
@@ -173,6 +201,22 @@ def test_prefix_keys_keep_no_token_list() -> None:
     cache.extend(fork, [10, 11])
     assert len(fork.hashes) == 3
     assert len(one_by_one.hashes) == 2, "a copy is independent"
+
+
+def test_prefix_keys_do_not_depend_on_how_tokens_arrive() -> None:
+    """Tokens given to extend in pieces of any size (inside one block, filling it exactly, or
+    spanning several) leave the same keys, pending blocks and tail as all of them at once."""
+    cache = PrefixCache(4)
+    tokens = list(range(30))
+    whole = cache.new_keys(tokens, "t", [])
+    for pieces in ([1, 1, 2, 9, 3, 1, 13], [4, 4, 4, 4, 4, 4, 4, 2], [3, 27], [1] * 30):
+        keys = cache.new_keys([], "t", [])
+        i = 0
+        for size in pieces:
+            cache.extend(keys, tokens[i : i + size])
+            i += size
+        assert i == len(tokens)
+        assert (keys.hashes, keys.pending, keys.tail) == (whole.hashes, whole.pending, whole.tail), pieces
 
 
 def test_prefix_counts_hit_rate() -> None:
