@@ -72,7 +72,7 @@ class BlockPool:
 
     def hold(self, blocks: np.ndarray) -> None:
         """Set the reference count of blocks just handed out to 1."""
-        self.ref[blocks] = 1
+        self.ref.put(blocks, 1)  # cheaper than fancy assignment for a few blocks
 
     def share(self, blocks: np.ndarray | list[int]) -> None:
         """Add one reference to each of these (distinct) blocks; a block that had none (a cached
