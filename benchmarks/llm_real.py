@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from batchkit.continuous import Request, SamplingParams
+from batchkit.continuous import Request, SamplingParams, in_fresh_thread
 from batchkit.models.pretrained import PretrainedLM, load_pretrained
 
 QUESTIONS = [
@@ -137,7 +137,7 @@ def async_api(
     """One asyncio task per request through loop.generate(). engine="thread": the loop's engine
     thread runs the model, asyncio in the main thread; engine="caller": the main thread runs the
     engine (run_engine()), asyncio in a second thread."""
-    row = Row("batchkit generate()" if engine == "thread" else "batchkit generate(), engine in main thread")
+    row = Row("batchkit generate()" if engine == "thread" else "batchkit generate(), engine in the calling thread")
 
     async def one(loop: Any, i: int, t0: float) -> None:
         await asyncio.sleep(max(0.0, at[i] - (time.perf_counter() - t0)))
@@ -251,21 +251,28 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32, local_files_only=True).eval()
+        hf = in_fresh_thread(
+            lambda: AutoModelForCausalLM.from_pretrained(
+                str(lm.path), dtype=torch.float32, local_files_only=True
+            ).eval()
+        )
     print(
         f"{lm.name}: {args.requests} requests ({args.arrival}), {args.slots} slots, greedy, EOS or "
         f"{args.max_new_tokens} new tokens, torch threads {args.threads}"
     )
-    bare_loop(lm, prompts[:2], [0.0, 0.0], args)  # warm-up
+    # Every row that runs torch in its own thread runs in a thread that ends (in_fresh_thread), so
+    # that no OpenMP team outlives its row to slow the next (docs/continuous.md, "Which thread
+    # steps the model"); the main thread runs no torch, as in an application built that way.
+    in_fresh_thread(bare_loop, lm, prompts[:2], [0.0, 0.0], args)  # warm-up
     rows: list[Row] = []
     for rep in range(args.repeat):
-        rows.append(bare_loop(lm, prompts, at, args))
+        rows.append(in_fresh_thread(bare_loop, lm, prompts, at, args))
         rows.append(async_api(lm, prompts, at, args))
-        rows.append(async_api(lm, prompts, at, args, engine="caller"))
+        rows.append(in_fresh_thread(async_api, lm, prompts, at, args, engine="caller"))
         if hf is not None:
-            rows.append(hf_static(hf, lm, prompts, at, args))
+            rows.append(in_fresh_thread(hf_static, hf, lm, prompts, at, args))
             if args.hf_continuous and rep == 0:
-                rows.append(hf_continuous(hf, lm, prompts, args))
+                rows.append(in_fresh_thread(hf_continuous, hf, lm, prompts, args))
     ref = rows[0].tokens
     print(
         "\n| run | path | useful tokens | tokens/s | vs step loop | TTFT p50/p99 ms | TPOT p50/p99 ms | tokens equal |"

@@ -80,6 +80,30 @@ def test_build_batch_is_the_batch_step_once_hands_the_model() -> None:
     assert (built.seq_ids, built.sampling) == (seen.seq_ids, seen.sampling)
 
 
+def test_in_fresh_thread_runs_elsewhere_and_hands_back_the_result_or_the_error() -> None:
+    """in_fresh_thread runs the function in a new thread that has ended when it returns, returns
+    its value, and raises its exception (the same object) in the caller."""
+    from batchkit.continuous import in_fresh_thread
+
+    seen: list[threading.Thread] = []
+
+    def where(x: int, *, plus: int) -> int:
+        seen.append(threading.current_thread())
+        return x + plus
+
+    assert in_fresh_thread(where, 1, plus=2) == 3
+    assert seen[0] is not threading.current_thread()
+    assert not seen[0].is_alive()
+    boom = ValueError("boom")
+
+    def fail() -> None:
+        raise boom
+
+    with pytest.raises(ValueError, match="boom") as info:
+        in_fresh_thread(fail)
+    assert info.value is boom
+
+
 # --------------------------------------------------------------------------- the step contract
 
 

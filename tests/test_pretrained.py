@@ -215,3 +215,34 @@ def test_an_empty_model_loaded_with_weights_is_the_model_those_weights_define(ti
     assert torch.equal(model.inv_freq, reference.inv_freq)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_model_and_its_cache_are_built_outside_the_callers_thread(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_pretrained and make_loop do their torch work in a thread that ends, so that the
+    caller's thread keeps no OpenMP team to slow the engine thread (see in_fresh_thread)."""
+    import threading
+
+    from batchkit.models import LlamaModel
+
+    builders: list[threading.Thread] = []
+    empty = LlamaModel.empty.__func__  # type: ignore[attr-defined]
+
+    def recording_empty(cls: type[LlamaModel], *args: Any, **kwargs: Any) -> LlamaModel:
+        builders.append(threading.current_thread())
+        return empty(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(LlamaModel, "empty", classmethod(recording_empty))
+    lm = load_pretrained(tiny_llama_dir)
+    make_cache = lm.model.make_cache
+
+    def recording_make_cache(*args: Any, **kwargs: Any) -> Any:
+        builders.append(threading.current_thread())
+        return make_cache(*args, **kwargs)
+
+    monkeypatch.setattr(lm.model, "make_cache", recording_make_cache)
+    with lm.make_loop(16) as loop:
+        assert loop.submit([1, 2, 3], max_new_tokens=2, ignore_eos=True).result(timeout=60)
+    assert len(builders) == 2
+    assert all(t is not threading.current_thread() and not t.is_alive() for t in builders)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .loop import ContinuousDecodeLoop, LoopStatistics
 from .sampling import SamplingParams, sample
 from .scheduler import Request, RequestStatus, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
-from .step import StepBatch, check_logits
+from .step import StepBatch, check_logits, in_fresh_thread
 
 __all__ = [
     "ContinuousDecodeLoop",
@@ -19,5 +19,6 @@ __all__ = [
     "StepBatch",
     "TokenEvent",
     "check_logits",
+    "in_fresh_thread",
     "sample",
 ]

@@ -24,11 +24,14 @@ Worked example: sequences A (prompt of 5, first chunk of 3) and B (decoding at p
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["StepBatch", "check_logits"]
+__all__ = ["StepBatch", "check_logits", "in_fresh_thread"]
+
+_T = TypeVar("_T")
 
 Tensor = Any
 
@@ -72,3 +75,32 @@ def check_logits(logits: Any, batch: StepBatch) -> Tensor:
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
     return logits
+
+
+def in_fresh_thread(fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
+    """Run ``fn(*args, **kwargs)`` in a new thread that ends when it returns; return its result
+    (or raise its exception) here.
+
+    Why: on a CPU, torch's OpenMP runtime gives every thread that runs a parallel operation its
+    own team of worker threads, and keeps it until that thread ends. Once two teams exist on a
+    machine with few cores, OpenMP stops spinning between operations and every step of a decode
+    loop pays for it: a loop whose engine thread runs the model is about 1.5x slower per step when
+    the main thread has ever run torch work. The main thread never ends, so its team never goes.
+    Build the model and its KV cache through this function (``load_pretrained`` and
+    ``PretrainedLM.make_loop`` do), and the engine thread's team is the only one.
+    """
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            box.append((False, exc))
+
+    t = threading.Thread(target=run, name="batchkit-setup")
+    t.start()
+    t.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..continuous.loop import ContinuousDecodeLoop
+from ..continuous.step import in_fresh_thread
 from .llama import LlamaConfig, LlamaModel
 
 __all__ = ["PretrainedLM", "SentenceEncoder", "load_encoder", "load_pretrained", "resolve_source"]
@@ -193,7 +194,10 @@ class PretrainedLM:
         model's EOS and a detokenizer (for stop strings) wired in. ``kwargs`` go to the loop."""
         kwargs.setdefault("eos_token_id", self.eos_token_id)
         kwargs.setdefault("detokenize", self.decode)
-        return ContinuousDecodeLoop(self.model, self.model.make_cache(num_blocks, block_size), **kwargs)
+        # The cache's tensors are filled in a thread that ends (see in_fresh_thread): the caller's
+        # thread keeps no OpenMP team, so the loop's engine thread runs at full speed on a CPU.
+        cache = in_fresh_thread(self.model.make_cache, num_blocks, block_size)
+        return ContinuousDecodeLoop(self.model, cache, **kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain text prompt (with the tokenizer's special tokens, e.g. BOS)."""
@@ -204,6 +208,13 @@ class PretrainedLM:
         """Text of ``token_ids``, special tokens (EOS...) left out. Safe from any thread."""
         with self.lock:
             return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def _build_llama(config: LlamaConfig, folder: Path, dtype: torch.dtype, device: Any) -> LlamaModel:
+    """The model with its weights (run in a thread that ends: see ``in_fresh_thread``)."""
+    model = LlamaModel.empty(config, dtype=dtype, device=device)
+    model.load_hf_state_dict(_read_state_dict(folder))
+    return model
 
 
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -280,8 +291,7 @@ def load_pretrained(
             f"{source!r} is a {getattr(config, 'model_type', '?')!r} model; batchkit's reference step "
             "model implements the Llama architecture only"
         )
-    model = LlamaModel.empty(LlamaConfig.from_hf(config), dtype=dtype, device=device)
-    model.load_hf_state_dict(_read_state_dict(folder))
+    model = in_fresh_thread(_build_llama, LlamaConfig.from_hf(config), folder, dtype, device)
     tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     eos = _eos_ids(folder, config, tokenizer)
     return PretrainedLM(
@@ -369,4 +379,6 @@ def load_encoder(
     path = resolve_source(source)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a sentence-transformers model directory (no config.json)")
-    return SentenceEncoder(path, name=name or _served_name(source, path), dtype=dtype, device=device)
+    # Built in a thread that ends, so that the caller's thread keeps no OpenMP team (see
+    # in_fresh_thread): the batcher's worker thread that runs the encoder is then the only one.
+    return in_fresh_thread(SentenceEncoder, path, name=name or _served_name(source, path), dtype=dtype, device=device)
