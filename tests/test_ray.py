@@ -525,15 +525,22 @@ def test_a_killed_replica_loses_no_request_the_caller_retries(two_replicas: Any)
     threads = [threading.Thread(target=caller, args=(range(k, 144, 12),)) for k in range(12)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(results) >= 24, "the load to get going")
+    # Kill the victim while it serves this load: it has answered some of it, and most is still to come.
+    wait_until(
+        lambda: len(results) >= 24 and victim in {pid for _, pid in list(results.values())},
+        "the victim to serve part of the load",
+    )
     os.kill(victim, signal.SIGKILL)  # a Ray worker this test's ray.init started
+    answered_before_kill = len(results)
     for t in threads:
         t.join(timeout=90)
     assert not any(t.is_alive() for t in threads)
+    assert answered_before_kill < 144, "the load was over before the kill: the test did not test anything"
     assert not errors, errors[:3]
     assert sorted(results) == list(range(144))
     assert all(results[i][0] == i for i in results)
-    assert retried, "the killed replica held no request: the test did not test anything"
+    # Whether a request the victim held comes back to the caller as an error (and is retried by
+    # call_with_retries, counted in `retried`) or is re-routed by Ray itself, none is lost.
 
 
 @pytest.mark.timeout(120)
