@@ -35,7 +35,7 @@ import anyio
 from ._clock import Clock, ListenableClock, MonotonicClock
 from ._errors import BatcherClosed, BatchTimeout, QueueFull
 from ._queue_core import Drop, QueueCore, QueueEntry
-from .adaptive import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
+from .adaptive import AdaptiveBatchController, CircuitBreaker
 from .batcher import (
     BatcherShell,
     check_batcher_options,
@@ -395,10 +395,7 @@ class AsyncBatcher(BatcherShell[T, R]):
                 return False  # its callers were answered by whoever cancelled it
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
-            oom = is_out_of_memory(exc)
-            if oom and self.controller is not None:
-                self.former.on_oom(len(entries), self._now())
-            if (oom or self.isolate_errors) and len(entries) > 1 and isinstance(exc, Exception):
+            if self._split_after(exc, len(entries)):
                 mid = len(entries) // 2
                 first = await self._call_and_deliver(batch, entries[:mid])
                 return await self._call_and_deliver(batch, entries[mid:]) and first

@@ -312,6 +312,17 @@ class BatcherShell(Generic[T, R]):
             self._t_first = now
         return added
 
+    def _split_after(self, exc: BaseException, size: int) -> bool:
+        """The batch function raised ``exc`` on ``size`` items: tell the controller of an
+        out-of-memory, and answer whether to retry the two halves (out of memory or
+        ``isolate_errors``, more than one item, an ordinary error that is not a close)."""
+        oom = is_out_of_memory(exc)
+        if oom and self.controller is not None:
+            with self._guard:
+                self.former.on_oom(size, self._now())
+        splittable = isinstance(exc, Exception) and not isinstance(exc, BatcherClosed)
+        return (oom or self.isolate_errors) and size > 1 and splittable
+
     def _count_drop(self, exc: BaseException, count_as: str) -> None:
         """Count one caller answered without running (guard held)."""
         if count_as == "cancelled":
@@ -850,12 +861,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         try:
             results = self._call(items)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
-            oom = is_out_of_memory(exc)
-            if oom and self.controller is not None:
-                with self._mutex:
-                    self.former.on_oom(len(reqs), self._now())
-            splittable = isinstance(exc, Exception) and not isinstance(exc, BatcherClosed)
-            if (oom or self.isolate_errors) and len(reqs) > 1 and splittable:
+            if self._split_after(exc, len(reqs)):
                 mid = len(reqs) // 2
                 first = self._call_and_deliver(batch, reqs[:mid], None)
                 return self._call_and_deliver(batch, reqs[mid:], held) and first

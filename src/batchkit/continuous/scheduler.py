@@ -262,6 +262,14 @@ class Scheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._detach(req)
+        req.status = RequestStatus.ABORTED
+        req.finish_reason = "abort"
+        self._aborted += 1
+        return True
+
+    def _detach(self, req: Request) -> None:
+        """Take ``req`` out of whichever queue holds it, and free its blocks if it has any."""
         if req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status == RequestStatus.RUNNING:
@@ -270,10 +278,6 @@ class Scheduler:
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
             self.allocator.free(req.request_id)
-        req.status = RequestStatus.ABORTED
-        req.finish_reason = "abort"
-        self._aborted += 1
-        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -360,14 +364,7 @@ class Scheduler:
             _, _, req = heapq.heappop(heap)
             if self._requests.get(req.request_id) is not req:
                 continue  # finished or aborted already
-            if req.status == RequestStatus.WAITING:
-                self.waiting.remove(req)
-            elif req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-                self.allocator.free(req.request_id)
-            elif req.status == RequestStatus.SWAPPED:
-                self.swapped.remove(req)
-                self.allocator.free(req.request_id)
+            self._detach(req)
             self._expired += 1
             self._fail(
                 req,
