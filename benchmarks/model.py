@@ -21,7 +21,7 @@ import anyio
 import torch
 
 import batchkit
-from batchkit import _demo
+from batchkit.demo import mlp as mlp_demo
 from batchkit.metrics import percentiles
 
 MAX_BATCH, MAX_WAIT_MS, CALLERS = 32, 5.0, 64
@@ -83,17 +83,17 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=2.0, help="seconds per measurement window")
     ap.add_argument("--open-seconds", type=float, default=5.0)
     args = ap.parse_args()
-    model = _demo.make_mlp(threads=2)
+    model = mlp_demo.make_mlp(threads=2)
     torch.manual_seed(1)
     inputs = [torch.randn(1024) for _ in range(CALLERS)]
-    _demo.ceiling_rps(model, inputs, MAX_BATCH, 0.5)  # warm up
-    fn = _demo.batch_fn_for(model)
+    mlp_demo.ceiling_rps(model, inputs, MAX_BATCH, 0.5)  # warm up
+    fn = mlp_demo.batch_fn_for(model)
     ratios_async, ratios_threads, ceilings, rps_async = [], [], [], []
     lat_async: list[float] = []
     lat_threads: list[float] = []
     batch_sizes = []
     for _ in range(args.rounds):
-        ceil = _demo.ceiling_rps(model, inputs, MAX_BATCH, args.window)
+        ceil = mlp_demo.ceiling_rps(model, inputs, MAX_BATCH, args.window)
         ceilings.append(ceil)
         b = batchkit.DynamicBatcher(fn, max_batch_size=MAX_BATCH, max_wait_ms=MAX_WAIT_MS)
         r, lat = closed_loop_async(b, inputs, args.window)
@@ -102,7 +102,7 @@ def main() -> None:
         ratios_async.append(r / ceil)
         rps_async.append(r)
         lat_async += lat
-        res = _demo.serve_batched(model, inputs, CALLERS, args.window, MAX_BATCH, MAX_WAIT_MS)
+        res = mlp_demo.serve_batched(model, inputs, CALLERS, args.window, MAX_BATCH, MAX_WAIT_MS)
         ratios_threads.append(res.rps / ceil)
         lat_threads += [res.p50_ms, res.p99_ms]
     ceil = statistics.median(ceilings)

@@ -226,3 +226,49 @@ def test_imports_go_down_the_floors(module: str, path: Path) -> None:
             if floor >= own:
                 upward.append(f"{target} (floor {floor})")
     assert not upward, f"{module} (floor {own}) imports from its floor or above: {upward}"
+
+
+# Scripts that use batchkit as its users do: they may import only public names, and every name
+# they import must exist (a renamed module fails here, not when someone runs the script).
+SCRIPTS = sorted(
+    [*(PACKAGE.parent.parent / "benchmarks").glob("*.py"), *(PACKAGE.parent.parent / "examples").glob("*.py")]
+)
+# The GPU scripts time and probe the kernel module itself (its launch switches, raw kernels).
+PRIVATE_OK = {("gpu_probe.py", "_cuda"), ("kv_kernels.py", "_cuda")}
+
+
+def _batchkit_imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, name) for each ``from batchkit... import name`` and (module, None) for each
+    ``import batchkit...`` of a script, lazy imports included."""
+    out: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            if node.module == "batchkit" or node.module.startswith("batchkit."):
+                out += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names if a.name == "batchkit" or a.name.startswith("batchkit.")]
+    return out
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[f"{p.parent.name}/{p.name}" for p in SCRIPTS])
+def test_scripts_import_public_names_that_exist(path: Path) -> None:
+    """Every batchkit module and name a benchmark or example imports exists and is public."""
+    import importlib
+
+    bad = []
+    for module, name in _batchkit_imports(path):
+        parts = [*module.split(".")[1:], *([name] if name is not None else [])]
+        private = [p for p in parts if p.startswith("_") and (path.name, p) not in PRIVATE_OK]
+        if private:
+            bad.append(f"{module}{'' if name is None else ' import ' + name}: private {private}")
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (exc.name == "batchkit" or exc.name.startswith("batchkit.")):
+                bad.append(f"{module}: no such module")
+                continue
+            pytest.skip(f"{path.name} needs {exc.name}")
+        if name is not None and not hasattr(mod, name) and not _exists(".".join([*module.split(".")[1:], name])):
+            bad.append(f"{module} import {name}: no such name")
+    assert not bad, f"{path.name}: {bad}"
