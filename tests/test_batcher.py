@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -287,6 +288,27 @@ def test_deadline_expires_promptly_while_the_model_is_busy() -> None:
         assert running.result(WAIT) == 0
         s = b.statistics()
         assert (s.expired, s.pending) == (2, 0)
+
+
+def test_an_earlier_deadline_wakes_a_dispatcher_that_sleeps_until_later() -> None:
+    """On the real clock: the dispatcher sleeps until the oldest item's max_wait_ms (an hour
+    here); an item whose deadline comes sooner still expires on time, and a full batch still
+    goes at once (handed to the worker by the caller that filled it)."""
+    rec = Recorder()
+    with DynamicBatcher(rec, max_batch_size=3, max_wait_ms=3_600_000) as b:
+        first = b.submit(0)
+        asleep = time.monotonic() + WAIT
+        while not b._dispatcher_idle:  # let it go to sleep first: this test is about waking it
+            assert time.monotonic() < asleep, "the dispatcher never went idle"
+            time.sleep(0.001)
+        late = b.submit(1, deadline_ms=20)
+        with pytest.raises(DeadlineExceeded):
+            late.result(WAIT)
+        assert not first.done()
+        rest = [b.submit(2), b.submit(3)]
+        assert [f.result(WAIT) for f in [first, *rest]] == [0, 20, 30]
+        assert rec.batches == [[0, 2, 3]]
+        assert b.statistics().expired == 1
 
 
 def test_cancelled_future_is_dropped_before_the_model_runs() -> None:

@@ -488,6 +488,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         self._portal_stopped: str | None = None  # why: no async batch may start after close stopped it
         self._closed = False
         self._dispatcher_idle = False
+        self._dispatcher_until: float | None = None  # when an idle dispatcher wakes (None: when told)
 
     # ------------------------------------------------------------------ submitting
 
@@ -575,13 +576,35 @@ class DynamicBatcher(BatcherShell[T, R]):
             drops, replan = added
             if self._dispatcher is None:
                 self._start()
-            elif replan and self._dispatcher_idle:
-                # Wake the dispatcher only when this arrival changes its plan (see BatchFormer.add).
-                self._dispatcher_idle = False
-                self._cond.notify()
+            elif replan:  # the arrival changes the plan (see BatchFormer.add)
+                drops = [*drops, *self._dispatch_due()]
         if drops:
             self._resolve_drops(drops)
         return True
+
+    def _dispatch_due(self) -> list[Drop]:
+        """Hand every batch due now straight to the workers, from the thread that made it due
+        (lock held), and wake the dispatcher only if it must now wake sooner than it planned:
+        a full batch costs one thread switch (to a worker), not two. Returns the expired entries."""
+        former = self.former
+        now = self._now()
+        drops = former.expire(now)
+        batch, wake_at = former.next_batch(now)
+        while batch is not None:
+            self._work.put(batch)
+            batch, wake_at = former.next_batch(now)
+        self._nudge_dispatcher(wake_at)
+        return drops
+
+    def _nudge_dispatcher(self, wake_at: float | None) -> None:
+        """(lock held) Wake an idle dispatcher if ``wake_at`` comes before the time it sleeps
+        until, or if the batcher is closing (it must see the end)."""
+        if not self._dispatcher_idle:
+            return  # it is awake and will ask the former itself
+        until = self._dispatcher_until
+        if self.former.closing or (wake_at is not None and (until is None or wake_at < until)):
+            self._dispatcher_idle = False
+            self._cond.notify()
 
     def _no_room(self, timeout: float | None) -> QueueFull:
         with self._mutex:
@@ -745,6 +768,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                                 self._work.put(None)
                             return
                         self._dispatcher_idle = True
+                        self._dispatcher_until = None if mock else wake_at
                         if wake_at is None or mock:
                             self._cond.wait(None if not mock else 1.0)
                         else:
@@ -791,10 +815,9 @@ class DynamicBatcher(BatcherShell[T, R]):
                 # than handing it through the dispatcher thread (two thread switches saved).
                 now = self._now()
                 drops = self.former.expire(now)
-                nxt, _ = self.former.next_batch(now)
-                if nxt is None:
-                    self._dispatcher_idle = False
-                    self._cond.notify()
+                nxt, wake_at = self.former.next_batch(now)
+                if nxt is None:  # the freed slot may make a waiting batch due sooner
+                    self._nudge_dispatcher(wake_at)
             if drops:
                 self._resolve_drops(drops)
             batch = nxt if nxt is not None else self._work.get()
