@@ -132,7 +132,7 @@ def test_methods_get_one_batcher_per_instance() -> None:
 
 def test_bad_options_fail_at_decoration() -> None:
     """A misconfigured decorator fails where it is written, not at the first call."""
-    with pytest.raises(ValueError, match="max_batch_size must be"):
+    with pytest.raises(ValueError, match="max_batch must be"):
 
         @batched(max_batch=0)
         def f(xs: list[int]) -> list[int]:

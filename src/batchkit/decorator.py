@@ -109,14 +109,15 @@ class _BatchedBase(Generic[T, R]):
             self._batcher.flush()
 
     def close(self, **kwargs: Any) -> None:
-        """Drain and stop the batcher (see ``DynamicBatcher.close``)."""
-        if self._batcher is not None:
-            self._batcher.close(**kwargs)
+        """Drain and stop the batcher (see ``DynamicBatcher.close``); later calls raise
+        :class:`~batchkit.BatcherClosed`, also when the function was never called before."""
+        # A batcher that was never used is made only to be closed: it starts no thread, and it
+        # makes a later call refuse like a used one does instead of starting a new batcher.
+        self.batcher.close(**kwargs)
 
     async def aclose(self, **kwargs: Any) -> None:
         """:meth:`close` from async code."""
-        if self._batcher is not None:
-            await self._batcher.aclose(**kwargs)
+        await self.batcher.aclose(**kwargs)
 
     def statistics(self) -> BatcherStatistics:
         """The batcher's statistics snapshot."""
@@ -140,8 +141,8 @@ class _BatchedBase(Generic[T, R]):
         b = self.batcher
         if window is None:
             window = min(4 * b.max_batch_size, b.queue.maxsize)
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
         bar = progress_bar(total, getattr(self, "__name__", "batched")) if progress else None
@@ -251,6 +252,8 @@ def batched(
     """
     if "max_batch_size" in options:
         raise TypeError("@batched takes max_batch=..., not max_batch_size=...")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     settings = _Settings(max_batch, max_wait_ms, options)
     if fn is None:
         return _Decorator(settings)
