@@ -13,6 +13,7 @@ torch is never imported here: tensors are recognised by type and handled with th
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +41,8 @@ def stack(items: Sequence[Any]) -> Any:
         ValueError: no items, or shapes differ (use :func:`pad` for variable lengths).
     """
     _check_items(items, "stack")
+    if not _is_torch(items[0]):
+        items = [np.asarray(x) for x in items]
     first = items[0]
     shapes = {tuple(x.shape) for x in items}
     if len(shapes) > 1:
@@ -48,7 +51,7 @@ def stack(items: Sequence[Any]) -> Any:
         import torch
 
         return torch.stack(list(items))
-    return np.stack([np.asarray(x) for x in items])
+    return np.stack(items)
 
 
 def split(batch: Any, n: int | None = None) -> list[Any]:
@@ -110,6 +113,10 @@ def pad(
             than the largest allowed batch size.
     """
     _check_items(items, "pad")
+    if not _is_torch(items[0]):
+        items = [np.asarray(x) for x in items]
+    if any(len(x.shape) == 0 for x in items):
+        raise ValueError("pad needs items with a first (length) dimension, got a 0-d item; use collate.stack")
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
     if pad_to_multiple is not None and pad_to_multiple < 1:
@@ -129,14 +136,20 @@ def pad(
     first = items[0]
     batch: Any
     mask: Any
+    # The batch takes the items' common dtype, as stack does: an int item next to a float one
+    # must not have the float's values truncated.
     if _is_torch(first):
         import torch
 
-        batch = torch.full((rows, max_len, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device)
+        dtype = functools.reduce(torch.promote_types, (x.dtype for x in items))
+        batch = torch.full((rows, max_len, *first.shape[1:]), pad_value, dtype=dtype, device=first.device)
         mask = torch.zeros((rows, max_len), dtype=torch.bool, device=first.device)
     else:
-        arr0 = np.asarray(first)
-        batch = np.full((rows, max_len, *arr0.shape[1:]), pad_value, dtype=arr0.dtype)
+        batch = np.full(
+            (rows, max_len, *first.shape[1:]),
+            pad_value,
+            dtype=functools.reduce(np.promote_types, (x.dtype for x in items)),
+        )
         mask = np.zeros((rows, max_len), dtype=bool)
     for i, (x, n) in enumerate(zip(items, lengths, strict=False)):
         start = 0 if side == "right" else max_len - n
