@@ -267,6 +267,7 @@ def test_a_full_queue_rejects_or_makes_the_caller_wait_for_room() -> None:
         await settle()
         with pytest.raises(QueueFull):
             await b.submit(2)
+        assert (b.statistics().rejected, b.statistics().submitted) == (1, 2)
         rec.gate.set()
         assert list(await asyncio.gather(running, waiting)) == [0, 10]
         await b.aclose()
@@ -277,6 +278,7 @@ def test_a_full_queue_rejects_or_makes_the_caller_wait_for_room() -> None:
         await settle()
         with pytest.raises(QueueFull):
             await blocking.submit(9, timeout=0.01)
+        assert blocking.statistics().rejected == 1
         third = asyncio.ensure_future(blocking.submit(2))
         await settle()
         assert not third.done()

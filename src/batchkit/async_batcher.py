@@ -175,8 +175,6 @@ class AsyncBatcher(BatcherShell[T, R]):
         self._listener: _LoopWake | None = None
         self._finished: asyncio.Event | None = None
         core.on_release = self._on_release if self._block else None
-        # No per-item work beyond admission: no key, cost, breaker or waiting for room.
-        self._plain = group_by is None and size_fn is None and circuit_breaker is None and not self._block
 
     # ------------------------------------------------------------------ submitting
 
@@ -219,10 +217,7 @@ class AsyncBatcher(BatcherShell[T, R]):
         fut: asyncio.Future[Any] = loop.create_future()
         entry = _Entry(item, fut, fallback)
         if self._plain and priority == 0 and deadline_ms is None and not self._closing:
-            # The common case, inlined: nothing to check, a queue with room or another policy.
-            now = self._now()
-            drops, replan = self.former.add(entry, now)
-            self._submitted += 1
+            drops, replan = self._admit_plain(entry)
             if drops:
                 self._resolve_drops(drops)
             if replan and not self._pump_soon:

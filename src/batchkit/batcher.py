@@ -244,6 +244,8 @@ class BatcherShell(Generic[T, R]):
         self._batch_time = SampleWindow()
         self._t_first: float | None = None
         self._t_last = 0.0
+        # No per-item work beyond admission: no key, cost, breaker or waiting for room.
+        self._plain = group_by is None and size_fn is None and circuit_breaker is None and not block
 
     @property
     def max_batch_size(self) -> int:
@@ -310,6 +312,17 @@ class BatcherShell(Generic[T, R]):
         self._submitted += 1
         if self._t_first is None:
             self._t_first = now
+        return added
+
+    def _admit_plain(self, entry: QueueEntry[Any]) -> tuple[Sequence[Drop], bool]:
+        """:meth:`_admit` for the common case (guard held, the shell ``_plain``, not closing,
+        priority 0, no deadline, not the first submit): nothing to check but room."""
+        try:
+            added = self.former.add(entry, self._now())
+        except QueueFull:
+            self._rejected += 1
+            raise
+        self._submitted += 1
         return added
 
     def _split_after(self, exc: BaseException, size: int) -> bool:
@@ -568,15 +581,20 @@ class DynamicBatcher(BatcherShell[T, R]):
         Raises:
             BatcherClosed, CircuitOpen, QueueFull, TypeError, ValueError: refused.
         """
-        key, cost = self._key_and_cost(req.item, priority, deadline_ms)
+        plain = self._plain and priority == 0 and deadline_ms is None
+        key, cost = (None, 1) if plain else self._key_and_cost(req.item, priority, deadline_ms)
         with self._mutex:
-            added = self._admit(req, priority, deadline_ms, key, cost)
-            if added is None:
-                return False
-            drops, replan = added
-            if self._dispatcher is None:
-                self._start()
-            elif replan:  # the arrival changes the plan (see BatchFormer.add)
+            if plain and not self._closing and self._dispatcher is not None:
+                drops, replan = self._admit_plain(req)
+            else:
+                added = self._admit(req, priority, deadline_ms, key, cost)
+                if added is None:
+                    return False
+                drops, replan = added
+                if self._dispatcher is None:
+                    self._start()
+                    replan = False  # the new dispatcher asks the former first thing
+            if replan:  # the arrival changes the plan (see BatchFormer.add)
                 drops = [*drops, *self._dispatch_due()]
         if drops:
             self._resolve_drops(drops)
