@@ -261,6 +261,36 @@ def test_embeddings_equal_sentence_transformers(client: Any, live: LiveServer, m
     assert float((torch.tensor(one["data"][0]["embedding"]) - ref[1]).abs().max()) < 1e-5
 
 
+@needs_models
+def test_an_idle_server_embeds_the_most_inputs_a_request_may_carry(live: LiveServer) -> None:
+    """A request of 2048 inputs (the documented limit) is served by an idle server, not refused
+    with 503 queue_full; 2049 inputs are a 400."""
+    texts = [f"sentence {i}" for i in range(2048)]
+    r = httpx.post(f"{live.url}/v1/embeddings", json={"model": EMBED, "input": texts}, timeout=DEADLINE_S)
+    assert r.status_code == 200, r.text
+    assert [d["index"] for d in r.json()["data"]] == list(range(2048))
+    r = httpx.post(f"{live.url}/v1/embeddings", json={"model": EMBED, "input": [*texts, "one more"]}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_value"
+
+
+@needs_models
+def test_an_embedding_queue_smaller_than_a_request_limits_the_request_with_400(models: tuple[Any, Any]) -> None:
+    """With an embedding queue of 8 items, a request of 9 inputs could never be admitted: it gets
+    400 naming the limit, not a 503 that no retry would cure; 8 inputs are served."""
+    from batchkit.serve import create_app
+
+    _, encoder = models
+    app = create_app(embedding_model=encoder, embedding_max_queue=8, warmup=False)
+    with LiveServer(app) as server:
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["x"] * 9}, timeout=DEADLINE_S)
+        assert r.status_code == 400
+        assert "at most 8 inputs" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["x"] * 8}, timeout=DEADLINE_S)
+        assert r.status_code == 200
+        assert len(r.json()["data"]) == 8
+
+
 # ----------------------------------------------------------------------------- errors
 
 

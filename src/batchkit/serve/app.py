@@ -39,6 +39,7 @@ from ..continuous.loop import ContinuousDecodeLoop
 from ..decorator import BatchedFunction, batched
 from .metrics import BatchkitCollector
 from .protocol import (
+    MAX_EMBEDDING_INPUTS,
     ApiError,
     GenerationRequest,
     IncrementalDetokenizer,
@@ -253,6 +254,9 @@ class ModelServer:
             ``ContinuousDecodeLoop``'s ``tenant_quotas``.
         default_max_tokens: output limit of a request that gives none (also capped by the context).
         embedding_max_batch, embedding_max_wait_ms, embedding_max_queue: the embedding batcher.
+            Each input of a request is one item of its queue, so the default queue holds two
+            requests of the most inputs one may carry (2048); a smaller queue lowers that limit
+            to its own size (400 beyond it), so that no request is refused for ever as "busy".
         retry_after_s: the ``Retry-After`` header of 503 answers.
         engine: the decode loop's ``engine``: ``"thread"`` (it steps the model on its own thread)
             or ``"caller"`` (a thread of yours calls ``app.state.batchkit.loop.run_engine()`` once
@@ -285,7 +289,7 @@ class ModelServer:
         default_max_tokens: int = 256,
         embedding_max_batch: int = 32,
         embedding_max_wait_ms: float = 5.0,
-        embedding_max_queue: int = 1024,
+        embedding_max_queue: int = 2 * MAX_EMBEDDING_INPUTS,
         retry_after_s: int = 1,
         request_timeout_s: float | None = None,
         shutdown_grace_s: float = 10.0,
@@ -321,6 +325,7 @@ class ModelServer:
             # A failing encoder fails fast (503) instead of taking every request down with it.
             "circuit_breaker": CircuitBreaker(failure_threshold=5, reset_timeout_s=float(retry_after_s)),
         }
+        self.embedding_max_inputs = min(MAX_EMBEDDING_INPUTS, embedding_max_queue)
         self.retry_after_s = retry_after_s
         self.request_timeout_s = request_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
@@ -742,7 +747,7 @@ class ModelServer:
 
     async def _embeddings(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
         self._check_available("embeddings")
-        req = parse_embedding(body)
+        req = parse_embedding(body, self.embedding_max_inputs)
         self._check_model(req.model, self.embedding_model_name)
         embed = self.embed
         assert embed is not None

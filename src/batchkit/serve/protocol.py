@@ -248,8 +248,8 @@ class EmbeddingRequest:
     encoding_format: str
 
 
-def parse_embedding(body: Mapping[str, Any]) -> EmbeddingRequest:
-    """Validate a ``/v1/embeddings`` body (``input``: a string or a list of strings).
+def parse_embedding(body: Mapping[str, Any], max_inputs: int = MAX_EMBEDDING_INPUTS) -> EmbeddingRequest:
+    """Validate a ``/v1/embeddings`` body (``input``: a string or a list of at most ``max_inputs`` strings).
 
     Raises:
         ApiError: 400 naming the offending field.
@@ -261,8 +261,8 @@ def parse_embedding(body: Mapping[str, Any]) -> EmbeddingRequest:
         inputs = list(value)
     else:
         raise _invalid("input", "'input' must be a string or a non-empty list of strings")
-    if len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise _invalid("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(inputs)}")
+    if len(inputs) > max_inputs:
+        raise _invalid("input", f"at most {max_inputs} inputs per request, got {len(inputs)}")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise _invalid("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
