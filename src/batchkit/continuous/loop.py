@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import operator
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
@@ -74,6 +75,33 @@ class _Stream:
                 return True, None, None
             self.waiter = make_waiter()
             return False, None, self.waiter
+
+
+def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int]:
+    """The prompt as a list of token ids; refuse what no step could embed.
+
+    Raises:
+        TypeError: a string instead of token ids, or an id that is not an integer.
+        ValueError: no token, a negative id, or an id past ``vocab_size``.
+    """
+    if isinstance(prompt_ids, str | bytes):
+        raise TypeError("prompt_ids must be token ids (a sequence of ints), got a string; tokenize it first")
+    prompt: list[int] = []
+    for t in prompt_ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            prompt.append(operator.index(t))  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"prompt_ids must be ints (token ids), got {t!r}") from None
+    if not prompt:
+        raise ValueError("prompt_ids needs at least one token")
+    low, high = min(prompt), max(prompt)
+    if low < 0:
+        raise ValueError(f"token ids must be >= 0, got {low}")
+    if vocab_size is not None and high >= vocab_size:
+        raise ValueError(f"token id {high} is past the model's vocabulary (vocab_size={vocab_size})")
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -210,9 +238,9 @@ class ContinuousDecodeLoop:
         stream: _Stream | None = None,
         deadline_s: float | None = None,
     ) -> tuple[Hashable, _Stream]:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("prompt_ids needs at least one token")
+        prompt = _check_prompt(prompt_ids, self._vocab_size())
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
         if deadline_s is not None and (
             isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not 0 < deadline_s < math.inf
         ):
@@ -329,6 +357,13 @@ class ContinuousDecodeLoop:
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
+
+    def _vocab_size(self) -> int | None:
+        """The step model's vocabulary size when it declares one (``step_fn.config.vocab_size``,
+        as :class:`batchkit.models.LlamaModel` does), so that a token id past it is refused at
+        submit instead of failing the whole step it would be batched into."""
+        size = getattr(getattr(self.step_fn, "config", None), "vocab_size", None)
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
     # ------------------------------------------------------------------ the engine
 
@@ -573,6 +608,18 @@ class ContinuousDecodeLoop:
             self._closing = True
             self._cond.notify_all()
             thread = self._thread
+            # No engine ever ran (engine="caller" before run_engine()): nobody else will end
+            # the requests waiting in the inbox, so end them here.
+            orphans = [] if thread is not None else self._inbox
+            if thread is None:
+                self._inbox = []
+        if orphans:
+            closed = BatcherClosed("the decode loop was closed")
+            wake_all(
+                w
+                for r, s in orphans
+                if (w := s.push(TokenEvent(r.request_id, None, True, "abort", closed))) is not None
+            )
         if thread is not None and thread is not threading.current_thread():
             self._stopped.wait(timeout)
 

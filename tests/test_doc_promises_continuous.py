@@ -1,0 +1,87 @@
+"""docs/continuous.md and docs/api.md promises of ContinuousDecodeLoop: close() ends every request
+it leaves behind, and a request no step could run is refused at submit, not inside a shared step."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchkit
+from batchkit import BatcherClosed, ContinuousDecodeLoop, PagedKVCache
+
+torch = pytest.importorskip("torch")
+
+WAIT = 30
+
+
+def _tiny_llama() -> Any:
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    return LlamaModel(cfg)
+
+
+def test_close_ends_requests_of_a_caller_engine_that_never_ran() -> None:
+    """close() aborts what is left: with engine="caller" and no run_engine(), submitted requests
+    end with BatcherClosed instead of waiting for ever."""
+    model = _tiny_llama()
+    loop = ContinuousDecodeLoop(model, model.make_cache(num_blocks=16, block_size=4), engine="caller")
+    futures = [loop.submit([1, 2, 3], max_new_tokens=4), loop.submit([4, 5], max_new_tokens=2)]
+    loop.close(timeout=WAIT)
+    for fut in futures:
+        with pytest.raises(BatcherClosed):
+            fut.result(timeout=WAIT)
+    with pytest.raises(BatcherClosed):
+        loop.submit([1], max_new_tokens=1)
+
+
+def test_an_out_of_vocabulary_prompt_is_refused_at_submit_and_fails_no_other_request() -> None:
+    """A token id past the model's vocabulary is a ValueError at submit: it never reaches a step,
+    where its failure would fail every request batched with it."""
+    model = _tiny_llama()
+    loop = ContinuousDecodeLoop(model, model.make_cache(num_blocks=16, block_size=4), engine="caller")
+    good = loop.submit([1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match="vocab"):
+        loop.submit([64], max_new_tokens=3)
+    with pytest.raises(ValueError, match=">= 0"):
+        loop.submit([-1], max_new_tokens=3)
+    with pytest.raises(ValueError, match="vocab"):
+        next(loop.generate_sync([1, 1000], max_new_tokens=3))
+    runner = threading.Thread(target=loop.run_engine)
+    runner.start()
+    try:
+        assert len(good.result(timeout=WAIT)) == 3
+    finally:
+        loop.close(timeout=WAIT)
+        runner.join(WAIT)
+
+
+@pytest.mark.parametrize("prompt", ["123", b"12", [1.0, 2.0], [True]])
+def test_a_prompt_that_is_not_token_ids_is_a_type_error(prompt: Any) -> None:
+    kv = PagedKVCache(1, 16, 4, 1, 4)
+    loop = ContinuousDecodeLoop(lambda batch, kv: None, kv, engine="caller")
+    with pytest.raises(TypeError, match="prompt_ids"):
+        loop.submit(prompt, max_new_tokens=2)
+    loop.close()
+
+
+def test_token_ids_may_be_numpy_or_torch_integers() -> None:
+    model = _tiny_llama()
+    with batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=16, block_size=4)) as loop:
+        a = loop.submit(np.array([1, 2]), max_new_tokens=2)  # type: ignore[arg-type]
+        b = loop.submit(torch.tensor([1, 2]), max_new_tokens=2)
+        assert a.result(timeout=WAIT) == b.result(timeout=WAIT)
+
+
+@pytest.mark.parametrize("priority", ["a", None, 1.5, True])
+def test_a_priority_that_is_not_an_int_is_a_type_error_at_submit(priority: Any) -> None:
+    """As for BoundedQueue: a priority is an int, checked when the request is made."""
+    kv = PagedKVCache(1, 16, 4, 1, 4)
+    loop = ContinuousDecodeLoop(lambda batch, kv: None, kv, engine="caller")
+    with pytest.raises(TypeError, match="priority"):
+        loop.submit([1], max_new_tokens=2, priority=priority)
+    loop.close()
