@@ -310,6 +310,8 @@ def test_an_embedding_queue_smaller_than_a_request_limits_the_request_with_400(m
             "context_length_exceeded",
         ),
         ("/v1/completions", {"model": CHAT, "prompt": "Hi", "max_tokens": 5000}, 400, "context_length_exceeded"),
+        ("/v1/completions", {"model": CHAT, "prompt": [10**7], "max_tokens": 1}, 400, "invalid_value"),
+        ("/v1/completions", {"model": CHAT, "prompt": [-1], "max_tokens": 1}, 400, "invalid_value"),
         ("/v1/embeddings", {"model": EMBED, "input": []}, 400, "invalid_value"),
         ("/v1/nowhere", {}, 404, "not_found"),
     ],

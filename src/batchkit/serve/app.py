@@ -621,14 +621,14 @@ class ModelServer:
             try:
                 prompt = lm.chat_prompt(req.messages)
             except ValueError as exc:
-                raise ApiError(400, str(exc), param="messages") from None
+                raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         elif isinstance(req.prompt, str):
             prompt = lm.encode(req.prompt)
         else:
             prompt = list(req.prompt or ())
             vocab = lm.model.config.vocab_size
             if any(t < 0 or t >= vocab for t in prompt):
-                raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+                raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
         max_tokens = self._limit(len(prompt), req.max_tokens)
         stop_ids = () if req.ignore_eos else lm.stop_token_ids
         sampling: dict[str, Any] = {
