@@ -151,15 +151,20 @@ class PagedKVCache:
         """Sequences' pages to contiguous K and V ``[sum(seq_lens), num_kv_heads, head_dim]``.
 
         ``total_tokens`` (= ``sum(seq_lens)``) spares the CUDA kernels a device synchronisation.
+
+        Raises:
+            ValueError: ``total_tokens`` is given and differs from ``sum(seq_lens)`` (on every
+                backend; the CUDA one checks it only with ``CHECK_INDICES`` on).
         """
         if self._use_cuda():
             from .. import _cuda
 
             k = _cuda.gather_kv(self.key(layer), block_tables, seq_lens, total_tokens)
             return k, _cuda.gather_kv(self.value(layer), block_tables, seq_lens, int(k.shape[0]))
-        return ops.gather(self.key(layer), block_tables, seq_lens), ops.gather(
-            self.value(layer), block_tables, seq_lens
-        )
+        k = ops.gather(self.key(layer), block_tables, seq_lens)
+        if total_tokens is not None and int(k.shape[0]) != total_tokens:
+            raise ValueError(f"total_tokens={total_tokens!r} differs from sum(seq_lens)={int(k.shape[0])}")
+        return k, ops.gather(self.value(layer), block_tables, seq_lens)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy blocks ``src -> dst`` in every layer, K and V (copy-on-write).
