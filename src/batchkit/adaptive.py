@@ -99,6 +99,8 @@ class AdaptiveBatchController:
             raise ValueError(f"latency_slo_ms must be > 0, got {latency_slo_ms}")
         if not 0 < slo_margin <= 1:
             raise ValueError(f"slo_margin must be in (0, 1], got {slo_margin}")
+        if not 0 <= slo_quantile <= 100:
+            raise ValueError(f"slo_quantile must be a percentile in [0, 100], got {slo_quantile}")
         start = min_batch if initial is None else initial
         if not min_batch <= start <= max_batch:
             raise ValueError(f"initial must be within [{min_batch}, {max_batch}], got {initial}")
@@ -346,10 +348,16 @@ class AdaptiveTuner:
         self._thread: threading.Thread | None = None
 
     def step(self) -> int:
-        """Read the target, ask the policy, apply its batch size; return it."""
+        """Read the target, ask the policy, apply its batch size; return it.
+
+        Raises:
+            ValueError: the policy chose a batch size below 1 (nothing is applied).
+        """
         t = self._tunable
         lat, self._seen = t.latency_samples(self._seen)
         size = int(self.policy.decide(float(t.queue_depth()), lat, self.clock.now()))
+        if size < 1:  # a target at batch size 0 would never run another batch
+            raise ValueError(f"the policy chose batch size {size}; a batch size must be >= 1")
         t.set_batch_limit(size)
         return size
 
@@ -357,6 +365,7 @@ class AdaptiveTuner:
         """Run :meth:`step` every ``interval_s`` seconds on a daemon thread until :meth:`stop`."""
         if self._thread is not None:
             return
+        self._stop.clear()  # a tuner stopped before starts again
 
         def run() -> None:
             while not self._stop.wait(interval_s):
