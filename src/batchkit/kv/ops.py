@@ -29,10 +29,14 @@ def _flat(cache: Tensor) -> Tensor:
 
 def scatter(key_cache: Tensor, value_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, heads, head_dim]`` at ``slot_mapping`` (negative: skip)."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    _flat(key_cache)[slots] = key[keep].to(key_cache.dtype)
-    _flat(value_cache)[slots] = value[keep].to(value_cache.dtype)
+    if slot_mapping.numel() == 0 or int(slot_mapping.min()) >= 0:  # no padding: no masked copies
+        slots = slot_mapping.long()
+    else:
+        keep = slot_mapping >= 0
+        slots, key, value = slot_mapping[keep].long(), key[keep], value[keep]
+    # index_copy_ rather than an indexed assignment: several times faster on CPU for a step's rows.
+    _flat(key_cache).index_copy_(0, slots, key.to(key_cache.dtype))
+    _flat(value_cache).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def slots_for(block_tables: Tensor, seq_lens: Tensor, block_size: int) -> Tensor:
