@@ -74,8 +74,14 @@ def table_cost(table: dict[int, float]) -> CostFn:
 
 
 def poisson(rate: float, duration_s: float, seed: int = 0, start: float = 0.0) -> Iterator[float]:
-    """Arrival times of a Poisson process of ``rate`` per second."""
-    if rate <= 0:
+    """Arrival times of a Poisson process of ``rate`` per second (none at rate 0).
+
+    Raises:
+        ValueError: a negative ``rate`` or ``duration_s`` (on the first iteration: this is a generator).
+    """
+    if not rate >= 0 or not duration_s >= 0:
+        raise ValueError(f"rate and duration_s must be >= 0, got rate={rate!r}, duration_s={duration_s!r}")
+    if rate == 0:
         return
     rng = random.Random(seed)
     t = start
@@ -97,7 +103,16 @@ def steps(phases: Sequence[tuple[float, float]], seed: int = 0) -> Iterator[floa
 def bursty(
     base_rate: float, burst_rate: float, period_s: float, burst_s: float, duration_s: float, seed: int = 0
 ) -> Iterator[float]:
-    """``base_rate`` arrivals with bursts of ``burst_rate`` for ``burst_s`` every ``period_s``."""
+    """``base_rate`` arrivals with bursts of ``burst_rate`` for ``burst_s`` every ``period_s``.
+
+    Raises:
+        ValueError: ``period_s`` not > 0, or ``burst_s`` outside ``0..period_s`` (a burst longer
+            than its period would stretch the arrivals past ``duration_s``).
+    """
+    if not period_s > 0 or not 0 <= burst_s <= period_s:
+        raise ValueError(
+            f"need period_s > 0 and 0 <= burst_s <= period_s, got period_s={period_s!r}, burst_s={burst_s!r}"
+        )
     phases = []
     t = 0.0
     while t < duration_s:
@@ -125,6 +140,12 @@ class ClosedLoop:
 
     concurrency: int
     duration_s: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
+            raise ValueError(f"concurrency must be an int >= 1, got {self.concurrency!r}")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s!r}")
 
 
 @dataclass(frozen=True)

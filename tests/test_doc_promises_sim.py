@@ -1,0 +1,36 @@
+"""docs/api.md promises of batchkit.sim's arrival processes: times lie within the duration asked
+for, and arguments that describe no process are refused instead of hanging or stretching time."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchkit import sim
+
+
+@pytest.mark.parametrize(("period_s", "burst_s"), [(0.0, 0.0), (-1.0, 0.1), (1.0, 2.0), (1.0, -0.1)])
+def test_bursty_refuses_a_period_that_cannot_hold_its_burst(period_s: float, burst_s: float) -> None:
+    """period_s=0 used to loop for ever; a burst longer than its period put arrivals past duration_s."""
+    with pytest.raises(ValueError, match="period_s"):
+        sim.bursty(10, 100, period_s, burst_s, duration_s=5)
+
+
+def test_bursty_arrivals_lie_within_the_duration() -> None:
+    times = list(sim.bursty(10, 100, period_s=1.0, burst_s=1.0, duration_s=3, seed=0))
+    assert times
+    assert max(times) < 3
+    assert times == sorted(times)
+
+
+def test_poisson_refuses_a_negative_rate_and_gives_nothing_at_rate_zero() -> None:
+    with pytest.raises(ValueError, match="rate"):
+        list(sim.poisson(-1, 10))
+    with pytest.raises(ValueError, match="duration_s"):
+        list(sim.poisson(10, -1))
+    assert list(sim.poisson(0, 10)) == []
+
+
+@pytest.mark.parametrize(("concurrency", "duration_s"), [(0, 1.0), (-2, 1.0), (1.5, 1.0), (4, 0.0)])
+def test_closed_loop_refuses_no_callers_or_no_time(concurrency: int, duration_s: float) -> None:
+    with pytest.raises(ValueError, match=r"concurrency|duration_s"):
+        sim.ClosedLoop(concurrency, duration_s)
