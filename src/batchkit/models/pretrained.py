@@ -338,7 +338,15 @@ class SentenceEncoder:
         self._lock = threading.Lock()
 
     def encode(self, texts: Sequence[str]) -> tuple[torch.Tensor, list[int]]:
-        """Embed ``texts``: a float32 ``[len(texts), dimension]`` tensor and each text's token count."""
+        """Embed ``texts``: a float32 ``[len(texts), dimension]`` tensor and each text's token count.
+
+        Raises:
+            TypeError: ``texts`` is one string (pass ``[text]``), not a sequence of them.
+        """
+        if isinstance(texts, str | bytes):
+            raise TypeError("encode takes a list of texts; for one text pass [text]")
+        if len(texts) == 0:
+            return torch.empty((0, self.dimension), dtype=torch.float32), []
         with self._lock:
             enc = self.tokenizer(
                 list(texts), padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt"
