@@ -36,6 +36,38 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
 
+    def __post_init__(self) -> None:
+        """Refuse a shape no model can have, here rather than at the first decode step.
+
+        Raises:
+            ValueError: a size below 1, or attention heads that are not a multiple of the KV heads.
+        """
+        sizes = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        )
+        for name in sizes:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.head_dim is not None and (
+            isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1
+        ):
+            raise ValueError(f"head_dim must be an int >= 1 or None, got {self.head_dim!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.dim_per_head < 1:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} gives no dimension per head for {self.num_attention_heads} heads"
+            )
+
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
