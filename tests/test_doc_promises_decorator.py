@@ -71,3 +71,30 @@ def test_map_refuses_a_window_that_is_not_a_positive_int(bad: Any) -> None:
     with pytest.raises(ValueError, match="window"):
         list(echo.map([1, 2], window=bad))
     echo.close()
+
+
+def test_an_override_and_the_method_it_overrides_keep_their_own_batchers() -> None:
+    """On a method each instance gets its own batcher: one per decorated method, so that a
+    subclass's override and ``super().method`` do not share (and swap) one."""
+
+    class Base:
+        @batchkit.batched(max_batch=4, max_wait_ms=1)
+        def tag(self, xs: list[int]) -> list[str]:
+            return ["base"] * len(xs)
+
+    class Child(Base):
+        @batchkit.batched(max_batch=4, max_wait_ms=1)
+        def tag(self, xs: list[int]) -> list[str]:
+            return ["child"] * len(xs)
+
+        def base_tag(self, x: int) -> str:
+            return str(super().tag(x))
+
+    first, second = Child(), Child()
+    assert first.tag(0) == "child"
+    assert first.base_tag(0) == "base"
+    assert second.base_tag(0) == "base"  # the base method used first on this instance
+    assert second.tag(0) == "child"
+    for c in (first, second):
+        c.tag.close()
+        Base.tag.__get__(c).close()

@@ -60,7 +60,9 @@ class _BatchedBase(Generic[T, R]):
         self._batcher: DynamicBatcher[T, R] | None = None
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
-        self._attr = f"__batchkit_{getattr(fn, '__name__', 'fn')}"
+        # Where an instance keeps its bound copy: keyed by the qualified name, so that a subclass's
+        # override and the base method it overrides (``super().f``) each get their own batcher.
+        self._attr = f"__batchkit_{getattr(fn, '__qualname__', None) or getattr(fn, '__name__', 'fn')}"
 
     @property
     def batcher(self) -> DynamicBatcher[T, R]:
