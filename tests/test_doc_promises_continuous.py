@@ -85,3 +85,22 @@ def test_a_priority_that_is_not_an_int_is_a_type_error_at_submit(priority: Any) 
     with pytest.raises(TypeError, match="priority"):
         loop.submit([1], max_new_tokens=2, priority=priority)
     loop.close()
+
+
+@pytest.mark.parametrize("sampled", [[], [7, 8]])
+def test_scheduler_update_refuses_a_wrong_number_of_tokens_and_changes_nothing(sampled: list[int]) -> None:
+    """update(step, sampled) takes one token per request that samples: another count is a
+    ValueError (not a StopIteration escaping into the caller's loop), and the step can be applied
+    afterwards with the right tokens."""
+    from batchkit.continuous import Request
+
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    sched.add(Request("r1", [1, 2, 3], batchkit.SamplingParams(max_new_tokens=2)))
+    step = sched.schedule()
+    with pytest.raises(ValueError, match="one sampled token per sequence"):
+        sched.update(step, sampled)
+    request = sched.get("r1")
+    assert request is not None
+    assert request.num_computed == 0
+    events = sched.update(step, [7])
+    assert [(e.request_id, e.token) for e in events] == [("r1", 7)]

@@ -522,7 +522,14 @@ class Scheduler:
         """Apply a step's results: one sampled token per sequence that sampled, in order.
 
         Finished sequences leave at once and free their blocks.
+
+        Raises:
+            ValueError: ``sampled`` does not hold one token per sampling sequence (nothing is
+                changed).
         """
+        wanted = sum(1 for s in step.samples if s)
+        if len(sampled) != wanted:
+            raise ValueError(f"update needs one sampled token per sequence that samples: {wanted}, got {len(sampled)}")
         now = self.clock.now()
         events = self.take_events()
         a = self.allocator
