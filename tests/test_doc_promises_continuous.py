@@ -104,3 +104,50 @@ def test_scheduler_update_refuses_a_wrong_number_of_tokens_and_changes_nothing(s
     assert request.num_computed == 0
     events = sched.update(step, [7])
     assert [(e.request_id, e.token) for e in events] == [("r1", 7)]
+
+
+class _EchoStep:
+    """A fake model: the next token is (last input token + 1) % 50."""
+
+    def __call__(self, batch: batchkit.StepBatch, kv: PagedKVCache) -> Any:
+        last = batch.input_ids[batch.sample_indices]
+        return torch.nn.functional.one_hot((last + 1) % 50, 50).to(torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_set_batch_limit_holds_from_the_next_step_on_and_loses_nothing(mode: str) -> None:
+    """set_batch_limit(size): at most size requests run from the next step on, also when more are
+    running already (the worst are preempted, and finish later with the same tokens)."""
+    from batchkit.continuous import Request
+
+    kv = PagedKVCache(1, 64, 4, 1, 4)
+    loop = ContinuousDecodeLoop(
+        _EchoStep(),
+        kv,
+        max_num_seqs=8,
+        engine="caller",
+        preemption_mode=mode,  # type: ignore[arg-type]
+        num_cpu_blocks=64 if mode == "swap" else 0,
+    )
+    for i in range(8):
+        loop.scheduler.add(Request(i, [i + 1], batchkit.SamplingParams(max_new_tokens=6)))
+    step, _ = loop.step_once()
+    assert len(step.requests) == 8
+    loop.set_batch_limit(2)
+    outputs: dict[Any, list[int]] = {}
+    for _ in range(200):
+        step, events = loop.step_once()
+        assert len(step.requests) <= 2
+        for ev in events:
+            if ev.finished:
+                request = loop.scheduler.get(ev.request_id)
+                assert request is None
+        for req in step.requests:
+            if req.status.name == "FINISHED":
+                outputs[req.request_id] = list(req.output)
+        if not loop.scheduler.has_work():
+            break
+    assert sorted(outputs) == list(range(8))
+    for i in range(8):
+        assert outputs[i] == [(i + 1 + k) % 50 for k in range(1, 7)]
+    loop.close()

@@ -393,6 +393,15 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         preempted = False
 
+        # A max_num_seqs lowered while requests run (set_batch_limit, an AdaptiveTuner) holds
+        # from this step on: the worst running requests over it are preempted, as when blocks
+        # run out, and come back when there is room under the limit.
+        while len(self.running) > self.max_num_seqs:
+            victim = self._victim(set())
+            assert victim is not None  # running is not empty
+            self._preempt(victim, swap_out)
+            preempted = True
+
         # A better-priority waiting request may push out a worse running one.
         if self.waiting and self.running:
             head = self.waiting[0]
