@@ -2,6 +2,7 @@
 
 Measures requests/s and microseconds per request for:
   - 512 concurrent asyncio tasks (each awaits one request at a time) through ``asubmit``;
+  - the same tasks through ``AsyncBatcher.submit`` (same loop, no thread, no lock);
   - the same callers through a bare, minimal asyncio batcher (a baseline with none of batchkit's
     guarantees: no bound, no deadlines, no thread safety), run side by side in the same process;
   - 64 threads calling the blocking ``batcher(x)``.
@@ -46,6 +47,17 @@ def bench_batchkit_async(n: int, callers: int, backend: str) -> float:
         return anyio.run(_drive_async, b.asubmit, n, callers, backend=backend)
     finally:
         b.close()
+
+
+def bench_batchkit_same_loop(n: int, callers: int) -> float:
+    async def main() -> float:
+        b = batchkit.AsyncBatcher(noop, max_batch_size=callers, max_wait_ms=1, max_queue=4 * callers)
+        try:
+            return await _drive_async(b.submit, n, callers)
+        finally:
+            await b.aclose()
+
+    return asyncio.run(main())
 
 
 class BareAsyncioBatcher:
@@ -122,6 +134,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     for _ in range(args.repeats):  # interleaved, so that machine noise hits every row alike
         rows.setdefault("bare asyncio batcher, 512 tasks (baseline)", []).append(bench_bare_asyncio(n, 512))
+        rows.setdefault("batchkit AsyncBatcher, 512 asyncio tasks", []).append(bench_batchkit_same_loop(n, 512))
         rows.setdefault("batchkit asubmit, 512 asyncio tasks", []).append(bench_batchkit_async(n, 512, "asyncio"))
         rows.setdefault("batchkit asubmit, 512 trio tasks", []).append(bench_batchkit_async(n, 512, "trio"))
         rows.setdefault("batchkit blocking call, 64 threads", []).append(bench_batchkit_threads(n, 64))
