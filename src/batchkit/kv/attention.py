@@ -23,7 +23,7 @@ Tensor = Any
 class _Group:
     """Sequences attended together: their pages, query rows and mask."""
 
-    tables: Tensor  # [S, nb] int64 block ids
+    tables: Tensor  # [S * nb] int64 block ids, sequence by sequence (flat for index_select)
     query_index: Tensor  # [S, q_max] int64 rows of the flattened query (padding: row 0)
     mask: Tensor  # [S, 1, q_max, nb * block_size] bool, True where a query may attend
     out_rows: Tensor  # [n] rows of the flattened output that real queries fill
@@ -93,7 +93,7 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, b
         flat_valid = valid.reshape(-1)
         groups.append(
             _Group(
-                tables=tables,
+                tables=tables.reshape(-1),
                 query_index=query_index.to(device),
                 mask=mask[:, None].to(device),
                 out_rows=query_index.reshape(-1)[flat_valid].to(device),
@@ -136,12 +136,14 @@ def planned_attention(
         s_, q_max = g.query_index.shape
         width = g.mask.shape[-1]
         # Whole blocks (contiguous runs of block_size rows), not single tokens: [S, Hkv, W, D].
-        k = key_cache[g.tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
-        v = value_cache[g.tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
-        q = query[g.query_index].to(acc).transpose(1, 2)  # [S, H, q_max, D]
+        # index_select on dim 0, not advanced indexing: a row copy, several times faster on CPU.
+        k = key_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
+        v = value_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
+        q = query.index_select(0, g.query_index.reshape(-1)).view(s_, q_max, num_heads, head_dim)
+        q = q.to(acc).transpose(1, 2)  # [S, H, q_max, D]
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv
         )
         o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim)
-        out[g.out_rows] = o.index_select(0, g.out_select).to(query.dtype)
+        out.index_copy_(0, g.out_rows, o.index_select(0, g.out_select).to(query.dtype))
     return out
