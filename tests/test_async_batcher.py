@@ -357,6 +357,17 @@ def test_batch_timeout_on_the_loop_is_refused() -> None:
     AsyncBatcher(lambda xs: xs, batch_timeout_s=1.0, offload=True)
 
 
+def test_offload_of_an_async_def_is_refused() -> None:
+    """offload=True moves a plain function off the loop; an async def is awaited on the loop,
+    so asking to offload one is a mistake, not something to ignore."""
+
+    async def double(xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+    with pytest.raises(ValueError, match="async def"):
+        AsyncBatcher(double, offload=True)
+
+
 def test_an_open_circuit_fails_submits_fast() -> None:
     """After failure_threshold failing batches the breaker opens and submit raises CircuitOpen."""
 

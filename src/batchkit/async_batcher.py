@@ -98,8 +98,9 @@ class AsyncBatcher(BatcherShell[T, R]):
             (``max_concurrent_batches`` of them, started on first use) instead of on the loop.
 
     Raises:
-        ValueError: as ``DynamicBatcher``; and ``batch_timeout_s`` with a plain ``fn`` on the
-            loop (a call that holds the loop cannot be timed out: pass ``offload=True``).
+        ValueError: as ``DynamicBatcher``; ``batch_timeout_s`` with a plain ``fn`` on the
+            loop (a call that holds the loop cannot be timed out: pass ``offload=True``);
+            ``offload=True`` with an ``async def`` ``fn``.
         TypeError: ``fn`` is not callable.
     """
 
@@ -137,6 +138,11 @@ class AsyncBatcher(BatcherShell[T, R]):
             },
         )
         is_async = is_async_callable(fn)
+        if offload and is_async:
+            raise ValueError(
+                "offload=True runs a plain function in a worker thread; an async def batch function "
+                "is awaited on the loop (make it a plain function to offload it)"
+            )
         if batch_timeout_s is not None and not is_async and not offload:
             raise ValueError(
                 "batch_timeout_s needs a batch function that can be interrupted: an async def, or "
@@ -162,7 +168,7 @@ class AsyncBatcher(BatcherShell[T, R]):
             block=on_full == "block",
         )
         self._is_async = is_async
-        self.offload = offload and not is_async
+        self.offload = offload
         # The real clock's now() is time.monotonic: call it without the method frame.
         self._now = time.monotonic if type(self.clock) is MonotonicClock else self.clock.now
         self._loop: asyncio.AbstractEventLoop | None = None
