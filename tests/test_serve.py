@@ -784,6 +784,85 @@ def test_serve_command_exits_1_when_a_model_cannot_load(tmp_path: Path) -> None:
     assert "argument --embedding-model" in proc.stderr
 
 
+class _ServeProcess:
+    """``batchkit serve`` in a subprocess on a free port, ready once entered; killed if still up on exit."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.log = log
+        self.args = [*args, "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning"]
+
+    def __enter__(self) -> _ServeProcess:
+        self.err = self.log.open("w")
+        self.proc = subprocess.Popen(_serve_command(*self.args), stdout=subprocess.DEVNULL, stderr=self.err)
+
+        def ready() -> bool:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                return bool(httpx.get(f"{self.url}/ready", timeout=5).status_code == 200)
+            except httpx.TransportError:
+                return False
+
+        _wait_until(ready, "batchkit serve to report ready")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.err.close()
+
+    def in_flight(self) -> float:
+        return _metrics(self.url)[("batchkit_http_in_flight", ())]
+
+
+LONG_BODY = {"model": CHAT, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+
+@needs_models
+def test_serve_command_on_sigterm_refuses_new_requests_with_503_while_one_in_flight_finishes(tmp_path: Path) -> None:
+    """After SIGTERM, `batchkit serve` keeps its port open while a request is in flight:
+    /ready answers 503 (stopping) and a new request 503 (shutting_down, Retry-After); once the
+    request in flight has left, the server exits with status 0."""
+    with _ServeProcess(
+        tmp_path / "stderr.txt", "--model", CHAT, "--num-blocks", "256", "--shutdown-grace-s", "600"
+    ) as s:
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={**LONG_BODY, "stream": True}, timeout=60) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            s.proc.send_signal(signal.SIGTERM)
+            _wait_until(
+                lambda: httpx.get(f"{s.url}/ready", timeout=30).status_code == 503, "/ready to answer 503", timeout=60
+            )
+            assert httpx.get(f"{s.url}/ready", timeout=30).json() == {"status": "stopping"}
+            r = httpx.post(f"{s.url}/v1/completions", json={"model": CHAT, "prompt": "Hi", "max_tokens": 1}, timeout=30)
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "shutting_down"
+            assert r.headers["retry-after"] == "1"
+            assert s.proc.poll() is None  # the request in flight still holds the server up
+        assert s.proc.wait(timeout=60) == 0
+    assert "Traceback" not in s.log.read_text()
+
+
+@needs_models
+def test_serve_command_on_sigterm_aborts_what_outlasts_the_grace_with_an_openai_error(tmp_path: Path) -> None:
+    """A request still running when --shutdown-grace-s has passed gets 503 shutting_down with an
+    OpenAI error body (not a bare 500), and the server exits with status 0."""
+    with (
+        _ServeProcess(tmp_path / "stderr.txt", "--model", CHAT, "--num-blocks", "256", "--shutdown-grace-s", "0") as s,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        running = pool.submit(httpx.post, f"{s.url}/v1/completions", json=LONG_BODY, timeout=DEADLINE_S)
+        _wait_until(lambda: s.in_flight() == 1, "the request to be in flight")
+        s.proc.send_signal(signal.SIGTERM)
+        r = running.result(timeout=DEADLINE_S)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "shutting_down"
+        assert s.proc.wait(timeout=60) == 0
+    assert "Traceback" not in s.log.read_text()
+
+
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "\ufffd", 6: "!"}
 
 

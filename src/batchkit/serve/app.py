@@ -15,6 +15,7 @@ next step boundary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,8 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -345,6 +348,7 @@ class ModelServer:
         self.metrics = _ServerMetrics(self.registry)
         self._in_flight = 0
         self._idle: anyio.Event | None = None  # set when the last request in flight leaves
+        self._token: Any = None  # the event loop serving the app (set in the lifespan)
 
     # ------------------------------------------------------------------ names
 
@@ -422,10 +426,26 @@ class ModelServer:
         if self.embed is not None:
             await self.embed.aclose()
 
+    def shutdown_from_thread(self) -> None:
+        """Run :meth:`shutdown` on the app's event loop from another thread, and wait for it.
+
+        For a server that stops on a signal: call it before telling the HTTP server to exit, so
+        that new requests get 503 (``shutting_down``) and ``/ready`` 503 (``stopping``) while the
+        requests in flight finish, and those still running after ``shutdown_grace_s`` end with an
+        OpenAI error (not a bare 500 from the HTTP server cancelling them). Does nothing before
+        the app's lifespan has started or after its event loop has ended.
+        """
+        token = self._token
+        if token is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop has already ended
+            anyio.from_thread.run(self.shutdown, token=token)
+
     @asynccontextmanager
     async def lifespan(self, app: Any = None) -> AsyncIterator[None]:
         """Start loading in the background; on exit, :meth:`shutdown`. Enter it from a parent app's
         lifespan when this app is mounted (Starlette does not run a mounted app's lifespan)."""
+        self._token = anyio.lowlevel.current_token()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.start)
             try:
@@ -680,7 +700,13 @@ class ModelServer:
             self._reject("kv_exhausted")
             return ApiError(400, str(exc), code="context_length_exceeded")
         if isinstance(exc, BatcherClosed):
-            return ApiError(503, str(exc), type="server_error", code="shutting_down")
+            return ApiError(
+                503,
+                f"the server is shutting down: {exc}",
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         if isinstance(exc, DeadlineExceeded):
             self._reject("deadline")
             return ApiError(504, str(exc), type="server_error", code="deadline_exceeded")
@@ -783,7 +809,13 @@ class ModelServer:
             if isinstance(exc, QueueFull):
                 raise self._queue_full(exc)
             if isinstance(exc, BatcherClosed):
-                raise ApiError(503, str(exc), type="server_error", code="shutting_down")
+                raise ApiError(
+                    503,
+                    f"the server is shutting down: {exc}",
+                    type="server_error",
+                    code="shutting_down",
+                    headers={"Retry-After": str(self.retry_after_s)},
+                )
             if isinstance(exc, CircuitOpen):
                 self._reject("circuit_open")
                 raise ApiError(

@@ -10,8 +10,11 @@ Nothing here imports the web framework until the command runs, so ``batchkit --h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -205,14 +208,56 @@ def _serve_with_engine_in_main_thread(server: Any, state: Any) -> None:
     On a CPU, torch steps the model faster in the thread that made the process's OpenMP team than
     in any other: measured with benchmarks/llm_real.py, generate() reached 1.01-1.07x the bare
     step loop this way against 0.72-0.74x with the engine in its own thread (docs/benchmarks.md).
-    Signals reach the main thread only, so Ctrl-C and SIGTERM are turned into uvicorn's graceful
-    exit here; its shutdown closes the loop, which ends run_engine().
+    The first Ctrl-C or SIGTERM starts the app's own shutdown in a helper thread (the main thread
+    keeps stepping the model meanwhile): new requests get 503 while those in flight get
+    ``--shutdown-grace-s`` to finish, the rest end with an OpenAI error, and the loop closes, which
+    ends run_engine(); only then is uvicorn told to exit. Left to uvicorn alone, the port would
+    close at once and requests still running at its timeout would be cancelled into bare 500
+    answers. A second signal hands over to uvicorn's own graceful exit.
+
+    Python runs a signal handler in the main thread only, and only once that thread runs Python
+    code again; an idle engine waits on a lock, and a signal the kernel hands to another thread
+    would then wait for the next request. So the handler does nothing itself: the signal number
+    also goes to a wake-up socket (``signal.set_wakeup_fd``, written by whichever thread caught
+    the signal) that a watcher thread reads.
     """
+    received = 0
 
-    def stop(signum: int, frame: Any) -> None:
-        server.should_exit = True
+    def drain_then_exit() -> None:
+        try:
+            state.shutdown_from_thread()
+        except Exception:  # stop regardless; the app's lifespan shuts down again
+            logging.getLogger(__name__).exception("batchkit serve: shutting down failed")
+        finally:
+            server.should_exit = True
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum: int) -> None:
+        nonlocal received
+        if signum not in (signal.SIGINT, signal.SIGTERM):
+            return
+        received += 1
+        if received == 1:
+            threading.Thread(target=drain_then_exit, name="batchkit-serve-drain", daemon=True).start()
+        else:
+            server.should_exit = True
+
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+
+    def watch() -> None:
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                on_signal(signum)
+
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="batchkit-serve-signals", daemon=True).start()
     http = threading.Thread(target=server.run, name="batchkit-serve-http", daemon=True)
     http.start()
     try:
@@ -224,5 +269,10 @@ def _serve_with_engine_in_main_thread(server: Any, state: Any) -> None:
             http.join(0.05)
         http.join()
     finally:
+        signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        writer.close()
+        with contextlib.suppress(OSError):
+            reader.shutdown(socket.SHUT_RDWR)  # ends the watcher's recv()
+        reader.close()
