@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from batchkit import (
+    AsyncBatcher,
     BatcherClosed,
     BatchSizeMismatch,
     BatchTimeout,
@@ -65,6 +66,22 @@ def test_bad_configuration_is_refused(kwargs: dict[str, Any], exc: type[BaseExce
     """Misconfiguration fails at construction with a message that names the argument."""
     with pytest.raises(exc, match=message):
         DynamicBatcher(lambda xs: xs, **kwargs)
+
+
+def test_a_batch_limit_below_one_is_refused() -> None:
+    """max_batch_size = 0 (or set_batch_limit(0), what a tuner calls) would never dispatch."""
+    with DynamicBatcher(Recorder(), max_batch_size=4, max_wait_ms=1) as b:
+        for bad in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+                b.set_batch_limit(bad)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+                b.max_batch_size = bad  # type: ignore[assignment]
+        assert b.max_batch_size == 4
+        b.max_batch_size = 2
+        assert b.submit(1).result(WAIT) == 10
+    ab = AsyncBatcher(Recorder(), max_batch_size=4)
+    with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+        ab.set_batch_limit(0)
 
 
 def test_fn_must_be_callable() -> None:

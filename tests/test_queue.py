@@ -36,6 +36,20 @@ def test_bad_arguments_are_refused_with_the_fix(kwargs: dict[str, Any], message:
         BoundedQueue(**kwargs)
 
 
+def test_a_negative_cost_or_an_unhashable_key_is_refused_at_put() -> None:
+    """What a batcher's size_fn and group_by may not return, a put may not pass either."""
+    q: BoundedQueue[int] = BoundedQueue(4)
+    with pytest.raises(ValueError, match="cost must be a number >= 0"):
+        q.put_nowait(1, cost=-1)
+    with pytest.raises(ValueError, match="cost must be a number >= 0"):
+        q.put_nowait(1, cost=float("nan"))
+    with pytest.raises(TypeError, match="key must be hashable"):
+        q.put_nowait(1, key=["a"])  # type: ignore[arg-type]
+    assert len(q) == 0
+    q.put_nowait(1, cost=0, key=("a", 1))
+    assert len(q) == 1
+
+
 def test_fifo_within_a_priority_and_lower_priority_value_first() -> None:
     """Lower priority values are served first; equal priorities in arrival order."""
     q: BoundedQueue[str] = BoundedQueue(10)
@@ -144,6 +158,8 @@ def test_block_policy_put_waits_for_room_then_times_out() -> None:
     q.put_nowait(1)
     with pytest.raises(QueueFull, match="within timeout"):
         q.put(2, timeout=0.01)
+    with pytest.raises(QueueFull, match=r"does not wait: use put\(\) or aput\(\)"):
+        q.put_nowait(2)  # the advice fits the policy: this queue already blocks, put_nowait does not
     done = threading.Event()
 
     def producer() -> None:

@@ -121,17 +121,24 @@ def check_queue_options(maxsize: object, on_full: object = "reject", aging_s: ob
         raise ValueError(f"aging_s must be > 0 seconds or None, got {aging_s!r}")
 
 
-def check_put_args(priority: object, deadline_ms: float | None) -> None:
-    """Validate one ``put``'s ``priority`` and ``deadline_ms``.
+def check_put_args(priority: object, deadline_ms: float | None, key: object = None, cost: float = 1) -> None:
+    """Validate one ``put``'s ``priority``, ``deadline_ms``, group ``key`` and ``cost``.
 
     Raises:
-        TypeError: ``priority`` is not an int.
-        ValueError: ``deadline_ms`` is negative.
+        TypeError: ``priority`` is not an int, or ``key`` is unhashable.
+        ValueError: ``deadline_ms`` or ``cost`` is negative (or NaN).
     """
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
     if deadline_ms is not None and not deadline_ms >= 0:
         raise ValueError(f"deadline_ms must be >= 0 or None, got {deadline_ms!r}")
+    if cost != 1 and not cost >= 0:
+        raise ValueError(f"cost must be a number >= 0, got {cost!r}")
+    if key is not None:
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"key must be hashable (it names the item's group), got {key!r}") from None
 
 
 class QueueCore(Generic[T]):
@@ -204,10 +211,12 @@ class QueueCore(Generic[T]):
         victim = self._choose_victim(priority)
         if victim is None:
             self._rejections += 1
-            raise QueueFull(
-                f"queue is full ({self.maxsize} items, on_full={self.on_full!r}); raise "
-                "maxsize, use on_full='block' to wait, or add serving capacity"
+            advice = (
+                "this call does not wait: use put() or aput() to wait for room"
+                if self.on_full == "block"
+                else "raise maxsize, use on_full='block' to wait, or add serving capacity"
             )
+            raise QueueFull(f"queue is full ({self.maxsize} items, on_full={self.on_full!r}); {advice}")
         self._remove(victim, DROPPED)
         self._drops += 1
         return [(victim, QueueFull(f"dropped from a full queue ({self.on_full}) to admit a newer item"))]

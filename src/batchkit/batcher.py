@@ -254,7 +254,7 @@ class BatcherShell(Generic[T, R]):
 
     @max_batch_size.setter
     def max_batch_size(self, value: int) -> None:
-        self.former.max_batch_size = value
+        self.set_batch_limit(value)
 
     @property
     def closed(self) -> bool:
@@ -272,7 +272,12 @@ class BatcherShell(Generic[T, R]):
             return self._latency.since(since)
 
     def set_batch_limit(self, size: int) -> None:
-        """Set ``max_batch_size`` (``TunableTarget``)."""
+        """Set ``max_batch_size`` (``TunableTarget``).
+
+        Raises:
+            ValueError: ``size`` is not an int >= 1 (a limit of 0 would never dispatch).
+        """
+        _check_positive_int("max_batch_size", size)
         self.former.max_batch_size = size
 
     def _key_and_cost(self, item: Any, priority: int, deadline_ms: float | None) -> tuple[Hashable, float]:

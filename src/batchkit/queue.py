@@ -150,7 +150,7 @@ class BoundedQueue(Generic[T]):
                 refuse here too: use :meth:`put` or :meth:`aput` to wait).
             ValueError: ``deadline_ms`` is negative.
         """
-        check_put_args(priority, deadline_ms)
+        check_put_args(priority, deadline_ms, key, cost)
         error: QueueFull | None = None
         core = self.core
         with self.mutex:
@@ -199,7 +199,7 @@ class BoundedQueue(Generic[T]):
         """
         if self.on_full != "block":
             return self.put_nowait(item, priority=priority, deadline_ms=deadline_ms, key=key, cost=cost)
-        check_put_args(priority, deadline_ms)
+        check_put_args(priority, deadline_ms, key, cost)
         deadline = None if timeout is None else _monotonic() + timeout
         while True:
             entry = self._put_if_room(item, priority, deadline_ms, key, cost)
@@ -222,7 +222,7 @@ class BoundedQueue(Generic[T]):
         """Async :meth:`put`: on a ``"block"`` queue, await room (up to ``timeout`` seconds)."""
         if self.on_full != "block":
             return self.put_nowait(item, priority=priority, deadline_ms=deadline_ms, key=key, cost=cost)
-        check_put_args(priority, deadline_ms)
+        check_put_args(priority, deadline_ms, key, cost)
         with anyio.move_on_after(timeout):
             while True:
                 entry = self._put_if_room(item, priority, deadline_ms, key, cost)
