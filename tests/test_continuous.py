@@ -272,6 +272,23 @@ def test_abort_frees_everything() -> None:
     assert not loop.scheduler.has_work()
 
 
+def test_loop_abort_takes_effect_at_the_next_step_once() -> None:
+    """loop.abort(id) for a request added with scheduler.add is applied by step_once too (not
+    only by the engine thread) and reported as a finished "abort" event."""
+    loop = make_loop()
+    loop.scheduler.add(Request("a", [1, 2, 3], SamplingParams(max_new_tokens=50)))
+    loop.scheduler.add(Request("b", [1], SamplingParams(max_new_tokens=50)))
+    loop.step_once()
+    loop.abort("a")
+    loop.abort("nobody")
+    _, events = loop.step_once()
+    aborted = [ev for ev in events if ev.finish_reason == "abort"]
+    assert [(ev.request_id, ev.finished, ev.token) for ev in aborted] == [("a", True, None)]
+    assert {ev.request_id for ev in events if ev.token is not None} == {"b"}
+    loop.scheduler.abort("b")
+    assert loop.allocator.statistics().used_blocks == 0
+
+
 # --------------------------------------------------------------------------- sampling
 
 

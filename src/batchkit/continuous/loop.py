@@ -360,7 +360,10 @@ class ContinuousDecodeLoop:
         return [t async for t in self.generate(prompt_ids, **kwargs)]
 
     def abort(self, request_id: Hashable) -> None:
-        """Stop a request and free its blocks (at the next step boundary)."""
+        """Stop a request and free its blocks at the next step boundary, of the engine thread or
+        of :meth:`step_once` (which then reports it as a finished ``"abort"`` event). The ids are
+        those of requests added with ``scheduler.add(Request(request_id, ...))``; a ``generate``
+        stream is aborted by leaving it, a ``submit`` future by cancelling it."""
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
@@ -432,8 +435,11 @@ class ContinuousDecodeLoop:
         """
         import torch
 
+        with self._cond:  # aborts asked for with abort() (the engine thread drains its own first)
+            aborts, self._aborts = self._aborts, []
+        dropped = [TokenEvent(rid, None, True, "abort") for rid in aborts if self.scheduler.abort(rid)]
         step = self.scheduler.schedule()
-        events = self.scheduler.take_events()
+        events = dropped + self.scheduler.take_events()
         if step.requests:
             try:
                 with torch.inference_mode():
