@@ -520,6 +520,30 @@ def test_a_client_leaving_mid_stream_frees_its_kv_blocks(live: LiveServer) -> No
     assert loop.statistics().scheduler.running == 0
 
 
+@needs_models
+def test_a_stream_is_counted_499_when_its_client_leaves_and_200_when_it_is_read_to_the_end(live: LiveServer) -> None:
+    """batchkit_http_requests_total counts a stream when it ends: status 499 for a client that
+    left mid-stream (the docs' "do clients give up?" query), 200 for one read to [DONE]."""
+
+    def count(status: str) -> float:
+        return _metrics(live.url).get(
+            ("batchkit_http_requests_total", (("route", "completions"), ("status", status))), 0.0
+        )
+
+    left, done = count("499"), count("200")
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=DEADLINE_S) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    _wait_until(lambda: count("499") == left + 1, "the stream to be counted 499")
+    assert count("200") == done
+    short = {**body, "max_tokens": 2}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=short, timeout=DEADLINE_S) as r:
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    _wait_until(lambda: count("200") == done + 1, "the finished stream to be counted 200")
+    assert count("499") == left + 1
+
+
 # ----------------------------------------------------------------------------- metrics and health
 
 

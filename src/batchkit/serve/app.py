@@ -147,6 +147,7 @@ class _Generation:
         self.completion_tokens = 0
         self.last_token: int | None = None
         self.rid = new_id("chatcmpl" if route == "chat" else "cmpl")
+        self.status = 200  # of a stream: the status of the error event that ended it, if any
         self.created = int(time.time())
 
     async def next_text(self) -> str | None:
@@ -199,12 +200,13 @@ class _EventStream(Response):
     Starlette's StreamingResponse notices a departed client only on its next write on newer ASGI
     servers; a generation waiting for its next token would hold its KV blocks until then. Here a
     task watches ``receive()`` for ``http.disconnect`` and cancels the producer at once, and the
-    producer's ``finally`` aborts the request.
+    producer's ``finally`` aborts the request. ``on_close`` is told whether the whole stream
+    was sent (False: the client left first).
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]]) -> None:
         # No body attribute: Response would declare a Content-Length for it.
         self.status_code = 200
         self.background = None
@@ -213,6 +215,7 @@ class _EventStream(Response):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = False
         try:
             async with anyio.create_task_group() as tg:
 
@@ -227,6 +230,7 @@ class _EventStream(Response):
                     async for chunk in self.events:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    sent = True
                 except OSError:
                     pass  # the client went away mid-write (caught here: a task group would wrap it)
                 tg.cancel_scope.cancel()
@@ -235,7 +239,7 @@ class _EventStream(Response):
                 aclose = getattr(self.events, "aclose", None)
                 if aclose is not None:
                     await aclose()
-                await self.on_close()
+                await self.on_close(sent)
 
 
 class ModelServer:
@@ -626,7 +630,8 @@ class ModelServer:
             response = await handler(request, route, body, t_arrival)
         except ApiError as err:
             response = _error_response(err)
-        self.metrics.requests.labels(route, str(response.status_code)).inc()
+        if not isinstance(response, _EventStream):  # a stream is counted when it ends
+            self.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 
     async def _generate(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
@@ -676,7 +681,10 @@ class ModelServer:
             if req.stream:
                 handed_over = True
 
-                async def on_close() -> None:
+                async def on_close(sent: bool) -> None:
+                    # 499 for a client that left mid-stream; a stream that ended with an error
+                    # event counts under that error's status.
+                    self.metrics.requests.labels(route, str(gen.status if sent else 499)).inc()
                     await gen.close()
                     await self._leave()
 
@@ -752,7 +760,9 @@ class ModelServer:
                     if more:
                         yield piece(more)
             except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in the stream
-                yield _sse(self._generation_error(exc).body())
+                err = self._generation_error(exc)
+                gen.status = err.status
+                yield _sse(err.body())
                 yield _sse("[DONE]")
                 return
             rest = gen.tail.finish()
