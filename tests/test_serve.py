@@ -217,6 +217,17 @@ def test_streamed_completion_is_server_sent_events_ending_in_done(
 
 
 @needs_models
+def test_completions_take_max_completion_tokens_like_chat(live: LiveServer) -> None:
+    """/v1/completions takes the same sampling fields as chat: max_completion_tokens limits the
+    output (it was ignored, so the request ran to --default-max-tokens)."""
+    body = {"model": CHAT, "prompt": "Once upon a time", "max_completion_tokens": 3, "temperature": 0}
+    r = httpx.post(f"{live.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=DEADLINE_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@needs_models
 def test_completion_with_a_stop_string_ends_before_it(client: Any, models: tuple[Any, Any], reference: Any) -> None:
     """A stop string ends the text just before it, with finish_reason 'stop', streamed or not."""
     lm, _ = models

@@ -236,7 +236,8 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
         prompt = [int(t) for t in prompt]
     else:
         raise _invalid("prompt", "'prompt' must be one non-empty string or one list of token ids (n=1)")
-    return GenerationRequest(prompt=prompt, **_common(body, ("max_tokens",)))
+    # max_completion_tokens too, as on chat: the docs promise the same sampling fields on both routes.
+    return GenerationRequest(prompt=prompt, **_common(body, ("max_completion_tokens", "max_tokens")))
 
 
 @dataclass(frozen=True)
