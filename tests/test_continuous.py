@@ -289,6 +289,26 @@ def test_loop_abort_takes_effect_at_the_next_step_once() -> None:
     assert loop.allocator.statistics().used_blocks == 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_logits_fail_only_their_request(temperature: float) -> None:
+    """A row of NaN logits is an error for its request (not a silent token 0, nor a failure of
+    the whole step); the other requests of the step go on."""
+
+    class NanForPromptTwo(EchoStep):
+        def __call__(self, batch: StepBatch, kv: Any) -> Any:
+            logits = super().__call__(batch, kv)
+            last = batch.input_ids[batch.sample_indices]
+            return logits.masked_fill((last == 2)[:, None], float("nan"))
+
+    with make_loop(NanForPromptTwo()) as loop:
+        good = loop.submit([5], max_new_tokens=3, temperature=temperature, seed=1)
+        bad = loop.submit([2], max_new_tokens=3, temperature=temperature, seed=1)
+        with pytest.raises(FloatingPointError, match="NaN"):
+            bad.result(WAIT)
+        assert len(good.result(WAIT)) == 3
+        assert loop.allocator.statistics().used_blocks == 0
+
+
 # --------------------------------------------------------------------------- sampling
 
 

@@ -451,6 +451,8 @@ class ContinuousDecodeLoop:
         return step, events
 
     def _run_step(self, step: ScheduledStep) -> list[TokenEvent]:
+        import torch
+
         kv = self.kv
         if step.swap_out:
             assert self.cpu_cache is not None
@@ -464,6 +466,12 @@ class ContinuousDecodeLoop:
         t0 = self.clock.now()
         logits = check_logits(self.step_fn(batch, kv), batch)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
+        # A row of NaN logits fails its own request (a broken model state there), not its
+        # neighbours': the row is sampled from zeros so that the others go on, then dropped.
+        nan_rows = torch.isnan(logits).any(dim=1)
+        broken = [sampling[i].request_id for i in nan_rows.nonzero().flatten().tolist()] if nan_rows.any() else []
+        if broken:
+            logits = logits.masked_fill(nan_rows[:, None], 0.0)
         tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
         now = self.clock.now()
         self._step_time.add(now - t0)
@@ -472,7 +480,14 @@ class ContinuousDecodeLoop:
         if self._t_first is None:
             self._t_first = t0
         self._t_last = now
-        return self.scheduler.update(step, tokens)
+        events = self.scheduler.update(step, tokens)
+        if broken:
+            gone = set(broken)
+            events = [ev for ev in events if ev.request_id not in gone]
+            for rid in broken:
+                self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
+                events.append(TokenEvent(rid, None, True, "error", FloatingPointError("the step's logits for this request are NaN")))
+        return events
 
     def build_batch(self, step: ScheduledStep, device: Any = "cpu") -> StepBatch:
         """The :class:`StepBatch` that :meth:`step_once` hands the step function for ``step``
