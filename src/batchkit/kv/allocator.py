@@ -250,7 +250,13 @@ class PagedKVAllocator:
         return bool(self.quotas)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that ``num_tokens`` tokens occupy."""
+        """Blocks that ``num_tokens`` tokens occupy.
+
+        Raises:
+            ValueError: a negative ``num_tokens``.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         return -(-num_tokens // self.block_size)
 
     def quota_of(self, tenant: Hashable) -> int | None:

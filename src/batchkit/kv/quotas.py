@@ -21,7 +21,7 @@ class TenantQuotas:
         total_blocks: the pool the fractions refer to.
 
     Raises:
-        ValueError: a negative quota.
+        ValueError: a negative quota, or a float outside [0, 1].
     """
 
     __slots__ = ("_quotas", "_usage")
@@ -29,6 +29,11 @@ class TenantQuotas:
     def __init__(self, quotas: Mapping[Hashable, int | float] | None, total_blocks: int) -> None:
         self._quotas: dict[Hashable, int] = {}
         for tenant, q in (quotas or {}).items():
+            if isinstance(q, float) and not 0.0 <= q <= 1.0:
+                raise ValueError(
+                    f"tenant_quotas[{tenant!r}] = {q!r}: a float is a fraction of the pool, in [0, 1]; "
+                    "give an int for a number of blocks"
+                )
             blocks = int(q * total_blocks) if isinstance(q, float) else int(q)
             if blocks < 0:
                 raise ValueError(f"tenant_quotas[{tenant!r}] must be >= 0, got {q!r}")
