@@ -538,10 +538,11 @@ def test_cli_exit_status_says_whether_anything_failed(
         (["nosuchmodule:f", "--input", "in.jsonl", "--output", "o.jsonl"], "argument MODULE:FUNCTION: no module"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "nodir/o.jsonl"], "argument --output: the folder"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "in.jsonl"], "argument --output"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--dead-letter", "o.jsonl"], "three files"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--id-field", "output"], "--id-field"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "taken.jsonl"], "argument --output: .*has no journal"),
     ],
-    ids=["no-input", "no-module", "no-folder", "same-file", "reserved-id", "foreign-output"],
+    ids=["no-input", "no-module", "no-folder", "same-file", "same-dead-letter", "reserved-id", "foreign-output"],
 )
 def test_cli_usage_errors_exit_2_with_one_line(
     argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -662,6 +663,24 @@ def test_results_that_fit_no_parquet_schema_are_refused_with_the_fix(tmp_path: P
     with pytest.raises(ValueError, match="write the output as JSONL"):
         parquet.export_parquet(src, tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_cli_a_job_whose_results_fit_no_parquet_schema_fails_with_status_1_not_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Parquet output that the results cannot fill is a failed job (status 1, one line naming
+    the fix), not a usage error (status 2 is for arguments); the JSONL journal keeps the results."""
+    pytest.importorskip("pyarrow")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mixedfns.py").write_text("def mixed(rs):\n    return [1 if r['id'] % 2 else 'x' for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i} for i in range(10)])
+    assert _cli(["mixedfns:mixed", "--input", "in.jsonl", "--output", "out.parquet", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("batchkit run: failed: ")
+    assert "write the output as JSONL" in err
+    assert len((tmp_path / "out.parquet.jsonl").read_text().splitlines()) == 10
 
 
 def test_run_with_model_generates_each_records_answer(tmp_path: Path) -> None:

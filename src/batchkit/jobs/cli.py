@@ -18,8 +18,9 @@ from typing import Any
 from .._argtypes import float_in as _float_in
 from .._argtypes import import_from_cwd, one_line
 from .._argtypes import int_in as _int_in
+from .parquet import is_parquet
 from .runner import RESERVED_FIELDS, run
-from .store import JobStateError
+from .store import JobStateError, dead_letter_path_for
 
 __all__ = ["add_run_parser", "run_cli"]
 
@@ -213,6 +214,19 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
     return fn, loop
 
 
+def _check_distinct(src: Path, out: Path, dead: Path | None) -> None:
+    """The one argument check argparse cannot make: the input, the output (its JSONL journal for
+    a Parquet output) and the dead-letter file are three files. A ValueError that run() raises
+    later is a failed job (status 1), not a usage error."""
+    jsonl_out = out.with_name(out.name + ".jsonl") if is_parquet(out) else out
+    dead_path = dead if dead is not None else dead_letter_path_for(jsonl_out)
+    if len({src.resolve(), jsonl_out.resolve(), dead_path.resolve()}) != 3:
+        raise _Usage(
+            f"argument --output: the input, the output and the dead-letter file must be three files, got "
+            f"{str(src)!r}, {str(out)!r} and {str(dead_path)!r}"
+        )
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run the job ``args`` describes (from :func:`add_run_parser`); print the report; return the
     exit status (0 all done, 1 dead letters or a failure, 2 a usage error, 130 interrupted)."""
@@ -242,6 +256,7 @@ def run_cli(args: argparse.Namespace) -> int:
             raise _Usage("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
         else:
             fn = _load_target(args.target)
+        _check_distinct(src, out, dead)
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
         try:
             report = run(
@@ -266,8 +281,6 @@ def run_cli(args: argparse.Namespace) -> int:
             raise _Usage(f"argument --output: {exc}") from None
         except TypeError as exc:  # run() checks its arguments before it calls anything
             raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
-        except ValueError as exc:  # the only one argparse cannot catch: two paths naming one file
-            raise _Usage(f"argument --output: {exc}") from None
         finally:
             if loop is not None:
                 loop.close()
