@@ -374,13 +374,21 @@ async def open_loop(submit: Submit, w: Workload, rate: float, duration_s: float)
 
 def model_times(batches: int = 15) -> dict[str, Any]:
     """t_batch(MAX_BATCH) of the MLP, called in this process's main thread and in a second
-    thread, interleaved: the ceiling of every row, and what the thread that runs it costs."""
+    thread, interleaved: the ceiling of every row, and what the thread that runs it costs. A
+    third series calls it in the main thread after 0.2 ms of Python work (about what a batcher
+    does between two batches of 32): whether idle time between calls slows the next one."""
     from concurrent.futures import ThreadPoolExecutor
 
     w = Workload("mlp-loop")
     xs = [w.inputs[k % CALLERS] for k in range(MAX_BATCH)]
     main_s: list[float] = []
     thread_s: list[float] = []
+    gap_s: list[float] = []
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
 
     def timed(out: list[float]) -> None:
         t0 = time.perf_counter()
@@ -392,9 +400,16 @@ def model_times(batches: int = 15) -> dict[str, Any]:
             w.model(xs)
             second.submit(w.model, xs).result()
         for _ in range(batches):
+            w.model(xs)  # so that the next call follows one at once
             timed(main_s)
+            busy(0.0002)
+            timed(gap_s)
             second.submit(timed, thread_s).result()
-    return {"main_ms": 1000 * statistics.median(main_s), "thread_ms": 1000 * statistics.median(thread_s)}
+    return {
+        "main_ms": 1000 * statistics.median(main_s),
+        "thread_ms": 1000 * statistics.median(thread_s),
+        "gap_ms": 1000 * statistics.median(gap_s),
+    }
 
 
 def measure(
@@ -620,7 +635,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"t_batch({MAX_BATCH}) of the MLP, median of 15 interleaved: {tb['main_ms']:.2f} ms in the main thread "
                 f"(ceiling {MAX_BATCH / tb['main_ms'] * 1000:,.0f} req/s), {tb['thread_ms']:.2f} ms in a second "
-                f"thread ({MAX_BATCH / tb['thread_ms'] * 1000:,.0f} req/s)",
+                f"thread ({MAX_BATCH / tb['thread_ms'] * 1000:,.0f} req/s); {tb['gap_ms']:.2f} ms in the main thread "
+                "after 0.2 ms of Python work",
                 flush=True,
             )
     closed: dict[str, dict[str, list[dict[str, Any]]]] = {w: {r: [] for r in rows} for w in workloads}
