@@ -509,6 +509,50 @@ def test_shutting_down_under_load_finishes_the_accepted_request(models: tuple[An
 
 
 @needs_models
+def test_a_shutdown_while_the_model_loads_closes_the_loop_the_load_then_makes(
+    models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server stopped while its chat model still loads (SIGTERM right after start-up) closes
+    the decode loop that the load builds afterwards; left open, its engine (in `batchkit serve`,
+    the main thread) kept the process running for ever after the HTTP server had stopped."""
+    import anyio
+
+    from batchkit._errors import BatcherClosed
+    from batchkit.models import pretrained
+    from batchkit.serve import ModelServer
+
+    lm, _ = models
+    loading, release = threading.Event(), threading.Event()
+
+    def slow_load(source: Any, **kwargs: Any) -> Any:
+        loading.set()
+        assert release.wait(DEADLINE_S)
+        return lm
+
+    monkeypatch.setattr(pretrained, "load_pretrained", slow_load)
+    state = ModelServer("a-model-source", num_blocks=64, warmup=False)
+
+    async def main() -> None:
+        stop = anyio.Event()
+
+        async def serve() -> None:
+            async with state.lifespan():
+                await stop.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve)
+            assert await anyio.to_thread.run_sync(loading.wait, DEADLINE_S)
+            stop.set()  # the server stops while the model still loads
+            await anyio.wait_all_tasks_blocked()  # the lifespan's exit waits (for the load, or for nothing)
+            release.set()
+
+    anyio.run(main)
+    assert state.loop is not None
+    with pytest.raises(BatcherClosed):
+        next(state.loop.generate_sync([1], max_new_tokens=1))
+
+
+@needs_models
 def test_a_client_leaving_mid_stream_frees_its_kv_blocks(live: LiveServer) -> None:
     """Closing a stream after two events aborts the request: its tenant's blocks and every used
     block return to the pool, and the loop counts it aborted."""

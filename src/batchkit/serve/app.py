@@ -400,6 +400,8 @@ class ModelServer:
         """Load and warm the models; then report ready. Errors are logged and kept in ``load_error``."""
         try:
             await anyio.to_thread.run_sync(self._load)
+            if not self.accepting:  # shut down while loading: the lifespan closes what was made
+                return
             if self.warmup:
                 if self.loop is not None and self.lm is not None:
                     await self.loop.agenerate_all(self.lm.encode("Hello"), max_new_tokens=2)
@@ -450,14 +452,18 @@ class ModelServer:
         """Start loading in the background; on exit, :meth:`shutdown`. Enter it from a parent app's
         lifespan when this app is mounted (Starlette does not run a mounted app's lifespan)."""
         self._token = anyio.lowlevel.current_token()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.start)
-            try:
-                yield
-            finally:
-                tg.cancel_scope.cancel()
-                with anyio.CancelScope(shield=True):
-                    await self.shutdown()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.start)
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            # After the task group: a load still running has finished (a worker thread cannot be
+            # cancelled), so the loop and the batcher it made are closed too, not left running.
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
 
     def _enter(self) -> None:
         self._in_flight += 1
