@@ -167,6 +167,19 @@ def test_models_lists_the_chat_and_the_embedding_model(client: Any) -> None:
 
 
 @needs_models
+def test_models_retrieve_finds_a_served_model_and_404s_another(client: Any) -> None:
+    """client.models.retrieve (GET /v1/models/{id}) gives the served model's card; another
+    name is the OpenAI 404 with code model_not_found."""
+    import openai
+
+    assert client.models.retrieve(CHAT).id == CHAT
+    assert client.models.retrieve(EMBED).id == EMBED
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.code == "model_not_found"
+
+
+@needs_models
 def test_chat_equals_transformers_greedy(client: Any, models: tuple[Any, Any], reference: Any) -> None:
     """A non-streamed greedy chat answer is transformers' greedy text, ended by EOS, with exact usage."""
     lm, _ = models

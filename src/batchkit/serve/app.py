@@ -606,9 +606,9 @@ class ModelServer:
         body = await anyio.to_thread.run_sync(generate_latest, self.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    async def models(self, request: Request) -> Response:
+    def _model_cards(self) -> list[dict[str, Any]]:
         created = int(time.time())
-        data = [
+        return [
             {"id": name, "object": "model", "created": created, "owned_by": "batchkit"}
             for name, present in (
                 (self.model_name, self._model_source),
@@ -616,7 +616,20 @@ class ModelServer:
             )
             if present is not None and name
         ]
-        return JSONResponse({"object": "list", "data": data})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}`` (what ``client.models.retrieve`` calls): one model's card."""
+        wanted = request.path_params["model_id"]
+        for card in self._model_cards():
+            if card["id"] == wanted:
+                return JSONResponse(card)
+        served = [c["id"] for c in self._model_cards()]
+        return _error_response(
+            ApiError(404, f"the model {wanted!r} does not exist; this server serves {served}", code="model_not_found")
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, "chat", self._generate)
@@ -911,7 +924,7 @@ def create_app(model: ModelSource = None, **options: Any) -> Starlette:
     ``max_waiting``, ...). The server object is ``app.state.batchkit``.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
-    ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /metrics``.
+    ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /ready``, ``GET /metrics``.
     """
     server = ModelServer(model, **options)
     routes = [
@@ -919,6 +932,7 @@ def create_app(model: ModelSource = None, **options: Any) -> Starlette:
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/embeddings", server.embeddings, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/ready", server.readiness, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
