@@ -583,6 +583,37 @@ sys.exit(run_cli(parser.parse_args(["run", *sys.argv[1:]])))
 """
 
 
+@pytest.mark.skipif(os.name != "posix", reason="pipes")
+def test_a_reader_that_left_the_pipe_does_not_fail_a_finished_job(tmp_path: Path) -> None:
+    """`batchkit run ... | head -1`: the job ran and committed, so a summary that finds no reader
+    is no failure (exit 0, nothing on stderr), not a BrokenPipeError."""
+    (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
+    (tmp_path / "driver.py").write_text(DRIVER)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(10)])
+    argv = [
+        sys.executable,
+        "driver.py",
+        "jobfns:double",
+        "--input",
+        "in.jsonl",
+        "--output",
+        "out.jsonl",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the job prints anything
+    try:
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 0, err
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert err == ""
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 10
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
 def test_a_job_killed_three_times_writes_every_id_exactly_once(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -296,5 +297,10 @@ def run_cli(args: argparse.Namespace) -> int:
         hint = "" if show_tb else " (--traceback shows where)"
         print(f"{prog}: failed: {one_line(exc)}; rerun the same command to resume{hint}", file=sys.stderr)
         return 1
-    print(report.summary())
+    try:
+        print(report.summary(), flush=True)
+    except BrokenPipeError:  # the reader left (`| head`): the job is done and committed all the same
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)  # so that the flush at exit does not fail again
+            os.dup2(devnull, sys.stdout.fileno())
     return report.exit_code
