@@ -155,7 +155,8 @@ def deployment_options(
         max_queue: the batcher's queue capacity (default ``5 * max_batch * max_concurrent_batches``;
             at least ``max_batch * max_concurrent_batches``, or no batch could fill).
         num_replicas: a fixed replica count (default 1 when no min/max is given).
-        min_replicas, max_replicas: autoscale between these (either one turns autoscaling on).
+        min_replicas, max_replicas: autoscale between these (either one turns autoscaling on; a
+            missing ``min_replicas`` is 1, a missing ``max_replicas`` is ``max(min_replicas, 1)``).
         autoscale_on_queue_depth: scale on batchkit's own queue depth (:class:`QueueDepthPolicy`,
             fed by each replica's ``record_autoscaling_stats``) instead of Serve's request count.
             Choose it when one request can carry many items (:meth:`BatchkitReplica.batch`), since
