@@ -486,7 +486,11 @@ class ContinuousDecodeLoop:
             events = [ev for ev in events if ev.request_id not in gone]
             for rid in broken:
                 self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
-                events.append(TokenEvent(rid, None, True, "error", FloatingPointError("the step's logits for this request are NaN")))
+                events.append(
+                    TokenEvent(
+                        rid, None, True, "error", FloatingPointError("the step's logits for this request are NaN")
+                    )
+                )
         return events
 
     def build_batch(self, step: ScheduledStep, device: Any = "cpu") -> StepBatch:
