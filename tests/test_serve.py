@@ -361,6 +361,18 @@ def test_a_prompt_longer_than_the_kv_pool_is_refused_by_the_openai_client(client
 
 
 @needs_models
+def test_an_unknown_role_and_an_empty_embedding_input_are_refused_as_openai_does(client: Any) -> None:
+    """A chat role outside OpenAI's set, and an empty string to embed, are 400 invalid_value
+    naming the field (not a silent answer)."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=CHAT, messages=[{"role": "wizard", "content": "hi"}], max_tokens=1)
+    assert (err.value.code, err.value.param) == ("invalid_value", "messages[0].role")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model=EMBED, input=["fine", ""])
+    assert (err.value.code, err.value.param) == ("invalid_value", "input")
+
+
+@needs_models
 def test_a_bad_priority_header_is_refused(live: LiveServer) -> None:
     """X-Batchkit-Priority must be an integer."""
     body = {"model": CHAT, "messages": QUESTION, "max_tokens": 1}

@@ -35,6 +35,7 @@ __all__ = [
 
 MAX_STOP_STRINGS = 4
 MAX_EMBEDDING_INPUTS = 2048
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
 
 
 class ApiError(Exception):
@@ -213,6 +214,8 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _invalid(f"messages[{i}]", "each message needs a string 'role' and a 'content'")
+        if m["role"] not in CHAT_ROLES:
+            raise _invalid(f"messages[{i}].role", f"'role' must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         clean.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
     return GenerationRequest(messages=clean, **_common(body, ("max_completion_tokens", "max_tokens")))
 
@@ -264,6 +267,8 @@ def parse_embedding(body: Mapping[str, Any], max_inputs: int = MAX_EMBEDDING_INP
         raise _invalid("input", "'input' must be a string or a non-empty list of strings")
     if len(inputs) > max_inputs:
         raise _invalid("input", f"at most {max_inputs} inputs per request, got {len(inputs)}")
+    if "" in inputs:  # as OpenAI: an empty string has nothing to embed
+        raise _invalid("input", f"input {inputs.index('')} is an empty string; every input needs text")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise _invalid("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
