@@ -206,10 +206,10 @@ class ContinuousDecodeLoop:
                 device="cpu",
             )
         self.eos_token_id = eos_token_id
-        # More end-of-sequence ids than the one eos_token_id (a model whose generation config
-        # lists several, e.g. end-of-text and end-of-turn): every request that does not set
-        # ignore_eos also stops on these. PretrainedLM.make_loop sets them.
-        self._extra_eos_ids: tuple[int, ...] = ()
+        self.extra_eos_ids: tuple[int, ...] = ()
+        """More end-of-sequence ids than ``eos_token_id`` (a model whose generation config lists
+        several, e.g. end-of-text and end-of-turn): every request submitted afterwards that does
+        not set ``ignore_eos`` also stops on these. ``PretrainedLM.make_loop`` sets them."""
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inbox: list[tuple[Request, _Stream]] = []
@@ -231,9 +231,9 @@ class ContinuousDecodeLoop:
     def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
         if "eos_token_id" not in kwargs and self.eos_token_id is not None:
             kwargs["eos_token_id"] = self.eos_token_id
-        if self._extra_eos_ids and not kwargs.get("ignore_eos", False):
+        if self.extra_eos_ids and not kwargs.get("ignore_eos", False):
             own = tuple(kwargs.get("stop_token_ids", ()))
-            kwargs["stop_token_ids"] = own + tuple(t for t in self._extra_eos_ids if t not in own)
+            kwargs["stop_token_ids"] = own + tuple(t for t in self.extra_eos_ids if t not in own)
         return SamplingParams(**kwargs)
 
     def _submit(

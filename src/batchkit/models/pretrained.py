@@ -201,7 +201,7 @@ class PretrainedLM:
         loop = ContinuousDecodeLoop(self.model, cache, **kwargs)
         # Every EOS id of the generation config ends a request (unless it sets ignore_eos), not
         # only the first: a chat model's end-of-turn id is often the second one.
-        loop._extra_eos_ids = tuple(t for t in self.stop_token_ids if t != loop.eos_token_id)
+        loop.extra_eos_ids = tuple(t for t in self.stop_token_ids if t != loop.eos_token_id)
         return loop
 
     def encode(self, text: str) -> list[int]:
