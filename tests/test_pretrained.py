@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -246,3 +247,34 @@ def test_the_model_and_its_cache_are_built_outside_the_callers_thread(
         assert loop.submit([1, 2, 3], max_new_tokens=2, ignore_eos=True).result(timeout=60)
     assert len(builders) == 2
     assert all(t is not threading.current_thread() and not t.is_alive() for t in builders)
+
+
+class _AlwaysToken:
+    """A step model that always samples ``token`` (and builds its cache like the real one)."""
+
+    def __init__(self, model: Any, token: int) -> None:
+        self.model = model
+        self.token = token
+
+    def make_cache(self, num_blocks: int, block_size: int = 16) -> Any:
+        return self.model.make_cache(num_blocks, block_size)
+
+    def __call__(self, batch: Any, kv: Any) -> Any:
+        logits = torch.zeros(len(batch.sample_indices), self.model.config.vocab_size)
+        logits[:, self.token] = 1.0
+        return logits
+
+
+def test_make_loop_stops_on_every_eos_id_of_the_generation_config(tiny_llama_dir: Path) -> None:
+    """make_loop wires in the model's EOS ids, all of them: a request ends on the second one too,
+    unless it sets ignore_eos."""
+    lm = load_pretrained(tiny_llama_dir)
+    assert lm.stop_token_ids == (2, 5)
+    fake = dataclasses.replace(lm, model=cast(Any, _AlwaysToken(lm.model, 5)))
+    loop = fake.make_loop(num_blocks=16, block_size=4)
+    try:
+        assert loop.submit([1, 3], max_new_tokens=8).result(timeout=60) == [5]
+        assert loop.submit([1, 3], max_new_tokens=8, stop_token_ids=[9]).result(timeout=60) == [5]
+        assert loop.submit([1, 3], max_new_tokens=4, ignore_eos=True).result(timeout=60) == [5, 5, 5, 5]
+    finally:
+        loop.close()
