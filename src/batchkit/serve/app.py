@@ -482,26 +482,14 @@ class ModelServer:
     def _check_available(self, what: str) -> None:
         if not self.accepting:
             self._reject("shutting_down")
-            raise ApiError(
-                503,
-                "the server is shutting down",
-                type="server_error",
-                code="shutting_down",
-                headers={"Retry-After": str(self.retry_after_s)},
-            )
+            raise self._retry_later("the server is shutting down", "shutting_down")
         if not self.ready:
             if self.load_error is not None:
                 raise ApiError(
                     503, f"the models failed to load: {self.load_error}", type="server_error", code="load_failed"
                 )
             self._reject("loading")
-            raise ApiError(
-                503,
-                "the models are still loading; retry shortly",
-                type="server_error",
-                code="loading",
-                headers={"Retry-After": str(self.retry_after_s)},
-            )
+            raise self._retry_later("the models are still loading; retry shortly", "loading")
         if (what == "chat" and self.loop is None) or (what == "embeddings" and self.embed is None):
             raise ApiError(404, f"this server has no {what} model", code="model_not_found")
 
@@ -514,18 +502,16 @@ class ModelServer:
                 code="model_not_found",
             )
 
+    def _retry_later(self, message: str, code: str) -> ApiError:
+        """A 503 the client may retry after ``retry_after_s`` (busy, loading, shutting down)."""
+        return ApiError(503, message, type="server_error", code=code, headers={"Retry-After": str(self.retry_after_s)})
+
     def _reject(self, reason: str) -> None:
         self.metrics.rejections.labels(reason).inc()
 
     def _queue_full(self, exc: BaseException) -> ApiError:
         self._reject("queue_full")
-        return ApiError(
-            503,
-            f"the server is busy: {exc}",
-            type="server_error",
-            code="queue_full",
-            headers={"Retry-After": str(self.retry_after_s)},
-        )
+        return self._retry_later(f"the server is busy: {exc}", "queue_full")
 
     @staticmethod
     def _routing(request: Request) -> tuple[int, str | None]:
@@ -727,13 +713,7 @@ class ModelServer:
             self._reject("kv_exhausted")
             return ApiError(400, str(exc), code="context_length_exceeded")
         if isinstance(exc, BatcherClosed):
-            return ApiError(
-                503,
-                f"the server is shutting down: {exc}",
-                type="server_error",
-                code="shutting_down",
-                headers={"Retry-After": str(self.retry_after_s)},
-            )
+            return self._retry_later(f"the server is shutting down: {exc}", "shutting_down")
         if isinstance(exc, DeadlineExceeded):
             self._reject("deadline")
             return ApiError(504, str(exc), type="server_error", code="deadline_exceeded")
@@ -838,22 +818,10 @@ class ModelServer:
             if isinstance(exc, QueueFull):
                 raise self._queue_full(exc)
             if isinstance(exc, BatcherClosed):
-                raise ApiError(
-                    503,
-                    f"the server is shutting down: {exc}",
-                    type="server_error",
-                    code="shutting_down",
-                    headers={"Retry-After": str(self.retry_after_s)},
-                )
+                raise self._retry_later(f"the server is shutting down: {exc}", "shutting_down")
             if isinstance(exc, CircuitOpen):
                 self._reject("circuit_open")
-                raise ApiError(
-                    503,
-                    f"the embedding model is failing: {exc}",
-                    type="server_error",
-                    code="circuit_open",
-                    headers={"Retry-After": str(self.retry_after_s)},
-                )
+                raise self._retry_later(f"the embedding model is failing: {exc}", "circuit_open")
             raise ApiError(500, f"embedding failed: {exc}", type="server_error")
         return results
 
