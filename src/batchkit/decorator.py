@@ -32,6 +32,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from typing_extensions import Unpack
 
+from ._errors import QueueFull
 from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, check_batcher_options, is_async_callable
 
 __all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched"]
@@ -136,23 +137,36 @@ class _BatchedBase(Generic[T, R]):
         """Stream ``items`` through the batcher; yield results in input order.
 
         At most ``window`` items are in flight (default: four batches, capped by the queue's
-        capacity), so memory stays bounded for any number of items. With ``progress``, a progress
-        bar is drawn on stderr (tqdm's when installed). The first failing item's exception is
-        raised when its turn to be yielded comes; the items after it are cancelled.
+        capacity), so memory stays bounded for any number of items. When the queue is full (other
+        callers share it), the job waits for room, whatever the queue's ``on_full`` policy: an
+        offline job slows down instead of failing with :class:`~batchkit.QueueFull`. With
+        ``progress``, a progress bar is drawn on stderr (tqdm's when installed). The first failing
+        item's exception is raised when its turn to be yielded comes; the items after it are
+        cancelled.
+
+        Raises:
+            ValueError: at the call, for a ``window`` that is not an int >= 1 or a ``total`` that
+                is not an int >= 0.
         """
         b = self.batcher
         if window is None:
             window = min(4 * b.max_batch_size, b.queue.maxsize)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+            raise ValueError(f"total must be an int >= 0 or None, got {total!r}")
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
+        return self._map(b, iter(items), progress, window, total)
+
+    def _map(
+        self, b: DynamicBatcher[T, R], it: Iterator[T], progress: bool, window: int, total: int | None
+    ) -> Iterator[R]:
         bar = progress_bar(total, getattr(self, "__name__", "batched")) if progress else None
         pending: deque[concurrent.futures.Future[R]] = deque()
-        it = iter(items)
         try:
             for item in it:
-                pending.append(b.submit(item))
+                pending.append(_submit_waiting(b, item))
                 if len(pending) >= window:
                     yield pending.popleft().result()
                     if bar is not None:
@@ -169,6 +183,18 @@ class _BatchedBase(Generic[T, R]):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {getattr(self, '__qualname__', '?')} batcher={self._batcher!r}>"
+
+
+def _submit_waiting(b: DynamicBatcher[T, R], item: T) -> concurrent.futures.Future[R]:
+    """``b.submit(item)``, waiting for room while the queue is full (any ``on_full``); a closed
+    batcher still raises :class:`~batchkit.BatcherClosed`."""
+    while True:
+        try:
+            return b.submit(item)
+        except QueueFull:
+            # Wake at least every 0.1 s to try again: room may come with no waiter told (an item
+            # expired by a reader), and a batcher closed meanwhile refuses the next try.
+            b.queue.wait_for_room(0.1)
 
 
 class BatchedFunction(_BatchedBase[T, R]):
