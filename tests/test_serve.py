@@ -878,6 +878,17 @@ def test_serve_command_exits_1_when_a_model_cannot_load(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "failed to load" in proc.stderr
+    # One line tells why; the traceback is for --log-level debug only.
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "failed to load" in line]) == 1, proc.stderr
+    proc = subprocess.run(
+        _serve_command("--embedding-model", str(tmp_path), "--port", str(_free_port()), "--log-level", "debug"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr
     proc = subprocess.run(
         _serve_command("--embedding-model", "no-such-model-package-xyz", "--port", str(_free_port())),
         capture_output=True,

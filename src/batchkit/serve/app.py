@@ -275,7 +275,9 @@ class ModelServer:
         shutdown_grace_s: on shutdown, how long requests in flight may finish before they are aborted.
         warmup: run one short generation and one embedding before reporting ready.
         on_load_error: called with the exception when loading or warming up fails (``batchkit
-            serve`` stops the server then); otherwise the server stays up with ``/ready`` at 503.
+            serve`` stops the server then), which then reports it (the traceback is logged at
+            DEBUG level); without it the server logs the error with its traceback and stays up
+            with ``/ready`` at 503.
         dtype, device: where the models are loaded (sources only).
     """
 
@@ -408,10 +410,14 @@ class ModelServer:
                 if self.embed is not None:
                     await self.embed.acall("Hello")
         except Exception as exc:
-            logger.exception("batchkit.serve: loading the models failed")
             self.load_error = exc
             if self.on_load_error is not None:
+                # The callback reports it (``batchkit serve`` prints one line and exits); the
+                # traceback is for debugging only.
+                logger.debug("batchkit.serve: loading the models failed", exc_info=exc)
                 self.on_load_error(exc)
+            else:  # the app stays up with /ready at 503: the log is where the cause is told
+                logger.error("batchkit.serve: loading the models failed", exc_info=exc)
             return
         self.ready = True
         self.metrics.ready.set(1)

@@ -134,11 +134,11 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"{prog}: error: argument --tenant-quotas: {exc}", file=sys.stderr)
             return 2
     try:
-        import torch
-        import uvicorn
+        import torch  # noqa: F401 - checked here, used by _serve
+        import uvicorn  # noqa: F401
 
         from ..models.pretrained import resolve_source
-        from .app import create_app
+        from .app import create_app  # noqa: F401
     except ModuleNotFoundError as exc:
         print(f"{prog}: needs {exc.name}: pip install 'batchkit[serve,models]'", file=sys.stderr)
         return 1
@@ -150,6 +150,38 @@ def run_serve(args: argparse.Namespace) -> int:
             except FileNotFoundError as exc:
                 print(f"{prog}: error: argument {option}: {exc}", file=sys.stderr)
                 return 2
+    handler = _log_to_stderr(args.log_level)
+    try:
+        return _serve(args, quotas)
+    finally:
+        logging.getLogger("batchkit").removeHandler(handler)
+
+
+class _LevelPrefix(logging.Formatter):
+    """uvicorn's look (``INFO:     message``), so that batchkit's lines read like the rest of the log."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname + ':':<9} {super().format(record)}"
+
+
+def _log_to_stderr(level: str) -> logging.Handler:
+    """Show batchkit's own log records (the models are ready, a generation failed) on stderr at
+    ``--log-level``; ``debug`` adds, for one, the traceback of a model that failed to load."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LevelPrefix())
+    log = logging.getLogger("batchkit")
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    return handler
+
+
+def _serve(args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
+    import torch  # imported (and checked) by run_serve
+    import uvicorn
+
+    from .app import create_app
+
+    prog = "batchkit serve"
     servers: list[Any] = []
 
     def stop(exc: BaseException) -> None:
@@ -196,8 +228,9 @@ def run_serve(args: argparse.Namespace) -> int:
     servers.append(server)
     _serve_with_engine_in_main_thread(server, app.state.batchkit)
     server_state = app.state.batchkit
-    if server_state.load_error is not None:
-        print(f"{prog}: the models failed to load: {server_state.load_error}", file=sys.stderr)
+    exc = server_state.load_error
+    if exc is not None:
+        print(f"{prog}: the models failed to load: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
 
