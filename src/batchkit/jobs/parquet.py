@@ -53,9 +53,13 @@ def parquet_rows(path: str | os.PathLike[str]) -> int:
     return int(_pyarrow().parquet.ParquetFile(str(path)).metadata.num_rows)
 
 
-def export_parquet(jsonl: str | os.PathLike[str], target: str | os.PathLike[str]) -> int:
+def export_parquet(
+    jsonl: str | os.PathLike[str], target: str | os.PathLike[str], *, key_field: str | None = None
+) -> int:
     """Write the records of a JSONL file to a Parquet file, atomically (a temporary file renamed
-    into place); return the rows written. The schema is inferred from the first chunk of rows.
+    into place); return the rows written. The schema is inferred from the first chunk of rows;
+    with no rows at all, the file still has the job's columns, ``key_field`` and ``"output"``
+    (of Parquet's null type), so that readers find them.
 
     Raises:
         ValueError: later rows do not fit the schema of the first ones (results of varying
@@ -77,7 +81,11 @@ def export_parquet(jsonl: str | os.PathLike[str], target: str | os.PathLike[str]
                     rows += len(chunk)
                     chunk = []
             if chunk or writer is None:
-                writer = _write(pa, writer, tmp, chunk)
+                if not chunk and key_field is not None:
+                    empty = pa.schema([(key_field, pa.null()), ("output", pa.null())])
+                    writer = pa.parquet.ParquetWriter(str(tmp), empty)
+                else:
+                    writer = _write(pa, writer, tmp, chunk)
                 rows += len(chunk)
         writer.close()
         writer = None

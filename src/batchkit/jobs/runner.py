@@ -636,10 +636,10 @@ def run(
         if bar is not None:
             bar.close()
     if parquet_out is not None:
-        export_parquet(store.output, parquet_out)
+        export_parquet(store.output, parquet_out, key_field=store.key_field)
     wall = clock.now() - t0
     return JobReport(
-        output=str(parquet_out if parquet_out is not None else store.output),
+        output=str(parquet_out.resolve() if parquet_out is not None else store.output),
         dead_letter=str(store.dead_letter),
         succeeded=job.succeeded,
         failed=job.failed,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -26,16 +27,20 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, An
     """Yield ``(line_number, record)`` for each non-blank line of a JSONL file (1-based numbers);
     a line that is not valid UTF-8 JSON holding an object yields a :class:`Malformed` instead.
 
+    A UTF-8 byte order mark at the start of the file (as some Windows tools write) is skipped.
     Reads one line at a time: memory does not grow with the file.
     """
     with Path(path).open("rb") as f:
         for n, raw in enumerate(f, start=1):
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
             if not raw.strip():
                 continue  # blank lines (a trailing empty line, say) are not records
             try:
                 text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as exc:
-                yield n, Malformed(f"not UTF-8: {exc.reason} at byte {exc.start}", raw.decode("utf-8", "replace"))
+                quote = raw.decode("utf-8", "replace").rstrip("\r\n")[:MAX_QUOTED]
+                yield n, Malformed(f"not UTF-8: {exc.reason} at byte {exc.start}", quote)
                 continue
             try:
                 rec = json.loads(text)
