@@ -17,6 +17,8 @@ sleep or start threads, except :meth:`AdaptiveTuner.start`, which runs ``step()`
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +29,8 @@ import numpy as np
 
 from ._clock import Clock, MonotonicClock
 from ._errors import CircuitOpen
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AdaptiveBatchController",
@@ -89,14 +93,28 @@ class AdaptiveBatchController:
         cooldown_s: float = 0.0,
         clock: Clock | None = None,
     ) -> None:
+        for name, value in (("min_batch", min_batch), ("max_batch", max_batch), ("eta", eta), ("initial", initial)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an int (batch sizes are whole numbers), got {value!r}")
         if not 1 <= min_batch <= max_batch:
             raise ValueError(f"need 1 <= min_batch <= max_batch, got {min_batch} and {max_batch}")
         if eta < 1:
             raise ValueError(f"eta must be >= 1, got {eta}")
+        for name, number in (
+            ("target_queue", target_queue),
+            ("deadband", deadband),
+            ("cooldown_s", cooldown_s),
+            ("window_s", window_s),
+            ("min_headroom", min_headroom),
+        ):
+            if not _is_finite(number):
+                raise ValueError(f"{name} must be a finite number, got {number!r}")
         if target_queue < 0 or deadband < 0 or cooldown_s < 0 or window_s <= 0:
             raise ValueError("target_queue, deadband and cooldown_s must be >= 0 and window_s > 0")
-        if latency_slo_ms is not None and latency_slo_ms <= 0:
-            raise ValueError(f"latency_slo_ms must be > 0, got {latency_slo_ms}")
+        if not 0 <= min_headroom <= 1:
+            raise ValueError(f"min_headroom is a share of memory, in [0, 1], got {min_headroom!r}")
+        if latency_slo_ms is not None and not (_is_finite(latency_slo_ms) and latency_slo_ms > 0):
+            raise ValueError(f"latency_slo_ms must be a finite number > 0, got {latency_slo_ms}")
         if not 0 < slo_margin <= 1:
             raise ValueError(f"slo_margin must be in (0, 1], got {slo_margin}")
         if not 0 <= slo_quantile <= 100:
@@ -200,6 +218,10 @@ class AdaptiveBatchController:
 
     def __repr__(self) -> str:
         return f"<AdaptiveBatchController batch_size={self.batch_size} range=[{self.min_batch}, {self.ceiling}]>"
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -362,14 +384,33 @@ class AdaptiveTuner:
         return size
 
     def start(self, interval_s: float = 0.1) -> None:
-        """Run :meth:`step` every ``interval_s`` seconds on a daemon thread until :meth:`stop`."""
+        """Run :meth:`step` every ``interval_s`` seconds on a daemon thread until :meth:`stop`.
+
+        A step that raises (a policy's error, say) is logged on the ``batchkit.adaptive`` logger,
+        once until the error changes, and the timer goes on: the target keeps its last batch size
+        meanwhile.
+
+        Raises:
+            ValueError: ``interval_s`` is not a finite number > 0.
+        """
+        if not (_is_finite(interval_s) and interval_s > 0):
+            raise ValueError(f"interval_s must be a finite number of seconds > 0, got {interval_s!r}")
         if self._thread is not None:
             return
         self._stop.clear()  # a tuner stopped before starts again
 
         def run() -> None:
+            last_error = ""
             while not self._stop.wait(interval_s):
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:  # noqa: BLE001 - a failing step must not end the tuning for good
+                    error = f"{type(exc).__name__}: {exc}"
+                    if error != last_error:
+                        logger.error("AdaptiveTuner.step failed (the batch size stays as it is): %s", error)
+                    last_error = error
+                else:
+                    last_error = ""
 
         self._thread = threading.Thread(target=run, name="batchkit-tuner", daemon=True)
         self._thread.start()
