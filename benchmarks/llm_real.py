@@ -66,6 +66,9 @@ class Row:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
+    # (sequences, tokens, seconds) of each model step (the bare loop), or the decode steps of
+    # each padded batch (transformers static: its longest member's length)
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
 
     @property
     def useful(self) -> int:
@@ -112,8 +115,10 @@ def bare_loop(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args:
         if not loop.scheduler.has_work():
             time.sleep(max(0.0, at[pending[0]] - now))
             continue
-        _, events = loop.step_once()
+        ts = time.perf_counter()
+        step, events = loop.step_once()
         t = time.perf_counter()
+        row.steps.append((len(step.requests), step.num_tokens, t - ts))
         for ev in events:
             if ev.error is not None:
                 raise ev.error
@@ -204,6 +209,7 @@ def hf_static(hf: Any, lm: PretrainedLM, prompts: list[list[int]], at: list[floa
                     break
             row.tokens[i] = toks
             row.ttft.append(done - sent[i])  # a static batch returns everything at the end
+        row.steps.append((len(ids), out.shape[1] - width, 0.0))
     row.seconds = time.perf_counter() - t0
     return row
 
@@ -225,6 +231,38 @@ def hf_continuous(hf: Any, lm: PretrainedLM, prompts: list[list[int]], args: arg
     for k, o in enumerate(out.values()):
         row.tokens[k] = [int(t) for t in o.generated_tokens]
     return row
+
+
+def print_steps(rows: list[Row], slots: int) -> None:
+    """Where the step loop's time goes, and what its schedule can gain over static batches.
+
+    A decode step reads every weight once whatever its number of rows, so a step of a few
+    sequences costs nearly what a full one does: the step counts bound the ratio to static
+    batching, and the step times by kind say how far a thin step is from free."""
+    loop = next((r for r in rows if r.name == "batchkit step loop"), None)
+    static = next((r for r in rows if r.name == "transformers static"), None)
+    if loop is None or not loop.steps:
+        return
+    kinds: dict[str, list[float]] = {}
+    for seqs, tokens, secs in loop.steps:
+        kind = "with prefill" if tokens > seqs else ("full decode" if seqs == slots else "thin decode")
+        kinds.setdefault(kind, []).append(secs)
+    total = sum(secs for *_, secs in loop.steps)
+    print(f"\nstep loop (run 1): {len(loop.steps)} model steps, {total:.1f} s")
+    for kind in ("full decode", "thin decode", "with prefill"):
+        xs = kinds.get(kind, [])
+        if xs:
+            print(
+                f"  {kind:13s} {len(xs):4d} steps, median {1000 * statistics.median(xs):6.1f} ms, "
+                f"{100 * sum(xs) / total:4.1f}% of the time"
+            )
+    if static is not None and static.steps:
+        decode = sum(tokens for _, tokens, _ in static.steps)
+        print(
+            f"transformers static: {len(static.steps)} padded batches, {decode} decode steps "
+            f"(+ {len(static.steps)} prefill passes); decode steps static / loop model steps = "
+            f"{decode / len(loop.steps):.2f}x (the ratio at equal cost per step)"
+        )
 
 
 def main() -> None:
@@ -291,6 +329,7 @@ def main() -> None:
             f"{pct(r.ttft, 0.5):.0f} / {pct(r.ttft, 0.99):.0f} | {pct(r.tpot, 0.5):.0f} / {pct(r.tpot, 0.99):.0f} | "
             f"{same}/{len(prompts)} |"
         )
+    print_steps(rows, args.slots)
     by_name: dict[str, list[float]] = {}
     for r in rows:
         by_name.setdefault(r.name, []).append(r.useful / r.seconds)
