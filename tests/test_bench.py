@@ -186,3 +186,15 @@ def test_load_callable_keeps_a_missing_dependency_of_the_target(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
         bench.load_callable("bk_needs_dep:f")
+
+
+def test_a_model_idle_most_of_the_run_gets_a_note_with_the_measured_throughput() -> None:
+    """echo_batch takes microseconds, so the batcher around it, not the function, limits the run:
+    QPS_max (the function's time alone) is far above what was served, and the report says so."""
+    report = bench.sweep(echo_batch, lambda i: i, [4], concurrency=4, duration_s=0.1)
+    (p,) = report.points
+    assert report.qps_max is not None
+    assert p.utilisation < bench.LOW_UTILISATION  # microseconds of work per batch
+    (note,) = [n for n in report.notes if "busy" in n]
+    assert f"{p.throughput:,.0f}/s was measured" in note
+    assert note in report.table()

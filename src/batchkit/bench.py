@@ -169,6 +169,10 @@ class BenchReport:
         plt.close(fig)
 
 
+# Below this share of busy time at B_opt, QPS_max (the model's time alone) overstates what the
+# run served, and the report says so.
+LOW_UTILISATION = 0.5
+
 # Open-loop arrivals beyond this many waiting requests are refused (and counted), so that an
 # offered rate the target cannot serve ends as a report, not as unbounded memory.
 MAX_QUEUE = 100_000
@@ -409,6 +413,12 @@ def sweep(
     at = next(p for p in points if p.batch_size == report.b_opt)
     # The batch the load actually formed at B_opt, not the nominal limit (it may never fill).
     report.qps_max = at.mean_batch_size / (at.t_batch_ms / 1e3) if at.t_batch_ms > 0 else None
+    if report.qps_max is not None and at.utilisation < LOW_UTILISATION:
+        report.notes.append(
+            f"at B_opt the model was busy {at.utilisation:.0%} of the time: QPS_max counts its time alone, but "
+            f"{at.throughput:,.0f}/s was measured (the callers or the overhead around each request limited it); "
+            "plan with the lower figure"
+        )
     if price_per_hour is not None:
         report.cost_per_token = price_per_hour / 3600 * at.seconds / (at.requests * tokens_per_item)
     return report
