@@ -34,3 +34,31 @@ def test_poisson_refuses_a_negative_rate_and_gives_nothing_at_rate_zero() -> Non
 def test_closed_loop_refuses_no_callers_or_no_time(concurrency: int, duration_s: float) -> None:
     with pytest.raises(ValueError, match=r"concurrency|duration_s"):
         sim.ClosedLoop(concurrency, duration_s)
+
+
+COST = sim.linear_cost(fixed_ms=15, per_item_ms=5)
+
+
+def _bound_ms(batch: int, max_wait_ms: float) -> float:
+    return max_wait_ms + 2 * COST(batch) * 1e3
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("load", [0.3, 0.9, 0.99])
+def test_evenly_spaced_arrivals_below_capacity_wait_within_the_bound(batch: int, load: float) -> None:
+    """docs/tuning.md: the worst wait is max_wait_ms + 2 * t_batch(B) while no more than B
+    requests arrive per batch time; evenly spaced arrivals below capacity never exceed it."""
+    rate = load * batch / COST(batch)
+    times = [i / rate for i in range(int(rate * 20))]
+    r = sim.simulate(COST, sim.trace(times), max_batch_size=batch, max_wait_ms=10)
+    assert r.completed == len(times)
+    assert r.latency.max_ms <= _bound_ms(batch, 10)
+
+
+@pytest.mark.parametrize(("batch", "load"), [(2, 0.5), (4, 0.7)])
+def test_poisson_arrivals_pass_the_bound_well_below_capacity(batch: int, load: float) -> None:
+    """docs/tuning.md: random arrivals bunch up, so the P99 passes the bound from about half of
+    capacity at B = 2 and about 70% at B = 4 (deterministic under the seed)."""
+    rate = load * batch / COST(batch)
+    r = sim.simulate(COST, sim.poisson(rate, 60, seed=0), max_batch_size=batch, max_wait_ms=10)
+    assert r.latency.p99_ms > _bound_ms(batch, 10)
