@@ -177,6 +177,8 @@ class AsyncBatcher(BatcherShell[T, R]):
         self._timer_at: float | None = None
         self._tasks: dict[_Batch, asyncio.Task[None]] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # The threads of the current executor (each adds itself as it starts), joined by aclose().
+        self._offload_threads: list[threading.Thread] = []
         self._room: list[asyncio.Future[None]] = []
         self._listener: _LoopWake | None = None
         self._finished: asyncio.Event | None = None
@@ -381,8 +383,12 @@ class AsyncBatcher(BatcherShell[T, R]):
             return await self.fn(items)
         if self.offload:
             if self._executor is None:
+                threads: list[threading.Thread] = []
+                self._offload_threads = threads
                 self._executor = concurrent.futures.ThreadPoolExecutor(
-                    self.max_concurrent_batches, thread_name_prefix=f"batchkit-{self.name}"
+                    self.max_concurrent_batches,
+                    thread_name_prefix=f"batchkit-{self.name}",
+                    initializer=lambda: threads.append(threading.current_thread()),
                 )
             return await self._loop.run_in_executor(self._executor, self.fn, items)  # type: ignore[union-attr]
         return self.fn(items)
@@ -446,6 +452,7 @@ class AsyncBatcher(BatcherShell[T, R]):
             # The stuck call keeps its thread; later batches get fresh ones.
             self._executor.shutdown(wait=False)
             self._executor = None
+            self._offload_threads = []
 
     def _resolve_drops(self, drops: Sequence[Drop], count_as: str = "") -> None:
         """Answer entries that left the queue without running (expired, evicted, closed)."""
@@ -488,13 +495,16 @@ class AsyncBatcher(BatcherShell[T, R]):
                     room.set_result(None)
         if self._loop is None:  # never used
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._pump()
         finished = self._finished
         assert finished is not None
+        timed_out = False
         try:
             with anyio.fail_after(timeout):
                 await finished.wait()
         except TimeoutError:
+            timed_out = True
             closed = BatcherClosed(f"{self.name}: closed with timeout={timeout!r}; this batch was still running")
             for batch, task in list(self._tasks.items()):
                 self._fail(batch.entries, closed)
@@ -513,9 +523,23 @@ class AsyncBatcher(BatcherShell[T, R]):
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
                 self._executor = None
+        threads, self._offload_threads = self._offload_threads, []
+        if not timed_out:
+            await _join_idle_threads(threads, deadline)
 
     async def __aenter__(self) -> AsyncBatcher[T, R]:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _join_idle_threads(threads: Sequence[threading.Thread], deadline: float | None) -> None:
+    """Wait, without blocking the loop, until the worker threads of a shut-down executor have
+    exited (they were idle: each leaves as soon as it sees the shutdown), or ``deadline`` passes."""
+    delay = 0.0
+    while any(t.is_alive() for t in threads):
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(delay)
+        delay = min(0.01, delay * 2 or 0.0005)
