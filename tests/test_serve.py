@@ -534,6 +534,57 @@ def test_shutting_down_under_load_finishes_the_accepted_request(models: tuple[An
 
 
 @needs_models
+def test_plain_uvicorn_past_its_graceful_timeout_answers_503_with_an_openai_body(models: tuple[Any, Any]) -> None:
+    """The app run by a plain uvicorn (not `batchkit serve`): at `--timeout-graceful-shutdown`
+    uvicorn cancels the requests still running. A request still being collected gets 503
+    shutting_down with OpenAI's body and Retry-After (it was a bare "Internal Server Error" 500),
+    a started stream ends with that error as an event and `data: [DONE]` (it broke off)."""
+    from prometheus_client import generate_latest
+
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=256, max_num_seqs=2, warmup=False)
+    server = LiveServer(app)
+    server.server = uvicorn.Server(
+        uvicorn.Config(app, log_level="critical", lifespan="on", timeout_graceful_shutdown=1)
+    )
+    server.thread = threading.Thread(target=server.server.run, kwargs={"sockets": [server.sock]}, daemon=True)
+    streamed: list[str] = []
+    first_event = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**LONG_BODY, "stream": True}, timeout=DEADLINE_S
+        ) as r:
+            for line in r.iter_lines():
+                if line:
+                    streamed.append(line)
+                    first_event.set()
+
+    with server, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(stream)
+        assert first_event.wait(DEADLINE_S)
+        collecting = pool.submit(httpx.post, f"{server.url}/v1/completions", json=LONG_BODY, timeout=DEADLINE_S)
+        _wait_until(lambda: _metrics(server.url)[("batchkit_http_in_flight", ())] == 2, "both requests in flight")
+        server.server.should_exit = True  # what uvicorn's SIGTERM handler does
+        r = collecting.result(timeout=DEADLINE_S)
+        streaming.result(timeout=DEADLINE_S)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"] == {
+        "message": "the server is shutting down; the request was stopped",
+        "type": "server_error",
+        "param": None,
+        "code": "shutting_down",
+    }
+    assert r.headers["retry-after"] == "1"
+    assert streamed[-1] == "data: [DONE]"
+    assert json.loads(streamed[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    text = generate_latest(server.state.registry).decode()
+    assert 'batchkit_http_requests_total{route="completions",status="503"} 2.0' in text
+
+
+@needs_models
 def test_a_shutdown_while_the_model_loads_closes_the_loop_the_load_then_makes(
     models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

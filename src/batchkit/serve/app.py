@@ -15,10 +15,13 @@ next step boundary.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -202,38 +205,59 @@ class _EventStream(Response):
     task watches ``receive()`` for ``http.disconnect`` and cancels the producer at once, and the
     producer's ``finally`` aborts the request. ``on_close`` is told whether the whole stream
     was sent (False: the client left first).
+
+    Cancelled by the HTTP server itself (uvicorn at ``--timeout-graceful-shutdown``), the stream
+    ends with ``on_abort()``'s bytes (an OpenAI error event and ``[DONE]``) instead of breaking off.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[bool], Awaitable[None]],
+        on_abort: Callable[[], bytes],
+    ) -> None:
         # No body attribute: Response would declare a Content-Length for it.
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
         self.on_close = on_close
+        self.on_abort = on_abort
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sent = False
+        started = False
+        start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         try:
-            async with anyio.create_task_group() as tg:
+            try:
+                async with anyio.create_task_group() as tg:
 
-                async def watch() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
+                    async def watch() -> None:
+                        while (await receive())["type"] != "http.disconnect":
+                            pass
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(watch)
+                    try:
+                        await send(start)
+                        started = True
+                        async for chunk in self.events:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        sent = True
+                    except OSError:
+                        pass  # the client went away mid-write (caught here: a task group would wrap it)
                     tg.cancel_scope.cancel()
-
-                tg.start_soon(watch)
-                try:
-                    await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                    async for chunk in self.events:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except anyio.get_cancelled_exc_class():
+                if not _cancelled_by_the_http_server():
+                    raise
+                with contextlib.suppress(OSError):
+                    if not started:
+                        await send(start)
+                    await send({"type": "http.response.body", "body": self.on_abort(), "more_body": False})
                     sent = True
-                except OSError:
-                    pass  # the client went away mid-write (caught here: a task group would wrap it)
-                tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self.events, "aclose", None)
@@ -512,6 +536,11 @@ class ModelServer:
         """A 503 the client may retry after ``retry_after_s`` (busy, loading, shutting down)."""
         return ApiError(503, message, type="server_error", code=code, headers={"Retry-After": str(self.retry_after_s)})
 
+    def _stopped_by_the_http_server(self) -> ApiError:
+        """The answer for a request the HTTP server cancelled: uvicorn does so to requests still
+        running at its ``--timeout-graceful-shutdown`` (else they would get a bare 500)."""
+        return self._retry_later("the server is shutting down; the request was stopped", "shutting_down")
+
     def _reject(self, reason: str) -> None:
         self.metrics.rejections.labels(reason).inc()
 
@@ -641,6 +670,10 @@ class ModelServer:
             response = await handler(request, route, body, t_arrival)
         except ApiError as err:
             response = _error_response(err)
+        except anyio.get_cancelled_exc_class():
+            if not _cancelled_by_the_http_server():
+                raise
+            response = _error_response(self._stopped_by_the_http_server())
         if not isinstance(response, _EventStream):  # a stream is counted when it ends
             self.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
@@ -699,7 +732,12 @@ class ModelServer:
                     await gen.close()
                     await self._leave()
 
-                return _EventStream(self._stream(gen, req, first), on_close)
+                def on_abort() -> bytes:
+                    err = self._stopped_by_the_http_server()
+                    gen.status = err.status
+                    return _sse(err.body()) + _sse("[DONE]")
+
+                return _EventStream(self._stream(gen, req, first), on_close, on_abort)
             collected = await _unless_disconnected(request, self._collect(gen, first))
             if collected is None:
                 return Response(status_code=499)
@@ -879,6 +917,27 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     if isinstance(outcome[0], ApiError):
         raise outcome[0]
     return outcome[0]
+
+
+def _cancelled_by_the_http_server() -> bool:
+    """Whether the cancellation being handled came from outside every cancel scope of this
+    task: the HTTP server cancelling the request (uvicorn does at ``--timeout-graceful-shutdown``),
+    which then wants the task to end, and an OpenAI error is the better ending. If so, the
+    cancellation is taken back (``Task.uncancel``), so that the answer can be sent. A cancelled
+    scope of the app's own or of an enclosing app is not: it must propagate."""
+    if anyio.current_effective_deadline() == -math.inf:
+        return False
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # not asyncio: every cancellation comes from a scope
+        return False
+    if task is None:
+        return False
+    if sys.version_info >= (3, 11):  # before 3.11 there is no count of cancellations to take back
+        if task.cancelling() == 0:
+            return False
+        task.uncancel()
+    return True
 
 
 def _error_response(err: ApiError) -> JSONResponse:
