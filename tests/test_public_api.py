@@ -113,3 +113,18 @@ def test_errors_share_one_root_and_their_builtin() -> None:
     assert issubclass(batchkit.BatchSizeMismatch, ValueError)
     for name in ("QueueFull", "QueueEmpty", "DeadlineExceeded", "BatcherClosed", "BatchSizeMismatch"):
         assert issubclass(getattr(batchkit, name), batchkit.BatchkitError)
+
+
+def test_integrations_load_on_first_access_without_ray() -> None:
+    """``batchkit.integrations.ray`` (documented in docs/api.md) resolves from a bare ``import
+    batchkit``, loads only on access, and does not import Ray or start a thread."""
+    code = (
+        "import sys, threading, batchkit\n"
+        "from batchkit import *\n"
+        "assert 'batchkit.integrations' not in sys.modules\n"
+        "assert 'integrations' in dir(batchkit)\n"
+        "opts = batchkit.integrations.ray.deployment_options(max_batch=32)\n"
+        "print(opts['max_ongoing_requests'], 'ray' in sys.modules, threading.active_count())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["160", "False", "1"]

@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # for type checkers: the real imports are lazy (see __getattr
 __version__ = "0.1.0"
 
 # Submodules loaded on first access: not in __all__, so that ``from batchkit import *`` stays light.
-_LAZY_SUBMODULES = frozenset({"bench", "demo", "jobs", "models", "serve"})
+_LAZY_SUBMODULES = frozenset({"bench", "demo", "integrations", "jobs", "models", "serve"})
 
 
 def __getattr__(name: str) -> ModuleType:
