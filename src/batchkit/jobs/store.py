@@ -125,6 +125,7 @@ class JobStore:
         self._out_fd = -1
         self._dead_fd = -1
         self._journal_fd = -1
+        self._created_dead = False  # this run created the (empty) dead-letter file to lock it
 
     # ------------------------------------------------------------------ opening
 
@@ -166,15 +167,21 @@ class JobStore:
         return store, done
 
     def _recover(self, retry_dead_letters: bool) -> DoneSet:
-        self._out_fd = os.open(self.output, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        if fcntl is not None:
-            try:
-                fcntl.flock(self._out_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                raise JobStateError(
-                    f"another process is running the job that writes {self.output}: wait for it to finish "
-                    "(or stop it), or choose another output"
-                ) from None
+        self._out_fd = self._open_locked(
+            self.output,
+            f"another process is running the job that writes {self.output}: wait for it to finish "
+            "(or stop it), or choose another output",
+        )
+        # The dead-letter file is locked too: two jobs (with two outputs) sharing it would cut
+        # each other's dead letters on their next start. Created now to hold the lock, it is
+        # removed again at close while empty.
+        existed = self.dead_letter.exists()
+        self._dead_fd = self._open_locked(
+            self.dead_letter,
+            f"another running job writes {self.dead_letter} (as its output or its dead-letter file): "
+            "give each job its own dead-letter file, or wait for the other one to finish",
+        )
+        self._created_dead = not existed
         committed = self._read_journal()
         if committed is None:  # a new job: the output must be new (or empty) too
             for path in (self.output, self.dead_letter):
@@ -196,9 +203,7 @@ class JobStore:
         self._write_journal_atomically()
         _fsync_dir(self.output)
         self._cut(self._out_fd, self.out_bytes)
-        if self.dead_letter.exists():
-            self._open_dead()
-            self._cut(self._dead_fd, self.dead_bytes)
+        self._cut(self._dead_fd, self.dead_bytes)
         done = self._scan()
         self._journal_fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
         return done
@@ -298,12 +303,30 @@ class JobStore:
             os.close(fd)
         os.replace(tmp, self.journal)
 
-    def _open_dead(self) -> None:
-        if self._dead_fd < 0:
-            existed = self.dead_letter.exists()
-            self._dead_fd = os.open(self.dead_letter, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-            if not existed:
-                _fsync_dir(self.dead_letter)
+    @staticmethod
+    def _open_locked(path: Path, busy: str) -> int:
+        """Open ``path`` for appending (creating it) and hold an exclusive lock on it; raise
+        JobStateError(``busy``) if another process holds one. A lock taken on a file that was
+        removed or replaced meanwhile (a job that finished and removed its empty dead-letter
+        file) is dropped and taken again on the file now at ``path``."""
+        for _ in range(100):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            if fcntl is None:  # pragma: no cover - Windows
+                return fd
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise JobStateError(busy) from None
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                st = None
+            held = os.fstat(fd)
+            if st is not None and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                return fd
+            os.close(fd)
+        raise JobStateError(busy)  # pragma: no cover - the file keeps being replaced
 
     # ------------------------------------------------------------------ committing
 
@@ -316,7 +339,9 @@ class JobStore:
             _sync(self._out_fd)
             self.out_bytes += len(out)
         if dead:
-            self._open_dead()
+            if self._created_dead:
+                _fsync_dir(self.dead_letter)  # the file's creation is durable before its lines
+                self._created_dead = False
             _write_all(self._dead_fd, dead)
             _sync(self._dead_fd)
             self.dead_bytes += len(dead)
@@ -327,7 +352,11 @@ class JobStore:
             self.commits += 1
 
     def close(self) -> None:
-        """Close the files (and release the lock). Idempotent."""
+        """Close the files (and release the locks); remove the dead-letter file if it is empty
+        (it exists only once something failed). Idempotent."""
+        if self._dead_fd >= 0 and os.fstat(self._dead_fd).st_size == 0:
+            self.dead_letter.unlink(missing_ok=True)  # while still locked: no one else writes it
+        self._created_dead = False
         for name in ("_journal_fd", "_dead_fd", "_out_fd"):
             fd = getattr(self, name)
             if fd >= 0:
