@@ -353,6 +353,24 @@ def test_errors_have_openai_bodies(live: LiveServer, path: str, body: Any, statu
 
 
 @needs_models
+def test_a_refusal_names_the_field_of_its_route_and_405_tells_the_allowed_method(live: LiveServer) -> None:
+    """A text completion too long for the context blames `prompt` (it named `messages`, a
+    field /v1/completions does not have); a 405 carries the Allow header HTTP requires."""
+    for body, param in (
+        ({"model": CHAT, "prompt": [1] * 9000, "max_tokens": 1}, "prompt"),
+        ({"model": CHAT, "messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 1}, "messages"),
+    ):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        r = httpx.post(f"{live.url}{path}", json=body, timeout=30)
+        assert r.status_code == 400
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("context_length_exceeded", param)
+    r = httpx.get(f"{live.url}/v1/chat/completions", timeout=30)
+    assert r.status_code == 405
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+
+
+@needs_models
 def test_a_prompt_longer_than_the_kv_pool_is_refused_by_the_openai_client(client: Any) -> None:
     """The openai client raises BadRequestError (400) for a prompt the KV pool can never hold."""
     long = [{"role": "user", "content": "word " * 5000}]

@@ -564,8 +564,9 @@ class ModelServer:
             raise ApiError(400, f"{TENANT_HEADER} is longer than {MAX_TENANT_LENGTH} characters", code="invalid_header")
         return priority, tenant
 
-    def _limit(self, prompt_len: int, requested: int | None) -> int:
-        """The request's output limit, checked against the model's context and the KV pool."""
+    def _limit(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+        """The request's output limit, checked against the model's context and the KV pool
+        (``prompt_param``: the field a prompt too long is blamed on, ``messages`` or ``prompt``)."""
         lm = self.lm
         loop = self.loop
         assert lm is not None
@@ -579,7 +580,7 @@ class ModelServer:
             raise ApiError(
                 400,
                 f"this model's maximum context length is {lm.max_model_len} tokens; the prompt has {prompt_len}",
-                param="messages",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if room_kv < 1:
@@ -587,7 +588,7 @@ class ModelServer:
             raise ApiError(
                 400,
                 f"the prompt has {prompt_len} tokens but the KV pool holds {kv_tokens}; shorten the prompt",
-                param="messages",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if requested is None:
@@ -698,7 +699,7 @@ class ModelServer:
             vocab = lm.model.config.vocab_size
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
-        max_tokens = self._limit(len(prompt), req.max_tokens)
+        max_tokens = self._limit(len(prompt), req.max_tokens, "messages" if req.messages is not None else "prompt")
         stop_ids = () if req.ignore_eos else lm.stop_token_ids
         sampling: dict[str, Any] = {
             "max_new_tokens": max_tokens,
@@ -947,7 +948,7 @@ def _error_response(err: ApiError) -> JSONResponse:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return _error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+    return _error_response(ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))  # 405: Allow
 
 
 def create_app(model: ModelSource = None, **options: Any) -> Starlette:

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 MAX_STOP_STRINGS = 4
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch generator takes
 MAX_EMBEDDING_INPUTS = 2048
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
 
@@ -88,7 +89,7 @@ def _opt_number(
     return float(value)
 
 
-def _opt_int(body: Mapping[str, Any], name: str, *, lo: int | None = None) -> int | None:
+def _opt_int(body: Mapping[str, Any], name: str, *, lo: int | None = None, hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -96,6 +97,8 @@ def _opt_int(body: Mapping[str, Any], name: str, *, lo: int | None = None) -> in
         raise _invalid(name, f"'{name}' must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise _invalid(name, f"'{name}' must be >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise _invalid(name, f"'{name}' must be <= {hi}, got {value!r}")
     return value
 
 
@@ -147,6 +150,12 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[st
     _unsupported(body, "logprobs", (None, False))
     _unsupported(body, "top_logprobs", (None, 0))
     _unsupported(body, "logit_bias", (None, {}))
+    # Tools and structured output: silently ignored, the model would answer in plain text.
+    for name in ("tools", "functions"):
+        _unsupported(body, name, (None, []))
+    for name in ("tool_choice", "function_call"):
+        _unsupported(body, name, (None, "none", "auto"))
+    _unsupported(body, "response_format", (None, {"type": "text"}))
     max_tokens = None
     for name in max_tokens_names:
         value = _opt_int(body, name, lo=1)
@@ -168,12 +177,18 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[st
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _invalid("stream_options", "'stream_options' must be an object")
-    include_usage = bool((options or {}).get("include_usage", False))
-    seed = _opt_int(body, "seed")
+    if options is not None and not stream:  # as OpenAI
+        raise _invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise _invalid(
+            "stream_options.include_usage", f"'stream_options.include_usage' must be a boolean, got {include_usage!r}"
+        )
+    seed = _opt_int(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1])
     return {
         "model": _opt_model(body),
         "stream": stream,
-        "include_usage": include_usage,
+        "include_usage": bool(include_usage),
         "max_tokens": max_tokens,
         # OpenAI's default temperature is 1 (sampling): pass 0 for greedy decoding.
         "temperature": _opt_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -216,6 +231,8 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
             raise _invalid(f"messages[{i}]", "each message needs a string 'role' and a 'content'")
         if m["role"] not in CHAT_ROLES:
             raise _invalid(f"messages[{i}].role", f"'role' must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+        if m.get("content") is None and m["role"] != "assistant":  # as OpenAI: only an assistant's may be absent
+            raise _invalid(f"messages[{i}].content", f"a {m['role']} message needs a 'content'")
         clean.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
     return GenerationRequest(messages=clean, **_common(body, ("max_completion_tokens", "max_tokens")))
 
