@@ -236,7 +236,12 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         src = Path(args.input)
         if not src.is_file():
-            what = "is a folder" if src.is_dir() else "does not exist"
+            if src.is_dir():
+                what = "is a folder"
+            elif src.exists():  # a pipe, /dev/stdin, a device: read once, it cannot be resumed
+                what = "is not a regular file (a job reads its input again to resume)"
+            else:
+                what = "does not exist"
             raise _Usage(f"argument --input: {args.input!r} {what}: pass the input JSONL file")
         out = _check_file_arg(args.output, "--output")
         dead = _check_file_arg(args.dead_letter, "--dead-letter") if args.dead_letter is not None else None

@@ -1,0 +1,37 @@
+"""The command line's one-line messages for inputs a job cannot use, and its help."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from batchkit.cli import main
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_as_input_is_a_usage_error_that_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pipe (or /dev/stdin) exists but can be read only once, and a job rereads its input to
+    resume: refused with status 2, and not as a file that 'does not exist'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def ident(rs):\n    return [r['id'] for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    os.mkfifo(tmp_path / "in.fifo")
+    assert main(["run", "jobfns:ident", "--input", "in.fifo", "--output", "out.jsonl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "argument --input" in err
+    assert "not a regular file" in err
+    assert "does not exist" not in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_top_level_help_lists_every_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/jobs.md documents 0, 1, 2 and 130; `batchkit --help` names all four."""
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for status in ("0 done", "1 the target or model failed", "2 a usage error", "130 interrupted"):
+        assert status in out
