@@ -502,6 +502,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         self._workers: list[threading.Thread] = []
         self._portal_cm: Any = None
         self._portal: Any = None
+        self._portal_thread: threading.Thread | None = None  # the event loop thread of the portal
         self._portal_lock = threading.Lock()
         self._portal_stopped: str | None = None  # why: no async batch may start after close stopped it
         self._closed = False
@@ -685,24 +686,28 @@ class DynamicBatcher(BatcherShell[T, R]):
         items still waiting run after it. Calls of an async batch function are cancelled at the
         deadline, and their callers and those of the items still waiting fail with
         :class:`BatcherClosed`. Idempotent: a second call returns at once.
+
+        Called from the batch function itself (a worker thread, or the event loop of an ``async
+        def``), it closes without waiting for the threads (one of them is the caller); a later
+        ``close()`` from elsewhere joins them.
         """
         with self._mutex:
             if self._closed:
                 return
-            self._closing = True
-            self.former.close()
             drops: list[Drop] = []
-            if not drain:
-                drops = [
-                    (e, BatcherClosed(f"{self.name}: closed before this item ran"))
-                    for e in self.former.drain(self.clock.now())
-                ]
-            self._dispatcher_idle = False
-            self._cond.notify_all()
+            if not self._closing:
+                self._closing = True
+                self.former.close()
+                if not drain:
+                    drops = [
+                        (e, BatcherClosed(f"{self.name}: closed before this item ran"))
+                        for e in self.former.drain(self.clock.now())
+                    ]
+                self._dispatcher_idle = False
+                self._cond.notify_all()
             dispatcher = self._dispatcher
         self._resolve_drops(drops, count_as="cancelled")
-        current = threading.current_thread()
-        inside = current is dispatcher or current in self._workers  # close() from the batch function
+        inside = self._called_from_inside(dispatcher)
         stuck = False
         if dispatcher is not None and not inside:
             # One deadline for every join: close(timeout=t) returns after about t, not t per thread.
@@ -712,7 +717,13 @@ class DynamicBatcher(BatcherShell[T, R]):
                 stuck = stuck or t.is_alive()
         if not inside:
             self._stop_portal(cancel_running=stuck, timeout=timeout)
-        self._closed = True
+            self._closed = True
+
+    def _called_from_inside(self, dispatcher: threading.Thread | None) -> bool:
+        """Whether this thread is one close() must not wait for: the dispatcher, a worker, or the
+        event loop thread of an ``async def`` batch function (a close from the batch function)."""
+        current = threading.current_thread()
+        return current is dispatcher or current in self._workers or current is self._portal_thread
 
     def _stop_portal(self, *, cancel_running: bool, timeout: float | None) -> None:
         """End the event loop thread of an async batch function. With ``cancel_running``, the
@@ -737,6 +748,10 @@ class DynamicBatcher(BatcherShell[T, R]):
 
     async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """:meth:`close` from async code (runs in a worker thread, the event loop stays free)."""
+        if threading.current_thread() is self._portal_thread:
+            # From the async batch function: the close cannot wait for its own loop (see close).
+            self.close(drain=drain, timeout=timeout)
+            return
         await anyio.to_thread.run_sync(lambda: self.close(drain=drain, timeout=timeout))
 
     def __enter__(self) -> DynamicBatcher[T, R]:
@@ -887,6 +902,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 if self._portal is None:
                     self._portal_cm = anyio.from_thread.start_blocking_portal()
                     self._portal = self._portal_cm.__enter__()
+                    self._portal_thread = self._portal.call(threading.current_thread)
                 portal = self._portal
         try:
             return portal.call(self.fn, items)
