@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import batchkit
@@ -66,3 +67,32 @@ def test_close_from_an_async_batch_function_does_not_deadlock() -> None:
     holder["b"] = b
     assert b.submit(0).result(WAIT) == 0
     b.close()
+
+
+def test_asyncbatcher_aclose_from_its_batch_function_does_not_deadlock() -> None:
+    """``await b.aclose()`` in an AsyncBatcher's own batch function returns; the batch's caller
+    gets its result, the items still waiting drain, and later submits are refused."""
+
+    async def main() -> tuple[list[int], list[str]]:
+        holder: dict[str, batchkit.AsyncBatcher[int, int]] = {}
+        inner: list[str] = []
+
+        async def fn(xs: list[int]) -> list[int]:
+            if 0 in xs:
+                await holder["b"].aclose()
+                inner.append("closed")
+            return [x + 1 for x in xs]
+
+        b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0)
+        holder["b"] = b
+        futs = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        done, _ = await asyncio.wait(futs, timeout=WAIT)
+        assert len(done) == 3
+        try:
+            await b.submit(9)
+        except batchkit.BatcherClosed:
+            inner.append("refused")
+        await b.aclose()
+        return [f.result() for f in futs], inner
+
+    assert asyncio.run(main()) == ([1, 2, 3], ["closed", "refused"])

@@ -478,7 +478,9 @@ class AsyncBatcher(BatcherShell[T, R]):
         """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item
         runs; without, waiting items fail with :class:`BatcherClosed`. Waits at most
         ``timeout`` seconds; batches still running then are cancelled (an ``async def`` or
-        offloaded call) and their callers fail with :class:`BatcherClosed`. Idempotent."""
+        offloaded call) and their callers fail with :class:`BatcherClosed`. Idempotent. Awaited in
+        the batch function itself, it closes and returns without waiting (a later ``aclose()``
+        from elsewhere waits)."""
         if not self._closing:
             self._closing = True
             self.former.close()
@@ -497,6 +499,10 @@ class AsyncBatcher(BatcherShell[T, R]):
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         self._pump()
+        if asyncio.current_task() in self._tasks.values():
+            # From the batch function itself: waiting for the batches to finish would wait for
+            # this one. The rest drains on its own; a later aclose() from elsewhere waits for it.
+            return
         finished = self._finished
         assert finished is not None
         timed_out = False
