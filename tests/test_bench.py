@@ -198,3 +198,33 @@ def test_a_model_idle_most_of_the_run_gets_a_note_with_the_measured_throughput()
     (note,) = [n for n in report.notes if "busy" in n]
     assert f"{p.throughput:,.0f}/s was measured" in note
     assert note in report.table()
+
+
+def test_b_opt_meets_the_sla_even_when_the_knee_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P99 is not monotone in B: here B = 8 reaches 90% of the best throughput (the knee) but its
+    P99 misses the SLA, which B = 16 and B = 32 meet. B_opt must be a size that meets the SLA:
+    the smallest one above the knee, 16, not min(B_knee, B_SLA) = 8."""
+    measured = {  # B: (throughput, p99 ms)
+        4: (500.0, 90.0),
+        8: (950.0, 45.0),
+        16: (1000.0, 38.0),
+        32: (1000.0, 39.0),
+        64: (990.0, 80.0),
+    }
+
+    def fake_point(fn: object, make_item: object, batch_size: int, **kwargs: object) -> bench.BenchPoint:
+        thr, p99 = measured[batch_size]
+        return bench.BenchPoint(
+            batch_size, 5.0, "closed", 64.0, int(thr), 1.0, thr, p99 / 2, p99 * 0.9, p99,
+            float(batch_size), 1000 * batch_size / thr, 1.0, 64.0, 64.0,
+        )  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_point", fake_point)
+    report = bench.sweep(echo_batch, lambda i: i, list(measured), sla_ms=40)
+    assert (report.b_knee, report.b_sla) == (8, 32)
+    assert report.b_opt == 16
+    at = measured[report.b_opt]
+    assert at[1] <= 40
+    assert any("B_knee = 8 misses the SLA" in n for n in report.notes)
+    # without an SLA (every size qualifies) B_opt is the knee
+    assert bench.sweep(echo_batch, lambda i: i, list(measured)).b_opt == 8

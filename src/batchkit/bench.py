@@ -7,7 +7,8 @@ reports throughput, p50/p90/p99 latency, mean batch size, model utilisation, the
 system, against ``lambda * W`` from throughput and mean latency, measured independently).
 
 Then: ``B_knee`` is the smallest batch size reaching 90% of the best throughput, ``B_SLA`` the
-largest whose P99 meets the SLA, ``B_opt = min(B_knee, B_SLA)``, ``QPS_max = B_opt /
+largest whose P99 meets the SLA, ``B_opt = min(B_knee, B_SLA)`` (or, when that size misses the
+SLA, the smallest larger one that meets it), ``QPS_max = B_opt /
 t_batch(B_opt)`` and, given a price per hour, ``C_token = C_gpu * T_run / N_tokens``. In
 ``QPS_max`` the batch size is the mean batch the run at ``B_opt`` actually reached, not the
 nominal limit: a limit that the load never fills must not inflate the capacity.
@@ -406,10 +407,16 @@ def sweep(
     report.b_knee = min(p.batch_size for p in served if p.throughput >= 0.9 * best)
     meets = [p.batch_size for p in served if sla_ms is None or p.p99_ms <= sla_ms]
     report.b_sla = max(meets) if meets else None
-    report.b_opt = None if report.b_sla is None else min(report.b_knee, report.b_sla)
-    if report.b_opt is None:
+    if report.b_sla is None:
         report.notes.append("no batch size met the SLA: add capacity or relax the SLA")
         return report
+    b_opt = min(report.b_knee, report.b_sla)
+    if b_opt not in meets:
+        # P99 is not monotone in B (small batches queue): the knee itself may miss the SLA.
+        # Recommend the smallest larger size that meets it (B_SLA at the latest).
+        b_opt = min(b for b in meets if b > b_opt)
+        report.notes.append(f"B_knee = {report.b_knee} misses the SLA; B_opt is the next size that meets it, {b_opt}")
+    report.b_opt = b_opt
     at = next(p for p in points if p.batch_size == report.b_opt)
     # The batch the load actually formed at B_opt, not the nominal limit (it may never fill).
     report.qps_max = at.mean_batch_size / (at.t_batch_ms / 1e3) if at.t_batch_ms > 0 else None
