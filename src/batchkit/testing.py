@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 __all__ = ["MockClock", "echo_batch"]
@@ -21,7 +22,10 @@ class MockClock:
     """
 
     def __init__(self, start: float = 0.0) -> None:
-        self._now = float(start)
+        start = float(start)
+        if not math.isfinite(start):
+            raise ValueError(f"start must be a finite number of seconds, got {start!r}")
+        self._now = start
         self._lock = threading.Lock()
         self._listeners: list[threading.Condition] = []
 
@@ -29,9 +33,11 @@ class MockClock:
         return self._now
 
     def advance(self, seconds: float) -> None:
-        """Move time forward by ``seconds`` (must be >= 0) and wake whoever waits on it."""
-        if seconds < 0:
+        """Move time forward by ``seconds`` (a finite number >= 0) and wake whoever waits on it."""
+        if not seconds >= 0:  # also NaN
             raise ValueError(f"seconds must be >= 0, got {seconds!r}: time does not run backwards")
+        if not math.isfinite(seconds):
+            raise ValueError(f"seconds must be finite, got {seconds!r}: advance to the next deadline instead")
         with self._lock:
             self._now += seconds
             listeners = list(self._listeners)
