@@ -1,0 +1,37 @@
+"""@batched on a method: docs/api.md's promise that closing an instance's batcher frees it."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import batchkit
+
+
+class Model:
+    @batchkit.batched(max_batch=4, max_wait_ms=1)
+    def run(self, xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+
+def test_closing_an_instances_batcher_joins_its_threads_and_frees_the_instance() -> None:
+    before = set(threading.enumerate())
+    refs = []
+    for i in range(3):
+        m = Model()
+        assert m.run(i) == 2 * i
+        m.run.close()
+        refs.append(weakref.ref(m))
+        del m
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("batchkit")]
+
+
+def test_each_instance_has_its_own_batcher_and_closing_one_leaves_the_other() -> None:
+    a, b = Model(), Model()
+    assert a.run.batcher is not b.run.batcher
+    a.run.close()
+    assert b.run(5) == 10
+    b.run.close()
