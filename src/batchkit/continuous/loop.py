@@ -9,6 +9,7 @@ their own token stream, so the step never waits on them and they never wait on e
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import operator
 import threading
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 from .._clock import Clock, MonotonicClock
-from .._errors import BatcherClosed, QueueFull
+from .._errors import BatcherClosed, KVCacheExhausted, QueueFull
 from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
@@ -231,10 +232,13 @@ class ContinuousDecodeLoop:
     def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
         if "eos_token_id" not in kwargs and self.eos_token_id is not None:
             kwargs["eos_token_id"] = self.eos_token_id
-        if self.extra_eos_ids and not kwargs.get("ignore_eos", False):
-            own = tuple(kwargs.get("stop_token_ids", ()))
-            kwargs["stop_token_ids"] = own + tuple(t for t in self.extra_eos_ids if t not in own)
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)  # checks every field first
+        if self.extra_eos_ids and not params.ignore_eos:
+            own = params.stop_token_ids
+            params = dataclasses.replace(
+                params, stop_token_ids=own + tuple(t for t in self.extra_eos_ids if t not in own)
+            )
+        return params
 
     def _submit(
         self,
@@ -257,6 +261,7 @@ class ContinuousDecodeLoop:
                 f"stop strings {params.stop!r} need a detokenize hook to be matched; pass detokenize= "
                 "(token ids -> text) to ContinuousDecodeLoop, or stop on token ids with stop_token_ids="
             )
+        self._check_fits(len(prompt), tenant)
         stream = stream or _Stream()
         with self._cond:
             if self._closing:
@@ -367,6 +372,29 @@ class ContinuousDecodeLoop:
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
+
+    def _check_fits(self, prompt_len: int, tenant: Hashable) -> None:
+        """Refuse at submit a prompt that could never be admitted, even with the cache to itself
+        (the scheduler would refuse it too, but only on the engine thread, after the call).
+
+        Raises:
+            KVCacheExhausted: the prompt (and the first token it generates) needs more blocks
+                than admission can ever give it, or than its tenant's quota.
+        """
+        a = self.allocator
+        need = a.blocks_needed(prompt_len + 1)
+        room = a.total_blocks - a.watermark_blocks
+        if need > room:
+            raise KVCacheExhausted(
+                f"a {prompt_len}-token prompt needs {need} KV blocks but admission has {room} (the cache's "
+                f"{a.total_blocks} blocks less the watermark's {a.watermark_blocks}); shorten the prompt or "
+                "give the cache more blocks"
+            )
+        quota = a.quota_of(tenant)
+        if quota is not None and need > quota:
+            raise KVCacheExhausted(
+                f"a {prompt_len}-token prompt needs {need} KV blocks, over tenant {tenant!r}'s quota of {quota}"
+            )
 
     def _vocab_size(self) -> int | None:
         """The step model's vocabulary size when it declares one (``step_fn.config.vocab_size``,

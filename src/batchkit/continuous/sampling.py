@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,20 +40,69 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        # Everything is checked here, at submit: a value the sampler or the stop check could only
+        # trip over inside a step would fail every request batched into that step.
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+        top_k = _index(self.top_k)
+        if top_k is None or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 keeps all tokens), got {self.top_k!r}")
+        object.__setattr__(self, "top_k", top_k)
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            seed = _index(self.seed)
+            if seed is None:
+                raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        if self.eos_token_id is not None:
+            object.__setattr__(self, "eos_token_id", _token_ids("eos_token_id", (self.eos_token_id,))[0])
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r} (stop on token ids with stop_token_ids=)")
+        object.__setattr__(self, "stop", stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_real(x: object) -> bool:
+    """A real number (numpy's included), not a bool, not NaN."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _index(x: object) -> int | None:
+    """``x`` as an int if it is an integer (numpy's included) and not a bool, else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _token_ids(name: str, ids: Iterable[int] | int) -> tuple[int, ...]:
+    """``ids`` as a tuple of ints (numpy and 0-d tensor integers accepted).
+
+    Raises:
+        TypeError: not a sequence of integers (e.g. one bare int).
+    """
+    if isinstance(ids, int | str | bytes):
+        raise TypeError(f"{name} must be a sequence of token ids (ints), got {ids!r}")
+    out: list[int] = []
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"{name} must hold token ids (ints), got {t!r}") from None
+    return tuple(out)
 
 
 def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[Any]) -> list[int]:

@@ -402,14 +402,24 @@ class Scheduler:
             self._preempt(victim, swap_out)
             preempted = True
 
-        # A better-priority waiting request may push out a worse running one.
-        if self.waiting and self.running:
+        # A better-priority waiting request may push out a worse running one, for a seat under
+        # max_num_seqs or for KV room. Only when that lets it in: not past its tenant's quota
+        # (other tenants' blocks would not help), not while swapped requests wait to come back
+        # first (step 3 admits nothing then), not if it can never fit. Victims are recomputed,
+        # not swapped, so that they do not block admission in turn.
+        if self.waiting and self.running and not self.swapped:
             head = self.waiting[0]
-            while not a.can_allocate(len(head.tokens), tenant=head.tenant):
-                worst = self._victim(set())
-                if worst is None or worst.priority <= head.priority:
-                    break
-                self._preempt(worst, swap_out, allow_swap=False)
+            total = len(head.tokens)
+            if a.within_quota(total, head.tenant) and self._never_fits(head, total) is None:
+                if len(self.running) >= self.max_num_seqs:
+                    worst = self._victim(set())
+                    if worst is not None and worst.priority > head.priority:
+                        self._preempt(worst, swap_out, allow_swap=False)
+                while len(self.running) < self.max_num_seqs and not a.can_allocate(total, tenant=head.tenant):
+                    worst = self._victim(set())
+                    if worst is None or worst.priority <= head.priority:
+                        break
+                    self._preempt(worst, swap_out, allow_swap=False)
 
         # 1. Running requests, best first. The common case, every running request decoding one
         #    token with room for all, is one vectorised allocator call.
