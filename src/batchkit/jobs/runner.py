@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .._clock import Clock, MonotonicClock
-from .._errors import QueueFull
+from .._errors import BatchTimeout, QueueFull
 from ..decorator import progress_bar
 from .generate import GenerateFunction, Generation
 from .parquet import export_parquet, is_parquet, parquet_rows, read_parquet
@@ -135,6 +135,9 @@ class _Target:
     window: int  # the default max_in_flight
     cap: int | None  # a hard limit on max_in_flight (the batcher's queue)
     counts_tokens: bool
+    # Submit a record to be run in a call of its own: a batch that timed out does not say which
+    # of its records hung, so each is retried alone and only the culprit times out again.
+    submit_alone: Callable[[dict[str, Any]], concurrent.futures.Future[Any]] | None = None
 
 
 def _make_target(
@@ -174,10 +177,37 @@ def _make_target(
             name=f"job-{getattr(fn, '__name__', 'fn')}",
         )
 
+        alone: list[DynamicBatcher[Any, Any]] = []
+
+        def submit_alone(record: dict[str, Any]) -> concurrent.futures.Future[Any]:
+            if not alone:  # built on the first timeout: most jobs never need it
+                alone.append(
+                    DynamicBatcher(
+                        fn,
+                        max_batch_size=1,
+                        max_wait_ms=0,
+                        max_concurrent_batches=concurrency,
+                        max_queue=owned_queue,
+                        batch_timeout_s=batch_timeout_s,
+                        name=f"job-{getattr(fn, '__name__', 'fn')}-alone",
+                    )
+                )
+            return alone[0].submit(record)
+
         def close_own(drain: bool) -> None:
             own.close(drain=drain, timeout=None if drain else 5.0)
+            for b in alone:
+                b.close(drain=drain, timeout=None if drain else 5.0)
 
-        return _Target(own.submit, own.flush, close_own, 2 * max_batch * concurrency, owned_queue, False)
+        return _Target(
+            own.submit,
+            own.flush,
+            close_own,
+            2 * max_batch * concurrency,
+            owned_queue,
+            False,
+            submit_alone if batch_timeout_s is not None else None,
+        )
     else:
         raise TypeError(
             f"fn must be a batch function (a list of records -> one result per record), a @batched function or "
@@ -192,7 +222,7 @@ def _make_target(
 
 
 class _Item:
-    __slots__ = ("attempts", "key", "line", "record", "seq")
+    __slots__ = ("alone", "attempts", "key", "line", "record", "seq")
 
     def __init__(self, seq: int, line: int, key: Any, record: dict[str, Any]) -> None:
         self.seq = seq
@@ -200,6 +230,7 @@ class _Item:
         self.key = key
         self.record = record
         self.attempts = 0  # calls of the batch function that failed so far
+        self.alone = False  # retried in a call of its own (its batch timed out)
 
 
 def _to_json(obj: object) -> Any:
@@ -351,8 +382,9 @@ class _Job:
         return item
 
     def _submit(self, item: _Item) -> None:
+        submit = self.target.submit_alone if item.alone and self.target.submit_alone else self.target.submit
         try:
-            fut = self.target.submit(item.record)
+            fut = submit(item.record)
         except QueueFull:  # a shared batcher is busy: try again later, not counted as a failure
             heapq.heappush(self.retry_at, (self.clock.now() + self.backoff_s, item.seq, item))
             return
@@ -388,6 +420,8 @@ class _Job:
             exc = fut.exception()
         if exc is not None:
             item.attempts += 1
+            if isinstance(exc, BatchTimeout):
+                item.alone = True
             if item.attempts <= self.retries:
                 self.retried += 1
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (item.attempts - 1))
