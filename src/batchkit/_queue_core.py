@@ -14,6 +14,7 @@ pairs: the exception the entry's owner should see.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -198,9 +199,10 @@ class QueueCore(Generic[T]):
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, priority: int) -> list[Drop]:
+    def admit(self, priority: int, now: float | None = None) -> list[Drop]:
         """Make room for one entry of ``priority`` per the full policy; return the entries it
-        evicted (with the :class:`QueueFull` their owners should see).
+        evicted (with the :class:`QueueFull` their owners should see). ``now`` (clock time) lets
+        ``"shed_lowest_priority"`` judge waiting entries by their aged priority (``aging_s``).
 
         Raises:
             QueueFull: the queue is full and its policy refuses the newcomer (counted as a
@@ -208,7 +210,7 @@ class QueueCore(Generic[T]):
         """
         if self.depth < self.maxsize:
             return []
-        victim = self._choose_victim(priority)
+        victim = self._choose_victim(priority, now)
         if victim is None:
             self._rejections += 1
             advice = (
@@ -269,7 +271,7 @@ class QueueCore(Generic[T]):
         Raises:
             QueueFull: refused by the full policy.
         """
-        dropped = self.admit(priority)
+        dropped = self.admit(priority, now)
         entry: QueueEntry[T] = QueueEntry(item, priority, 0, now, None, key, cost)
         self.add(entry, priority, None if deadline_ms is None else now + deadline_ms / 1e3, key, cost, now)
         return entry, dropped
@@ -407,17 +409,26 @@ class QueueCore(Generic[T]):
 
     # ------------------------------------------------------------------ internals
 
-    def _choose_victim(self, priority: int) -> QueueEntry[T] | None:
+    def _choose_victim(self, priority: int, now: float | None) -> QueueEntry[T] | None:
         if self.on_full == "drop_oldest":
             return self.oldest()
         if self.on_full == "shed_lowest_priority":
-            worst = max(p for p, dq in self._levels.items() if self._head(dq) is not None)
-            if worst <= priority:
+            # The newest entry of each level is that level's worst (aging favours the older ones);
+            # the victim is the worst of those by effective priority, if the newcomer beats it.
+            aging = self.aging_s if now is not None else None
+            t = now if now is not None else 0.0
+            victim: QueueEntry[T] | None = None
+            worst = -math.inf
+            for p, dq in self._levels.items():
+                tail = next((e for e in reversed(dq) if e.state == WAITING), None)
+                if tail is None:
+                    continue
+                eff = float(p) if aging is None else p - (t - tail.arrival) / aging
+                if victim is None or eff > worst or (eff == worst and tail.seq > victim.seq):
+                    victim, worst = tail, eff
+            if victim is None or worst <= priority:
                 return None
-            dq = self._levels[worst]
-            for entry in reversed(dq):
-                if entry.state == WAITING:
-                    return entry
+            return victim
         return None
 
     @staticmethod

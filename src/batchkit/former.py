@@ -164,7 +164,7 @@ class BatchFormer(Generic[E]):
         """
         q = self.queue
         depth = q.depth
-        drops = q.admit(priority) if depth >= q.maxsize else _NO_DROPS
+        drops = q.admit(priority, now) if depth >= q.maxsize else _NO_DROPS
         deadline = None if deadline_ms is None else now + deadline_ms / 1e3
         q.add(entry, priority, deadline, key, cost, now)
         if depth == 0 or drops:  # a first entry starts the wait clock; evictions change the plan
