@@ -35,3 +35,23 @@ def test_top_level_help_lists_every_exit_status(capsys: pytest.CaptureFixture[st
     out = " ".join(capsys.readouterr().out.split())
     for status in ("0 done", "1 the target or model failed", "2 a usage error", "130 interrupted"):
         assert status in out
+
+
+@pytest.mark.parametrize(
+    ("output", "dead"),
+    [("out.jsonl", "out.dead.jsonl"), ("res.ndjson", "res.dead.ndjson"), ("out.parquet", "out.parquet.dead.jsonl")],
+)
+def test_the_default_dead_letter_file_is_named_as_documented(
+    output: str, dead: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/jobs.md: OUTPUT-stem.dead.SUFFIX beside the output; a Parquet output's dead letters
+    sit beside its JSONL journal, out.parquet.jsonl."""
+    if output.endswith(".parquet"):
+        pytest.importorskip("pyarrow")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def refuse(rs):\n    return [ValueError('no') for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "in.jsonl").write_text('{"id": 1}\n')
+    assert main(["run", "jobfns:refuse", "--input", "in.jsonl", "--output", output, "--retries", "0"]) == 1
+    assert f"in {tmp_path / dead}" in capsys.readouterr().out
+    assert (tmp_path / dead).read_text().count("\n") == 1

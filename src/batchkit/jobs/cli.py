@@ -69,7 +69,8 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         "--dead-letter",
         metavar="PATH",
         default=None,
-        help="where failed records go, with their error; default: OUTPUT's stem + .dead.jsonl",
+        help="where failed records go, with their error; default: beside the output, its stem + .dead + its "
+        "suffix (out.jsonl: out.dead.jsonl; out.parquet: out.parquet.dead.jsonl)",
     )
     ids = p.add_mutually_exclusive_group()
     ids.add_argument(
