@@ -79,3 +79,11 @@ def test_a_message_without_content_is_refused_unless_it_is_the_assistants(role: 
     chat = parse_chat({"messages": [*HI, {"role": "assistant", "content": None}]})
     assert chat.messages is not None
     assert chat.messages[-1] == {"role": "assistant", "content": ""}
+
+
+def test_max_tokens_is_checked_even_when_max_completion_tokens_wins() -> None:
+    """max_tokens=0 next to a valid max_completion_tokens was accepted unseen."""
+    err = _refusal({"messages": HI, "max_completion_tokens": 3, "max_tokens": 0})
+    assert (err.param, err.code) == ("max_tokens", "invalid_value")
+    assert parse_chat({"messages": HI, "max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
+    assert parse_completion({"prompt": "Hi", "max_tokens": 9}).max_tokens == 9

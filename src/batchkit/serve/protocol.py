@@ -156,12 +156,9 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[st
     for name in ("tool_choice", "function_call"):
         _unsupported(body, name, (None, "none", "auto"))
     _unsupported(body, "response_format", (None, {"type": "text"}))
-    max_tokens = None
-    for name in max_tokens_names:
-        value = _opt_int(body, name, lo=1)
-        if value is not None:
-            max_tokens = value
-            break
+    # Each is checked, the first given wins (max_completion_tokens, OpenAI's newer name).
+    limits = [_opt_int(body, name, lo=1) for name in max_tokens_names]
+    max_tokens = next((value for value in limits if value is not None), None)
     stop_value = body.get("stop")
     if stop_value is None:
         stop: tuple[str, ...] = ()
