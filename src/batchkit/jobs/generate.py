@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._errors import KVCacheExhausted
+
 if TYPE_CHECKING:
     from ..continuous.loop import ContinuousDecodeLoop
 
@@ -56,7 +58,8 @@ class GenerateFunction:
 
     def submit(self, record: dict[str, Any]) -> concurrent.futures.Future[Generation]:
         """Start generating for one record; the future resolves to a :class:`Generation` or fails
-        with the record's own error (no prompt field, a prompt the tokenizer or loop refuses).
+        with the record's own error (no prompt field, a prompt the tokenizer or loop refuses, a
+        prompt too long for the KV cache).
 
         Raises:
             QueueFull: the loop's ``max_waiting`` is reached (retry later).
@@ -75,7 +78,8 @@ class GenerateFunction:
         try:
             ids = list(self.encode(prompt))
             fut = self.loop.submit(ids, **self.sampling)
-        except (ValueError, TypeError) as exc:  # this prompt's fault: a per-item failure
+        except (ValueError, TypeError, KVCacheExhausted) as exc:  # this prompt's fault: a per-item failure
+            # (at submit, KVCacheExhausted means the prompt can never fit the cache, not that it is full now)
             out.set_exception(exc)
             return out
 
