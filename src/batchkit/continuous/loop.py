@@ -494,9 +494,10 @@ class ContinuousDecodeLoop:
         t0 = self.clock.now()
         logits = check_logits(self.step_fn(batch, kv), batch)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
-        # A row of NaN logits fails its own request (a broken model state there), not its
-        # neighbours': the row is sampled from zeros so that the others go on, then dropped.
-        nan_rows = torch.isnan(logits).any(dim=1)
+        # A row no token can be drawn from (a NaN, or every logit -inf: a broken model state
+        # there) fails its own request, not its neighbours': the row is sampled from zeros so
+        # that the others go on, then dropped.
+        nan_rows = torch.isnan(logits).any(dim=1) | torch.isneginf(logits).all(dim=1)
         broken = [sampling[i].request_id for i in nan_rows.nonzero().flatten().tolist()] if nan_rows.any() else []
         if broken:
             logits = logits.masked_fill(nan_rows[:, None], 0.0)
@@ -516,7 +517,11 @@ class ContinuousDecodeLoop:
                 self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
                 events.append(
                     TokenEvent(
-                        rid, None, True, "error", FloatingPointError("the step's logits for this request are NaN")
+                        rid,
+                        None,
+                        True,
+                        "error",
+                        FloatingPointError("the step's logits for this request are NaN or all -inf"),
                     )
                 )
         return events

@@ -106,7 +106,11 @@ def _token_ids(name: str, ids: Iterable[int] | int) -> tuple[int, ...]:
 
 
 def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[Any]) -> list[int]:
-    """One token per row of ``logits`` ``[n, vocab]`` under each row's parameters."""
+    """One token per row of ``logits`` ``[n, vocab]`` under each row's parameters.
+
+    A row's ``+inf`` logits are certainties (one of them is drawn); a row must hold no NaN and
+    at least one logit above ``-inf`` (the loop fails a request whose row does not, alone).
+    """
     import torch
 
     if all(p.greedy for p in params):
@@ -116,7 +120,13 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
         if p.greedy:
             out.append(int(row.argmax()))
             continue
-        x = row.to(torch.float32) / p.temperature
+        x = row.to(torch.float32)
+        top = torch.isposinf(x)
+        if top.any():  # +inf logits are certainties: draw among them alone
+            x = torch.zeros_like(x).masked_fill(~top, float("-inf"))
+        # Shifted so that the best logit is 0: a tiny temperature then sends the others to -inf
+        # instead of overflowing them all (inf - inf is NaN in the softmax).
+        x = (x - x.max()) / p.temperature
         if p.top_k and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

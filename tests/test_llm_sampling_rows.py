@@ -1,0 +1,77 @@
+"""Logit rows the sampler must survive: +inf, all -inf, and a tiny temperature.
+
+A row no token can be drawn from fails its own request only; a row that a valid request makes
+extreme (+inf logits, a temperature that overflows the division) still samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import batchkit  # noqa: E402
+from batchkit import SamplingParams  # noqa: E402
+from batchkit.continuous import Request, TokenEvent, sample  # noqa: E402
+
+VOCAB = 16
+
+
+def _loop(first_row: Callable[[Any], None]) -> batchkit.ContinuousDecodeLoop:
+    """A loop whose step returns zeros, with ``first_row`` applied to the first sampling row."""
+
+    def step(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+        out = torch.zeros(len(batch.sample_indices), VOCAB)
+        first_row(out[0])
+        return out
+
+    kv = batchkit.PagedKVCache(num_layers=1, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+    return batchkit.ContinuousDecodeLoop(step, kv, engine="caller")
+
+
+def _one_step(loop: batchkit.ContinuousDecodeLoop, **sampling: Any) -> dict[Any, TokenEvent]:
+    for rid in ("a", "b"):
+        loop.scheduler.add(Request(rid, [1, 2], SamplingParams(max_new_tokens=2, seed=1, **sampling)))
+    _, events = loop.step_once()
+    return {e.request_id: e for e in events}
+
+
+def _set_inf(row: Any) -> None:
+    row[3] = math.inf
+
+
+def _all_neg_inf(row: Any) -> None:
+    row.fill_(-math.inf)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_inf_logit_is_a_certainty_and_the_neighbour_goes_on(temperature: float) -> None:
+    events = _one_step(_loop(_set_inf), temperature=temperature)
+    assert events["a"].token == 3
+    assert events["a"].error is None
+    assert events["b"].error is None
+    assert events["b"].token is not None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_of_only_minus_inf_fails_its_own_request_alone(temperature: float) -> None:
+    loop = _loop(_all_neg_inf)
+    events = _one_step(loop, temperature=temperature)
+    assert isinstance(events["a"].error, FloatingPointError)
+    assert events["a"].finish_reason == "error"
+    assert events["b"].error is None
+    assert events["b"].token is not None
+    assert loop.scheduler.get("a") is None
+    assert loop.scheduler.get("b") is not None
+
+
+@pytest.mark.parametrize("sampling", [{}, {"top_p": 0.5}, {"top_k": 2}])
+def test_a_tiny_temperature_samples_like_greedy(sampling: dict[str, Any]) -> None:
+    logits = torch.tensor([[-5.0, -3.0, -4.0], [2.0, 1.0, 9.0]])
+    params = [SamplingParams(temperature=1e-45, **sampling)] * 2
+    gens = [torch.Generator().manual_seed(0) for _ in range(2)]
+    assert sample(logits, params, gens) == [1, 2]
