@@ -93,7 +93,15 @@ _Batch = FormedBatch[_Request]
 
 @dataclass(frozen=True, slots=True)
 class BatcherStatistics:
-    """A snapshot of a :class:`DynamicBatcher` (latencies in milliseconds)."""
+    """A snapshot of a :class:`DynamicBatcher` (latencies in milliseconds).
+
+    ``pending``: items waiting in the queue; ``in_flight``: items in the batches running now
+    (``running_batches`` of them); ``submitted``: items admitted; ``succeeded`` / ``failed``:
+    callers a batch answered with a result / an exception; ``cancelled``: callers that gave up,
+    and items ``close(drain=False)`` failed before they ran; ``expired``: items whose
+    deadline passed (answered with ``DeadlineExceeded`` or their fallback); ``rejected``: submits
+    refused (``QueueFull``, ``CircuitOpen``) plus items evicted from a full queue.
+    """
 
     pending: int
     in_flight: int
@@ -111,6 +119,7 @@ class BatcherStatistics:
     latency: LatencySummary | None = None
     batch_time: LatencySummary | None = None
     throughput_rps: float = 0.0
+    running_batches: int = 0
 
 
 BatchFn = Callable[[list[T]], Sequence[R]] | Callable[[list[T]], Awaitable[Sequence[R]]]
@@ -367,7 +376,7 @@ class BatcherShell(Generic[T, R]):
             done = self._succeeded + self._failed
             return BatcherStatistics(
                 pending=self._core.depth,
-                in_flight=len(former.running),
+                in_flight=sum(b.info.size for b in former.running),
                 submitted=self._submitted,
                 succeeded=self._succeeded,
                 failed=self._failed,
@@ -382,6 +391,7 @@ class BatcherShell(Generic[T, R]):
                 latency=self._latency.summary(),
                 batch_time=self._batch_time.summary(),
                 throughput_rps=done / span if span > 0 else 0.0,
+                running_batches=len(former.running),
             )
 
     def recent_batches(self) -> list[BatchInfo]:

@@ -261,7 +261,7 @@ def autoscaling_stats(*batchers: Any) -> dict[str, float]:
     for b in _batchers(batchers):
         s = b.statistics()
         depth += s.pending
-        running += s.in_flight
+        running += s.running_batches
     return {QUEUE_DEPTH_METRIC: float(depth), RUNNING_BATCHES_METRIC: float(running)}
 
 
