@@ -286,6 +286,21 @@ def test_embeddings_equal_sentence_transformers(client: Any, live: LiveServer, m
 
 
 @needs_models
+def test_an_embedding_input_longer_than_the_model_takes_is_truncated_and_token_ids_are_refused(
+    client: Any, live: LiveServer, models: tuple[Any, Any]
+) -> None:
+    """As docs/serving.md says: a long input is embedded truncated to max_seq_length (usage counts
+    the tokens embedded); token ids, which OpenAI also takes, are refused with 400."""
+    _, encoder = models
+    r = client.embeddings.create(model=EMBED, input="word " * 3000)
+    assert r.usage.prompt_tokens == encoder.max_seq_length == 256
+    assert len(r.data[0].embedding) == 384
+    bad = httpx.post(f"{live.url}/v1/embeddings", json={"model": EMBED, "input": [[101, 102]]}, timeout=30)
+    assert bad.status_code == 400
+    assert (bad.json()["error"]["param"], bad.json()["error"]["code"]) == ("input", "invalid_value")
+
+
+@needs_models
 def test_an_idle_server_embeds_the_most_inputs_a_request_may_carry(live: LiveServer) -> None:
     """A request of 2048 inputs (the documented limit) is served by an idle server, not refused
     with 503 queue_full; 2049 inputs are a 400."""
