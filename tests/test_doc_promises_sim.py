@@ -62,3 +62,24 @@ def test_poisson_arrivals_pass_the_bound_well_below_capacity(batch: int, load: f
     rate = load * batch / COST(batch)
     r = sim.simulate(COST, sim.poisson(rate, 60, seed=0), max_batch_size=batch, max_wait_ms=10)
     assert r.latency.p99_ms > _bound_ms(batch, 10)
+
+
+@pytest.mark.parametrize("bad", [-0.001, float("nan"), float("inf"), "fast", None])
+def test_a_cost_that_is_not_a_time_is_refused_naming_the_batch_size(bad: object) -> None:
+    """t_batch(B) is a duration: a negative one gave negative latencies (-995 ms), a NaN one a
+    run that looked fine. Both are a ValueError naming B and the value."""
+    with pytest.raises(ValueError, match=r"cost\(1\) returned"):
+        sim.simulate(lambda b: bad, sim.poisson(10, 1), max_batch_size=1)  # type: ignore[arg-type, return-value]
+
+
+def test_a_cost_returning_a_numpy_number_is_a_time() -> None:
+    np = pytest.importorskip("numpy")
+    r = sim.simulate(lambda b: np.float32(0.01), sim.poisson(10, 1, seed=1), max_batch_size=1)
+    assert r.completed == r.arrivals
+
+
+@pytest.mark.parametrize("table", [{0: 0.01}, {-2: 0.01, 4: 0.02}, {1: -0.01}, {1: float("nan")}])
+def test_table_cost_refuses_sizes_below_one_and_times_that_are_not_finite(table: dict[int, float]) -> None:
+    """{0: t} used to fail later with ZeroDivisionError on the first call."""
+    with pytest.raises(ValueError, match="cost table"):
+        sim.table_cost(table)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -54,9 +55,19 @@ def linear_cost(fixed_ms: float, per_item_ms: float) -> CostFn:
 
 
 def table_cost(table: dict[int, float]) -> CostFn:
-    """``t(B)`` interpolated linearly from measured ``{B: seconds}`` (e.g. from ``batchkit bench``)."""
+    """``t(B)`` interpolated linearly from measured ``{B: seconds}`` (e.g. from ``batchkit bench``).
+
+    Raises:
+        ValueError: an empty table, a batch size below 1, or a time that is not a finite number
+            of seconds >= 0.
+    """
     if not table:
         raise ValueError("the cost table is empty")
+    for b, seconds in table.items():
+        if not (isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and b >= 1):
+            raise ValueError(f"the cost table's batch sizes must be >= 1, got {b!r}")
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"the cost table's times must be finite seconds >= 0, got {seconds!r} for B={b}")
     xs = sorted(table)
     ys = [table[x] for x in xs]
 
@@ -187,6 +198,18 @@ class SimResult:
         return self.mean_in_system / (lam * w) if lam * w > 0 else float("nan")
 
 
+def _seconds(value: Any, size: int) -> float:
+    """A cost function's answer as seconds: a finite number >= 0 (a negative or NaN batch time
+    would move the simulation back in time)."""
+    try:
+        dt = float(value)
+    except (TypeError, ValueError):
+        dt = math.nan
+    if not (math.isfinite(dt) and dt >= 0):
+        raise ValueError(f"cost({size}) returned {value!r}: t_batch(B) must be a finite number of seconds >= 0")
+    return dt
+
+
 class _SimClock:
     __slots__ = ("t",)
 
@@ -212,7 +235,7 @@ def simulate(
     """Run the batcher's cores (queue core and former) on virtual time.
 
     Args:
-        cost: ``t_batch(B)`` in seconds.
+        cost: ``t_batch(B)`` in seconds (a finite number >= 0; anything else raises ValueError).
         arrivals: arrival times (e.g. :func:`poisson`, :func:`steps`, :func:`trace`) or a
             :class:`ClosedLoop`.
         max_batch_size, max_wait_ms, max_concurrent_batches, max_queue: the batcher's settings.
@@ -270,14 +293,14 @@ def simulate(
         clock.t = t
         if kind == 0:  # a batch finished
             batch: FormedBatch[QueueEntry[None]]
-            batch, size = payload
+            batch, size, took = payload
             former.complete(batch)
             lat = [t - r.arrival for r in batch.entries]
             latencies.extend(lat)
             for r, x in zip(batch.entries, lat, strict=True):
                 records.append((r.arrival, x, size))
             former.observe_latencies(lat, t)
-            former.record(batch, size, cost(size), True, t)
+            former.record(batch, size, took, True, t)
             in_system -= size
             if closed is not None and t < end_time:
                 for _ in range(size):
@@ -306,10 +329,10 @@ def simulate(
             if formed is None:
                 break
             size = len(formed.entries)
-            dt = cost(size)
+            dt = _seconds(cost(size), size)
             busy += dt
             batch_sizes.append((t, size))
-            push(t + dt, 0, (formed, size))
+            push(t + dt, 0, (formed, size, dt))
         if wake_at is not None and wake_at > t and wake_at not in timers:
             timers.add(wake_at)
             push(wake_at, 2)
