@@ -651,17 +651,31 @@ class DynamicBatcher(BatcherShell[T, R]):
             self._enqueue(req, priority, deadline_ms)
             return
         deadline = None if timeout is None else _monotonic() + timeout
-        while not self._enqueue(req, priority, deadline_ms):
-            if not self.queue.wait_for_room(None if deadline is None else deadline - _monotonic()):
-                raise self._no_room(timeout)
+        waited = False
+        try:
+            while not self._enqueue(req, priority, deadline_ms):
+                waited = True
+                if not self.queue.wait_for_room(None if deadline is None else deadline - _monotonic()):
+                    raise self._no_room(timeout)
+        except (BatcherClosed, CircuitOpen):
+            if waited:  # this writer may have taken a wake-up meant for room: pass it on
+                self.queue.wake_room_waiters()
+            raise
 
     async def _enqueue_async_blocking(
         self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None
     ) -> None:
-        with anyio.move_on_after(timeout):
-            while not self._enqueue(req, priority, deadline_ms):
-                await self.queue.await_room()
-            return
+        waited = False
+        try:
+            with anyio.move_on_after(timeout):
+                while not self._enqueue(req, priority, deadline_ms):
+                    waited = True
+                    await self.queue.await_room()
+                return
+        except (BatcherClosed, CircuitOpen):
+            if waited:  # this writer may have taken a wake-up meant for room: pass it on
+                self.queue.wake_room_waiters()
+            raise
         raise self._no_room(timeout)
 
     def _cancel(self, req: _Request) -> None:
@@ -717,6 +731,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 self._cond.notify_all()
             dispatcher = self._dispatcher
         self._resolve_drops(drops, count_as="cancelled")
+        self.queue.wake_room_waiters()  # writers blocked on a full "block" queue get BatcherClosed now
         inside = self._called_from_inside(dispatcher)
         stuck = False
         if dispatcher is not None and not inside:

@@ -118,6 +118,16 @@ class BoundedQueue(Generic[T]):
             return False
         return True
 
+    def wake_room_waiters(self) -> None:
+        """Wake every thread and task waiting for room (in :meth:`wait_for_room`,
+        :meth:`await_room`, or ``put``/``aput`` on a ``"block"`` queue); each tries again. A
+        runtime that stops admitting (a closing batcher) calls it so that its blocked writers
+        learn why at once instead of waiting for room."""
+        with self.mutex:
+            waiters = list(self._space_waiters)
+            self._space_waiters.clear()
+        wake_all(waiters)
+
     async def await_room(self) -> None:
         """Await until the queue may have room (see :meth:`wait_for_room`); cancel the task or
         wrap in ``anyio.move_on_after`` to stop waiting."""
