@@ -55,3 +55,21 @@ def test_the_default_dead_letter_file_is_named_as_documented(
     assert main(["run", "jobfns:refuse", "--input", "in.jsonl", "--output", output, "--retries", "0"]) == 1
     assert f"in {tmp_path / dead}" in capsys.readouterr().out
     assert (tmp_path / dead).read_text().count("\n") == 1
+
+
+def test_a_device_as_dead_letter_file_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dead-letter /dev/null failed mid-job (fdatasync on a device: EINVAL, status 1): refused
+    at the start instead, one line, status 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def ident(rs):\n    return [r['id'] for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "in.jsonl").write_text('{"id": 1}\n')
+    argv = ["run", "jobfns:ident", "--input", "in.jsonl", "--output", "out.jsonl", "--dead-letter", os.devnull]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "argument --dead-letter" in err
+    assert "not a regular file" in err
+    assert Path(os.devnull).exists()

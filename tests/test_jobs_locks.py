@@ -4,6 +4,8 @@ cut back by each job's next start, losing the other's dead letters)."""
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -70,3 +72,17 @@ def test_a_job_where_nothing_failed_leaves_no_dead_letter_file(tmp_path: Path) -
     assert report.succeeded == 2
     assert not (tmp_path / "out.dead.jsonl").exists()
     assert (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_dead_letter_path_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """A pipe or a device as the dead-letter file (``/dev/null`` to drop them) cannot work: dead
+    letters count as done and are read back to resume. It is refused before anything is written,
+    and never removed."""
+    fifo = tmp_path / "dead.fifo"
+    os.mkfifo(fifo)
+    src = _write(tmp_path / "in.jsonl", ["x", "y"])
+    with pytest.raises(ValueError, match="not a regular file"):
+        run(lambda rs: [r["id"] for r in rs], src, tmp_path / "out.jsonl", dead_letter=fifo)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert not (tmp_path / "out.jsonl").exists()

@@ -174,6 +174,11 @@ def _check_file_arg(path: str, option: str) -> Path:
     p = Path(path)
     if p.is_dir():
         raise _Usage(f"argument {option}: {path!r} is a folder: pass a file name")
+    if p.exists() and not p.is_file():
+        raise _Usage(
+            f"argument {option}: {path!r} is not a regular file (a pipe or a device): the job reads it back to "
+            "resume: pass a file name"
+        )
     if not p.parent.is_dir():
         raise _Usage(f"argument {option}: the folder of {path!r} does not exist: create it or pick another path")
     return p

@@ -617,6 +617,12 @@ def run(
         paths.append(Path(source_name))
     if len(set(paths)) != len(paths):
         raise ValueError(f"the input, the output and the dead-letter file must be three files, got {paths}")
+    for name, path in (("sink", out_path), ("dead_letter", dead_path)):
+        if path.exists() and not path.is_file():
+            raise ValueError(
+                f"{name} {str(path)!r} is not a regular file: a job reads its output and dead letters back "
+                "to resume, so they must be files (not a folder, a pipe or a device such as /dev/null)"
+            )
 
     window = max_in_flight if max_in_flight is not None else 2 * max_batch * concurrency
     target = _make_target(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,12 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _is_empty_file(fd: int) -> bool:
+    """Whether ``fd`` is an empty regular file (never a device such as ``/dev/null``)."""
+    st = os.fstat(fd)
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -311,7 +318,7 @@ class JobStore:
         file) is dropped and taken again on the file now at ``path``."""
         for _ in range(100):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-            if fcntl is None:  # pragma: no cover - Windows
+            if fcntl is None or not stat.S_ISREG(os.fstat(fd).st_mode):  # Windows; /dev/null and the like
                 return fd
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -354,7 +361,7 @@ class JobStore:
     def close(self) -> None:
         """Close the files (and release the locks); remove the dead-letter file if it is empty
         (it exists only once something failed). Idempotent."""
-        if self._dead_fd >= 0 and os.fstat(self._dead_fd).st_size == 0:
+        if self._dead_fd >= 0 and _is_empty_file(self._dead_fd):
             self.dead_letter.unlink(missing_ok=True)  # while still locked: no one else writes it
         self._created_dead = False
         for name in ("_journal_fd", "_dead_fd", "_out_fd"):
