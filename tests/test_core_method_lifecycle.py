@@ -6,6 +6,8 @@ import gc
 import threading
 import weakref
 
+import pytest
+
 import batchkit
 
 
@@ -35,3 +37,24 @@ def test_each_instance_has_its_own_batcher_and_closing_one_leaves_the_other() ->
     a.run.close()
     assert b.run(5) == 10
     b.run.close()
+
+
+def test_static_methods_work_and_class_methods_are_refused_clearly() -> None:
+    class Host:
+        @staticmethod
+        @batchkit.batched(max_batch=2, max_wait_ms=1)
+        def double(xs: list[int]) -> list[int]:
+            return [2 * x for x in xs]
+
+    assert Host.double(2) == 4
+    assert Host().double(3) == 6
+    Host.double.close()
+
+    class Bad:
+        @classmethod
+        @batchkit.batched(max_batch=2, max_wait_ms=1)
+        def names(cls, xs: list[int]) -> list[str]:
+            return [cls.__name__ for _ in xs]
+
+    with pytest.raises(TypeError, match="classmethod"):
+        Bad.names(1)

@@ -82,6 +82,11 @@ class _BatchedBase(Generic[T, R]):
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:
             return self
+        if isinstance(instance, type):  # under @classmethod (Python < 3.13 chains __get__)
+            raise TypeError(
+                f"@batched under @classmethod is not supported ({self.__name__}): decorate a "
+                "module-level function, a staticmethod or a method (one batcher per instance)"
+            )
         try:
             store = instance.__dict__
         except AttributeError:
