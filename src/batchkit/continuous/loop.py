@@ -60,10 +60,13 @@ class _Stream:
                 self.error = event.error
             w, self.waiter = self.waiter, None
         if event.finished and self.future is not None and not self.future.done():
-            if event.error is not None:
-                self.future.set_exception(event.error)
-            else:
-                self.future.set_result(list(self.output))
+            try:
+                if event.error is not None:
+                    self.future.set_exception(event.error)
+                else:
+                    self.future.set_result(list(self.output))
+            except concurrent.futures.InvalidStateError:
+                pass  # the caller cancelled it after done() was checked: nobody wants the result
         return w
 
     def _next_or_park(self, make_waiter: Callable[[], Any]) -> tuple[bool, int | None, Any]:
@@ -408,6 +411,20 @@ class ContinuousDecodeLoop:
     def _engine(self) -> None:
         try:
             self._serve()
+        except BaseException as exc:
+            # A fault of the loop itself (not of a step: those fail their requests): no engine
+            # is left to serve, so end every request now and refuse new ones, instead of leaving
+            # their callers waiting for ever.
+            with self._cond:
+                self._closing = True
+                pending = list(self._streams.items()) + [(r.request_id, s) for r, s in self._inbox]
+                self._streams, self._inbox = {}, []
+            failed = BatcherClosed(f"the decode loop's engine failed: {exc!r}")
+            failed.__cause__ = exc
+            wake_all(
+                w for rid, st in pending if (w := st.push(TokenEvent(rid, None, True, "error", failed))) is not None
+            )
+            raise
         finally:
             self._stopped.set()
 
