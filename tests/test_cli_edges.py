@@ -73,3 +73,22 @@ def test_a_device_as_dead_letter_file_is_a_usage_error(
     assert "argument --dead-letter" in err
     assert "not a regular file" in err
     assert Path(os.devnull).exists()
+
+
+def test_a_target_that_fails_to_import_is_status_1_without_a_resume_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The target's own module raising at import is a failure (status 1, one line), but no job
+    started, so the line does not tell the user to rerun to resume; a job that failed once
+    started does."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "brokenmod.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / "failmod.py").write_text("def f(rs):\n    return [1 for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "in.jsonl").write_text('{"id": 1}\n')
+    assert main(["run", "brokenmod:f", "--input", "in.jsonl", "--output", "out.jsonl"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "RuntimeError: boom at import" in err
+    assert "resume" not in err
+    assert not (tmp_path / "out.jsonl").exists()

@@ -239,6 +239,7 @@ def run_cli(args: argparse.Namespace) -> int:
     exit status (0 all done, 1 dead letters or a failure, 2 a usage error, 130 interrupted)."""
     prog = "batchkit run"
     show_tb = bool(getattr(args, "traceback", False))
+    started = False  # the job opened its files: a rerun resumes it
     try:
         src = Path(args.input)
         if not src.is_file():
@@ -270,6 +271,7 @@ def run_cli(args: argparse.Namespace) -> int:
             fn = _load_target(args.target)
         _check_distinct(src, out, dead)
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
+        started = True
         try:
             report = run(
                 fn,
@@ -306,7 +308,8 @@ def run_cli(args: argparse.Namespace) -> int:
         if show_tb:
             traceback.print_exc()
         hint = "" if show_tb else " (--traceback shows where)"
-        print(f"{prog}: failed: {one_line(exc)}; rerun the same command to resume{hint}", file=sys.stderr)
+        resume = "; rerun the same command to resume" if started else ""
+        print(f"{prog}: failed: {one_line(exc)}{resume}{hint}", file=sys.stderr)
         return 1
     try:
         print(report.summary(), flush=True)
