@@ -77,3 +77,19 @@ def test_shed_in_a_batcher_with_aging_spares_the_aged_item() -> None:
     assert old.result(10) == "old3"
     assert new.result(10) == "new1"
     b.close()
+
+
+def test_an_on_drop_that_raises_does_not_fail_the_put_that_evicted(caplog: pytest.LogCaptureFixture) -> None:
+    """The put succeeded (its item is queued), so it returns; the callback's error is logged."""
+
+    def on_drop(entry: QueueEntry[str], error: BaseException) -> None:
+        raise RuntimeError("callback bug")
+
+    q: batchkit.BoundedQueue[str] = batchkit.BoundedQueue(1, "drop_oldest", on_drop=on_drop)
+    q.put_nowait("a")
+    with caplog.at_level("ERROR", logger="batchkit.queue"):
+        entry = q.put_nowait("b")
+    assert entry.item == "b"
+    assert len(q) == 1
+    assert q.get_nowait() == "b"
+    assert "callback bug" in caplog.text

@@ -13,6 +13,7 @@ level for every ``aging_s`` seconds it has waited, so that low-priority work can
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -36,6 +37,8 @@ from ._queue_core import (
 from ._waiters import ThreadWaiter, new_async_waiter, wake_all
 
 __all__ = ["ON_FULL_POLICIES", "BoundedQueue", "OnFull", "QueueEntry", "QueueStatistics", "check_queue_options"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -97,9 +100,14 @@ class BoundedQueue(Generic[T]):
             wake_all((self._item_waiters.popleft(),))
 
     def _notify_drops(self, drops: list[Drop]) -> None:
+        """Tell ``on_drop`` of each entry that left unserved. Its exceptions are logged, not
+        raised: the put, get or expire that evicted the entry has already succeeded."""
         if drops and self.on_drop is not None:
             for entry, exc in drops:
-                self.on_drop(entry, exc)
+                try:
+                    self.on_drop(entry, exc)
+                except Exception:
+                    logger.exception("on_drop raised for %r; the queue carries on", entry)
 
     # ------------------------------------------------------------------ waiting for room
 
