@@ -60,3 +60,15 @@ def test_a_parquet_output_without_results_still_has_the_jobs_columns(tmp_path: P
     report = run(_double, src, tmp_path / "failed.parquet", id_field="sku", retries=0)
     assert (report.succeeded, report.failed) == (0, 1)
     assert pq.read_table(tmp_path / "failed.parquet").column_names == ["sku", "output"]
+
+
+def test_a_repeated_id_counts_as_a_duplicate_on_a_rerun_too(tmp_path: Path) -> None:
+    """docs/jobs.md: an id seen again later in the input is counted as a duplicate. A rerun
+    skips the first occurrence (done) and still counts the repeat as a duplicate, not as a
+    second skipped record."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "v": 1}\n{"id": "b", "v": 2}\n{"id": "a", "v": 3}\n')
+    first = run(_double, src, tmp_path / "out.jsonl")
+    assert (first.succeeded, first.duplicates, first.skipped) == (2, 1, 0)
+    again = run(_double, src, tmp_path / "out.jsonl")
+    assert (again.items, again.skipped, again.duplicates) == (0, 2, 1)

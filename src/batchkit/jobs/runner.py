@@ -364,6 +364,10 @@ class _Job:
                 )
                 return
         if key in self.done_ids:
+            # Moved, not copied, into the ids read by this run: a later repeat of it in the input
+            # is then a duplicate, as on the first run, and the set does not grow.
+            self.done_ids.remove(key)
+            self.seen_now.add(key)
             self.skipped += 1
             return
         if key in self.seen_now:
