@@ -124,3 +124,19 @@ def test_no_one_is_preempted_for_a_request_held_back_by_its_own_tenant_quota() -
     assert {r.request_id for r in s.running} == {"a1", "b1", "b2"}
     assert [r.request_id for r in s.waiting] == ["a2"]
     assert s.statistics().preemptions == 0
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_num_seqs": 2.5},
+        {"max_num_seqs": True},
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": 64.0},
+        {"max_num_batched_tokens": -1},
+    ],
+)
+def test_the_loop_limits_are_ints(limits: dict[str, Any]) -> None:
+    name = next(iter(limits))
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+        Scheduler(PagedKVAllocator(num_blocks=8, block_size=4), **limits)
