@@ -185,6 +185,10 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
         check_queue_options(max_queue, options.get("on_full", "reject"))
     elif queue.on_drop is not None:
         raise ValueError("queue already belongs to a batcher (its on_drop is set); give each its own")
+    elif options.get("max_queue", 4096) != 4096 or options.get("on_full", "reject") != "reject":
+        raise ValueError(
+            "queue= brings its own capacity and on_full policy; pass either queue or max_queue/on_full, not both"
+        )
 
 
 class BatcherShell(Generic[T, R]):
@@ -443,8 +447,9 @@ class DynamicBatcher(BatcherShell[T, R]):
         name: shown in ``repr`` and thread names.
 
     Raises:
-        ValueError: a non-positive size, negative wait, ``max_batch_cost`` without ``size_fn``, or
-            a ``queue`` that already serves another batcher (see :func:`check_batcher_options`).
+        ValueError: a non-positive size, negative wait, ``max_batch_cost`` without ``size_fn``,
+            a ``queue`` that already serves another batcher, or a ``queue`` together with a
+            ``max_queue`` or ``on_full`` other than the default (see :func:`check_batcher_options`).
         TypeError: ``fn`` is not callable.
     """
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -91,6 +92,14 @@ def _round_up(n: int, multiple: int | None) -> int:
     return -(-n // multiple) * multiple
 
 
+def _holds(value: float, cast: Callable[[float], Any]) -> bool:
+    """Whether an int or bool dtype holds ``value`` exactly (``cast`` converts to it)."""
+    if not math.isfinite(value):
+        return False
+    with np.errstate(invalid="ignore", over="ignore"):
+        return bool(cast(value) == value)
+
+
 def pad(
     items: Sequence[Any],
     *,
@@ -109,8 +118,9 @@ def pad(
             rows (keeps shapes in a small set, e.g. for CUDA graphs).
 
     Raises:
-        ValueError: no items, a bad side or multiple, trailing shapes that differ, or more items
-            than the largest allowed batch size.
+        ValueError: no items, a bad side or multiple, trailing shapes that differ, more items
+            than the largest allowed batch size, or a ``pad_value`` the items' dtype cannot hold
+            exactly (``0.5`` or ``-1`` for unsigned ints, ``2`` for bools).
     """
     _check_items(items, "pad")
     if not _is_torch(items[0]):
@@ -142,14 +152,17 @@ def pad(
         import torch
 
         dtype = functools.reduce(torch.promote_types, (x.dtype for x in items))
+        exact = not (dtype.is_floating_point or dtype.is_complex)
+        if exact and not _holds(pad_value, lambda v: torch.tensor(v).to(dtype).item()):
+            raise ValueError(f"pad_value {pad_value!r} is not a value of the items' dtype {dtype}")
         batch = torch.full((rows, max_len, *first.shape[1:]), pad_value, dtype=dtype, device=first.device)
         mask = torch.zeros((rows, max_len), dtype=torch.bool, device=first.device)
     else:
-        batch = np.full(
-            (rows, max_len, *first.shape[1:]),
-            pad_value,
-            dtype=functools.reduce(np.promote_types, (x.dtype for x in items)),
-        )
+        np_dtype = functools.reduce(np.promote_types, (x.dtype for x in items))
+        exact = not np.issubdtype(np_dtype, np.inexact)
+        if exact and not _holds(pad_value, lambda v: np.array(v).astype(np_dtype).item()):
+            raise ValueError(f"pad_value {pad_value!r} is not a value of the items' dtype {np_dtype}")
+        batch = np.full((rows, max_len, *first.shape[1:]), pad_value, dtype=np_dtype)
         mask = np.zeros((rows, max_len), dtype=bool)
     for i, (x, n) in enumerate(zip(items, lengths, strict=False)):
         start = 0 if side == "right" else max_len - n
