@@ -1113,6 +1113,30 @@ def test_serve_command_on_sigterm_aborts_what_outlasts_the_grace_with_an_openai_
     assert "Traceback" not in s.log.read_text()
 
 
+@needs_models
+def test_serve_command_on_a_second_signal_aborts_at_once_instead_of_waiting_the_grace(tmp_path: Path) -> None:
+    """Ctrl-C twice (here SIGTERM twice) does not wait out --shutdown-grace-s: the request in
+    flight gets 503 shutting_down at once and the server exits 0 (the second signal used to
+    change nothing while the first one's 600 s grace ran)."""
+    with (
+        _ServeProcess(
+            tmp_path / "stderr.txt", "--model", CHAT, "--num-blocks", "256", "--shutdown-grace-s", "600"
+        ) as s,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        running = pool.submit(httpx.post, f"{s.url}/v1/completions", json=LONG_BODY, timeout=DEADLINE_S)
+        _wait_until(lambda: s.in_flight() == 1, "the request to be in flight")
+        s.proc.send_signal(signal.SIGTERM)
+        _wait_until(lambda: httpx.get(f"{s.url}/ready", timeout=30).status_code == 503, "/ready to answer 503")
+        assert not running.done()  # the grace holds it up
+        s.proc.send_signal(signal.SIGTERM)
+        r = running.result(timeout=DEADLINE_S)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "shutting_down"
+        assert s.proc.wait(timeout=DEADLINE_S) == 0
+    assert "Traceback" not in s.log.read_text()
+
+
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "\ufffd", 6: "!"}
 
 

@@ -379,6 +379,8 @@ class ModelServer:
         self._in_flight = 0
         self._idle: anyio.Event | None = None  # set when the last request in flight leaves
         self._token: Any = None  # the event loop serving the app (set in the lifespan)
+        self._grace: anyio.CancelScope | None = None  # the shutdown's wait for requests in flight
+        self._no_grace = False  # set by end_grace_from_thread()
 
     # ------------------------------------------------------------------ names
 
@@ -454,9 +456,10 @@ class ModelServer:
         self.accepting = False
         self.ready = False
         self.metrics.ready.set(0)
-        if self._in_flight and self._idle is not None:
-            with anyio.move_on_after(self.shutdown_grace_s):
+        if self._in_flight and self._idle is not None and not self._no_grace:
+            with anyio.move_on_after(self.shutdown_grace_s) as self._grace:
                 await self._idle.wait()
+            self._grace = None
         if self.loop is not None:
             await self.loop.aclose()
         if self.embed is not None:
@@ -476,6 +479,22 @@ class ModelServer:
             return
         with contextlib.suppress(RuntimeError):  # the event loop has already ended
             anyio.from_thread.run(self.shutdown, token=token)
+
+    def end_grace_from_thread(self) -> None:
+        """Cut the shutdown's ``shutdown_grace_s`` short, from another thread: what still runs is
+        aborted now (503 ``shutting_down``). For a second Ctrl-C; a shutdown not yet begun will
+        then not wait either. Does nothing before the app's lifespan has started or after its
+        event loop has ended."""
+        token = self._token
+        if token is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop has already ended
+            anyio.from_thread.run_sync(self._end_grace, token=token)
+
+    def _end_grace(self) -> None:
+        self._no_grace = True
+        if self._grace is not None:
+            self._grace.cancel()
 
     @asynccontextmanager
     async def lifespan(self, app: Any = None) -> AsyncIterator[None]:

@@ -277,8 +277,8 @@ def _serve_with_engine_in_main_thread(server: Any, state: Any, sock: socket.sock
     keeps stepping the model meanwhile): new requests get 503 while those in flight get
     ``--shutdown-grace-s`` to finish, the rest end with an OpenAI error, and the loop closes, which
     ends run_engine(); only then is uvicorn told to exit. Left to uvicorn alone, the port would
-    close at once and requests still running at its timeout would be cancelled into bare 500
-    answers. A second signal hands over to uvicorn's own graceful exit.
+    close at once and requests still running at its timeout would be cancelled. A second signal
+    ends the grace at once: what still runs is aborted with that OpenAI error, and the server exits.
 
     Python runs a signal handler in the main thread only, and only once that thread runs Python
     code again; an idle engine waits on a lock, and a signal the kernel hands to another thread
@@ -303,8 +303,11 @@ def _serve_with_engine_in_main_thread(server: Any, state: Any, sock: socket.sock
         received += 1
         if received == 1:
             threading.Thread(target=drain_then_exit, name="batchkit-serve-drain", daemon=True).start()
-        else:
-            server.should_exit = True
+        else:  # stop waiting: abort what still runs now (the drain then closes and exits)
+            try:
+                state.end_grace_from_thread()
+            finally:
+                server.should_exit = True
 
     reader, writer = socket.socketpair()
     writer.setblocking(False)
