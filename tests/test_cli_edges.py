@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +97,43 @@ def test_a_target_that_fails_to_import_is_status_1_without_a_resume_hint(
     assert "RuntimeError: boom at import" in err
     assert "resume" not in err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+_SLOW_FN = """\
+import time
+
+def work(records):
+    time.sleep(0.005)  # a model call: the job runs long enough for the signal to land mid-job
+    return [r["x"] * 2 for r in records]
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGTERM")
+def test_sigterm_stops_a_job_with_one_line_and_status_143_and_a_rerun_finishes_it(tmp_path: Path) -> None:
+    """`kill` (or a scheduler stopping the job) sends SIGTERM: the job stops as Ctrl-C stops it,
+    one line on stderr and status 143 instead of dying silently; the rerun finishes it with
+    every id once."""
+    n = 2000
+    (tmp_path / "slowfn.py").write_text(_SLOW_FN)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "x": i}) + "\n" for i in range(n)))
+    out = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "batchkit", "run", "slowfn:work", "--input", "in.jsonl", "--output", "out.jsonl"]
+    argv += ["--max-batch", "4", "--no-progress"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (out.stat().st_size if out.exists() else 0) == 0:
+            assert proc.poll() is None, "the job ended before the signal"
+            assert time.monotonic() < deadline, "the job never committed"
+            time.sleep(0.001)  # polling the file size, not waiting for behaviour
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "batchkit run: terminated (SIGTERM): rerun the same command to resume"
+    rerun = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert rerun.returncode == 0, rerun.stderr
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == list(range(n))

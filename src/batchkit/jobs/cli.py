@@ -3,7 +3,7 @@
 ``batchkit.cli`` mounts it with :func:`add_run_parser` and calls :func:`run_cli`. Exit status: 0
 every record has an output, 1 some are dead letters (the summary says how many) or the job
 failed (one line; ``--traceback`` for more), 2 a usage error (one line naming the argument),
-130 interrupted (rerun the same command to resume).
+130 interrupted, 143 terminated by SIGTERM (rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +172,30 @@ class _Usage(Exception):
     pass
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived (``kill``, a scheduler stopping the job): stop like Ctrl-C does."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_job() -> Iterator[None]:
+    """While the job runs, SIGTERM closes it like Ctrl-C (the batcher stopped, the files closed,
+    one line on stderr) instead of killing the process where it stands. Only the main thread
+    can install a handler; elsewhere SIGTERM keeps its default."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _check_file_arg(path: str, option: str) -> Path:
     p = Path(path)
     if p.is_dir():
@@ -236,7 +262,8 @@ def _check_distinct(src: Path, out: Path, dead: Path | None) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run the job ``args`` describes (from :func:`add_run_parser`); print the report; return the
-    exit status (0 all done, 1 dead letters or a failure, 2 a usage error, 130 interrupted)."""
+    exit status (0 all done, 1 dead letters or a failure, 2 a usage error, 130 interrupted, 143
+    terminated by SIGTERM)."""
     prog = "batchkit run"
     show_tb = bool(getattr(args, "traceback", False))
     started = False  # the job opened its files: a rerun resumes it
@@ -273,24 +300,25 @@ def run_cli(args: argparse.Namespace) -> int:
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
         started = True
         try:
-            report = run(
-                fn,
-                src,
-                out,
-                dead_letter=dead,
-                id_field=id_field,
-                max_batch=args.max_batch,
-                max_wait_ms=args.max_wait_ms,
-                concurrency=args.concurrency,
-                max_in_flight=args.max_in_flight,
-                retries=args.retries,
-                backoff_s=args.backoff_s,
-                ordered=args.ordered,
-                retry_dead_letters=args.retry_dead_letters,
-                batch_timeout_s=args.batch_timeout_s,
-                price_per_hour=args.price_per_hour,
-                progress=progress,
-            )
+            with _sigterm_stops_the_job():
+                report = run(
+                    fn,
+                    src,
+                    out,
+                    dead_letter=dead,
+                    id_field=id_field,
+                    max_batch=args.max_batch,
+                    max_wait_ms=args.max_wait_ms,
+                    concurrency=args.concurrency,
+                    max_in_flight=args.max_in_flight,
+                    retries=args.retries,
+                    backoff_s=args.backoff_s,
+                    ordered=args.ordered,
+                    retry_dead_letters=args.retry_dead_letters,
+                    batch_timeout_s=args.batch_timeout_s,
+                    price_per_hour=args.price_per_hour,
+                    progress=progress,
+                )
         except JobStateError as exc:
             raise _Usage(f"argument --output: {exc}") from None
         except TypeError as exc:  # run() checks its arguments before it calls anything
@@ -304,6 +332,9 @@ def run_cli(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted: rerun the same command to resume", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"{prog}: terminated (SIGTERM): rerun the same command to resume", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as exc:  # noqa: BLE001 - the job failed: one line, the traceback on request
         if show_tb:
             traceback.print_exc()
