@@ -75,3 +75,29 @@ def test_a_tiny_temperature_samples_like_greedy(sampling: dict[str, Any]) -> Non
     params = [SamplingParams(temperature=1e-45, **sampling)] * 2
     gens = [torch.Generator().manual_seed(0) for _ in range(2)]
     assert sample(logits, params, gens) == [1, 2]
+
+
+def test_a_detokenize_hook_that_fails_on_one_output_fails_that_request_alone() -> None:
+    def detokenize(ids: Any) -> str:
+        if 13 in ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "not text")
+        return " ".join(map(str, ids))
+
+    def step(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+        out = torch.zeros(len(batch.sample_indices), VOCAB)
+        out[0, 13] = 1.0  # the first request samples 13, which the hook cannot decode
+        out[1:, 2] = 1.0
+        return out
+
+    kv = batchkit.PagedKVCache(num_layers=1, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+    loop = batchkit.ContinuousDecodeLoop(step, kv, engine="caller", detokenize=detokenize)
+    for rid in ("a", "b"):
+        loop.scheduler.add(Request(rid, [1, 2], SamplingParams(max_new_tokens=3, stop=("x",))))
+    _, events = loop.step_once()
+    by_id = {e.request_id: e for e in events}
+    assert isinstance(by_id["a"].error, UnicodeDecodeError)
+    assert by_id["a"].finished
+    assert by_id["b"].token == 2
+    assert by_id["b"].error is None
+    assert loop.scheduler.get("a") is None
+    assert loop.allocator.statistics().num_seqs == 1

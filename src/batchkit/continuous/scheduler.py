@@ -578,7 +578,13 @@ class Scheduler:
             else:
                 self._tpot.add(now - req.t_last_token)
             req.t_last_token = now
-            reason = self._stop_reason(req, token)
+            try:
+                reason = self._stop_reason(req, token)
+            except Exception as exc:  # noqa: BLE001 - the detokenize hook failed on this output: fail it alone
+                self.running.remove(req)
+                self.allocator.free(req.request_id)
+                self._fail(req, exc)
+                continue
             if reason is not None:
                 self.running.remove(req)
                 self.allocator.free(req.request_id)
@@ -587,7 +593,7 @@ class Scheduler:
                 req.finish_reason = reason
                 self._finished += 1
             events.append(TokenEvent(req.request_id, token, reason is not None, reason))
-        return events
+        return events + self.take_events()
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
