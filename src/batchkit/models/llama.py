@@ -74,7 +74,18 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config: Any) -> LlamaConfig:
-        """From a ``transformers.LlamaConfig`` (default RoPE only)."""
+        """From a ``transformers.LlamaConfig`` (default RoPE, no biases, SiLU).
+
+        Raises:
+            ValueError: a RoPE scaling, attention or MLP biases, or an activation other than SiLU,
+                which this model does not implement (its output would be wrong, not just slow).
+        """
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(config, flag, False):
+                raise ValueError(f"{flag}=True is not supported: LlamaModel's projections have no biases")
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"only the SiLU activation is supported, the config uses {act!r}")
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
         if rope_type not in ("default", None):
