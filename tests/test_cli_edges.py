@@ -22,10 +22,10 @@ def test_a_pipe_as_input_is_a_usage_error_that_says_why(
     """A pipe (or /dev/stdin) exists but can be read only once, and a job rereads its input to
     resume: refused with status 2, and not as a file that 'does not exist'."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "jobfns.py").write_text("def ident(rs):\n    return [r['id'] for r in rs]\n")
+    (tmp_path / "edges_ident.py").write_text("def ident(rs):\n    return [r['id'] for r in rs]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     os.mkfifo(tmp_path / "in.fifo")
-    assert main(["run", "jobfns:ident", "--input", "in.fifo", "--output", "out.jsonl"]) == 2
+    assert main(["run", "edges_ident:ident", "--input", "in.fifo", "--output", "out.jsonl"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "argument --input" in err
@@ -54,10 +54,10 @@ def test_the_default_dead_letter_file_is_named_as_documented(
     if output.endswith(".parquet"):
         pytest.importorskip("pyarrow")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "jobfns.py").write_text("def refuse(rs):\n    return [ValueError('no') for r in rs]\n")
+    (tmp_path / "edges_refuse.py").write_text("def refuse(rs):\n    return [ValueError('no') for r in rs]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "in.jsonl").write_text('{"id": 1}\n')
-    assert main(["run", "jobfns:refuse", "--input", "in.jsonl", "--output", output, "--retries", "0"]) == 1
+    assert main(["run", "edges_refuse:refuse", "--input", "in.jsonl", "--output", output, "--retries", "0"]) == 1
     assert f"in {tmp_path / dead}" in capsys.readouterr().out
     assert (tmp_path / dead).read_text().count("\n") == 1
 
@@ -68,10 +68,10 @@ def test_a_device_as_dead_letter_file_is_a_usage_error(
     """--dead-letter /dev/null failed mid-job (fdatasync on a device: EINVAL, status 1): refused
     at the start instead, one line, status 2."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "jobfns.py").write_text("def ident(rs):\n    return [r['id'] for r in rs]\n")
+    (tmp_path / "edges_ident.py").write_text("def ident(rs):\n    return [r['id'] for r in rs]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "in.jsonl").write_text('{"id": 1}\n')
-    argv = ["run", "jobfns:ident", "--input", "in.jsonl", "--output", "out.jsonl", "--dead-letter", os.devnull]
+    argv = ["run", "edges_ident:ident", "--input", "in.jsonl", "--output", "out.jsonl", "--dead-letter", os.devnull]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1

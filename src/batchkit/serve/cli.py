@@ -194,11 +194,14 @@ def _serve(args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (as uvicorn binds one: SO_REUSEADDR, IPv6 for a host with ':')."""
+    """A TCP socket listening on ``host:port`` (bound as uvicorn binds one: SO_REUSEADDR, IPv6 for a host with ':')."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        # Listening from here on: a client that connects while the models load waits in the
+        # backlog until the server accepts, instead of being refused after "listening on".
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise
