@@ -278,3 +278,10 @@ def test_make_loop_stops_on_every_eos_id_of_the_generation_config(tiny_llama_dir
         assert loop.submit([1, 3], max_new_tokens=4, ignore_eos=True).result(timeout=60) == [5, 5, 5, 5]
     finally:
         loop.close()
+
+
+def test_load_encoder_given_a_file_says_to_pass_its_directory(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    with pytest.raises(FileNotFoundError, match="is a file; load_encoder takes the model's directory"):
+        load_encoder(config)

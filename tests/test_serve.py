@@ -379,6 +379,13 @@ def test_a_refusal_names_the_field_of_its_route_and_405_tells_the_allowed_method
         r = httpx.post(f"{live.url}{path}", json=body, timeout=30)
         assert r.status_code == 400
         assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("context_length_exceeded", param)
+    for name in ("max_tokens", "max_completion_tokens"):  # the limit is blamed on the field that set it
+        r = httpx.post(
+            f"{live.url}/v1/chat/completions", json={"model": CHAT, "messages": QUESTION, name: 10**6}, timeout=30
+        )
+        assert r.status_code == 400
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("context_length_exceeded", name)
+        assert name in r.json()["error"]["message"]
     r = httpx.get(f"{live.url}/v1/chat/completions", timeout=30)
     assert r.status_code == 405
     assert r.json()["error"]["code"] == "method_not_allowed"

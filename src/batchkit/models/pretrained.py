@@ -390,6 +390,8 @@ def load_encoder(
         ModuleNotFoundError: transformers is not installed.
     """
     path = resolve_source(source)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is a file; load_encoder takes the model's directory ({path.parent}?)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a sentence-transformers model directory (no config.json)")
     # Built in a thread that ends, so that the caller's thread keeps no OpenMP team (see

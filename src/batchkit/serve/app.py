@@ -583,9 +583,10 @@ class ModelServer:
             raise ApiError(400, f"{TENANT_HEADER} is longer than {MAX_TENANT_LENGTH} characters", code="invalid_header")
         return priority, tenant
 
-    def _limit(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+    def _limit(self, prompt_len: int, requested: int | None, prompt_param: str, limit_param: str) -> int:
         """The request's output limit, checked against the model's context and the KV pool
-        (``prompt_param``: the field a prompt too long is blamed on, ``messages`` or ``prompt``)."""
+        (``prompt_param``: the field a prompt too long is blamed on, ``messages`` or ``prompt``;
+        ``limit_param``: the field the limit came from, ``max_tokens`` or ``max_completion_tokens``)."""
         lm = self.lm
         loop = self.loop
         assert lm is not None
@@ -617,17 +618,17 @@ class ModelServer:
             raise ApiError(
                 400,
                 f"this model's maximum context length is {lm.max_model_len} tokens; the prompt ({prompt_len}) plus "
-                f"max_tokens ({requested}) asks for {prompt_len + requested}",
-                param="max_tokens",
+                f"{limit_param} ({requested}) asks for {prompt_len + requested}",
+                param=limit_param,
                 code="context_length_exceeded",
             )
         if requested > room_kv:
             self._reject("prompt_too_long")
             raise ApiError(
                 400,
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({requested}) needs more than the KV pool's "
-                f"{kv_tokens} tokens; lower max_tokens or shorten the prompt",
-                param="max_tokens",
+                f"the prompt ({prompt_len} tokens) plus {limit_param} ({requested}) needs more than the KV pool's "
+                f"{kv_tokens} tokens; lower {limit_param} or shorten the prompt",
+                param=limit_param,
                 code="context_length_exceeded",
             )
         return requested
@@ -718,7 +719,8 @@ class ModelServer:
             vocab = lm.model.config.vocab_size
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
-        max_tokens = self._limit(len(prompt), req.max_tokens, "messages" if req.messages is not None else "prompt")
+        prompt_param = "messages" if req.messages is not None else "prompt"
+        max_tokens = self._limit(len(prompt), req.max_tokens, prompt_param, req.max_tokens_param)
         stop_ids = () if req.ignore_eos else lm.stop_token_ids
         sampling: dict[str, Any] = {
             "max_new_tokens": max_tokens,

@@ -139,6 +139,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from (errors name it)
 
 
 def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[str, Any]:
@@ -157,8 +158,8 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[st
         _unsupported(body, name, (None, "none", "auto"))
     _unsupported(body, "response_format", (None, {"type": "text"}))
     # Each is checked, the first given wins (max_completion_tokens, OpenAI's newer name).
-    limits = [_opt_int(body, name, lo=1) for name in max_tokens_names]
-    max_tokens = next((value for value in limits if value is not None), None)
+    limits = [(name, _opt_int(body, name, lo=1)) for name in max_tokens_names]
+    max_tokens_param, max_tokens = next(((n, v) for n, v in limits if v is not None), ("max_tokens", None))
     stop_value = body.get("stop")
     if stop_value is None:
         stop: tuple[str, ...] = ()
@@ -187,6 +188,7 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[st
         "stream": stream,
         "include_usage": bool(include_usage),
         "max_tokens": max_tokens,
+        "max_tokens_param": max_tokens_param,
         # OpenAI's default temperature is 1 (sampling): pass 0 for greedy decoding.
         "temperature": _opt_number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _opt_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
