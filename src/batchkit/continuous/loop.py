@@ -477,9 +477,19 @@ class ContinuousDecodeLoop:
         The engine thread calls this in a loop; tests and simulators may drive a loop whose
         threaded API is unused the same way (with ``scheduler.add``), never both at once.
         A step function that raises fails that step's requests, not the loop.
+
+        Raises:
+            RuntimeError: another thread runs the engine (``generate()`` / ``submit()`` started
+                it): two threads stepping one scheduler would corrupt it.
         """
         import torch
 
+        engine = self._thread
+        if engine is not None and engine is not threading.current_thread() and engine.is_alive():
+            raise RuntimeError(
+                f"the engine runs in thread {engine.name!r}; step_once() drives a loop whose generate()/"
+                "submit() API is unused (add requests with scheduler.add), or use engine='caller'"
+            )
         with self._cond:  # aborts asked for with abort() (the engine thread drains its own first)
             aborts, self._aborts = self._aborts, []
         dropped = [TokenEvent(rid, None, True, "abort") for rid in aborts if self.scheduler.abort(rid)]
