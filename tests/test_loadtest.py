@@ -56,6 +56,7 @@ class Behaviour:
     usage: bool = True  # report usage.completion_tokens
     fail_every: int = 0  # answer 503 to every n-th request (0: never)
     hang: bool = False  # send the headers, then nothing
+    loading_polls: int = 0  # answer GET /ready 503 "loading" this many times (and refuse generations meanwhile)
 
 
 class FakeOpenAI:
@@ -69,6 +70,7 @@ class FakeOpenAI:
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self.models),
+                Route("/ready", self.ready),
                 Route("/v1/chat/completions", self.complete, methods=["POST"]),
                 Route("/v1/completions", self.complete, methods=["POST"]),
             ]
@@ -77,11 +79,20 @@ class FakeOpenAI:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
+    async def ready(self, request: Request) -> Response:
+        b = self.behaviour
+        if b.loading_polls > 0:
+            b.loading_polls -= 1
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
     async def complete(self, request: Request) -> Response:
         import anyio
 
         body = await request.json()
         b = self.behaviour
+        if b.loading_polls > 0:
+            return JSONResponse({"error": {"message": "still loading", "code": "loading"}}, status_code=503)
         with self.lock:
             self.received += 1
             n = self.received
@@ -178,6 +189,31 @@ def test_closed_loop_counts_add_up_and_tokens_are_the_servers(fake: tuple[FakeOp
     assert body["stream"] is True
     assert body["max_tokens"] == 7
     assert body["messages"][0]["role"] == "user"
+
+
+def test_a_run_waits_for_a_server_that_is_still_loading(
+    fake: tuple[FakeOpenAI, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /ready 503 "loading" (batchkit serve loading its models): the run starts once it
+    is ready, so that no request of it is refused for loading."""
+    f, url = fake
+    monkeypatch.setattr("batchkit.serve.loadtest.LOADING_POLL_S", 0.01)
+    f.behaviour.loading_polls = 3
+    report = run_load_test(url, concurrency=2, duration_s=0.2, timeout_s=30)
+    assert f.behaviour.loading_polls == 0
+    assert report.failed == 0
+    assert report.completed >= 2
+
+
+def test_a_server_still_loading_after_the_timeout_fails_the_run(
+    fake: tuple[FakeOpenAI, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f, url = fake
+    monkeypatch.setattr("batchkit.serve.loadtest.LOADING_POLL_S", 0.01)
+    f.behaviour.loading_polls = 10**6
+    with pytest.raises(LoadTestFailed, match="still loading"):
+        run_load_test(url, concurrency=2, duration_s=0.2, timeout_s=0.2)
+    assert f.received == 0
 
 
 def test_tokens_are_counted_from_chunks_when_the_server_sends_no_usage(fake: tuple[FakeOpenAI, str]) -> None:

@@ -52,6 +52,7 @@ __all__ = [
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_IN_FLIGHT = 10_000  # open loop: an arrival finding this many requests running is refused, and counted
 PREFLIGHT_TIMEOUT_S = 10.0
+LOADING_POLL_S = 0.5  # how often a run waits on GET /ready while the server loads its models
 
 
 class LoadTestFailed(BatchkitError, RuntimeError):
@@ -315,6 +316,28 @@ async def _preflight(client: httpx.AsyncClient, url: str, model: str | None, tim
         raise LoadTestFailed(f"GET {url}/v1/models names no model: pass --model") from None
 
 
+async def _wait_while_loading(client: httpx.AsyncClient, url: str, timeout_s: float) -> None:
+    """A ``batchkit serve`` that is still loading its models answers ``GET /ready`` 503
+    ``loading`` (and every generation 503): wait up to ``timeout_s`` for it, so that a run started
+    beside the server does not measure refusals. Other servers (no ``/ready``) start at once."""
+    import anyio
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            resp = await client.get(f"{url}/ready", timeout=min(timeout_s, PREFLIGHT_TIMEOUT_S))
+            loading = resp.status_code == 503 and resp.json().get("status") == "loading"
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if not loading:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LoadTestFailed(f"{url} was still loading its models after {timeout_s:g} s (GET /ready)")
+        await anyio.sleep(min(LOADING_POLL_S, left))
+
+
 async def _one_request(
     client: httpx.AsyncClient, route: str, body: dict[str, Any], timeout_s: float, t0: float
 ) -> RequestResult:
@@ -388,8 +411,10 @@ def run_load_test(
 ) -> LoadTestReport:
     """Load-test the server at ``url`` for ``duration_s`` seconds and return its report.
 
-    Exactly one of ``concurrency`` (closed loop) and ``rate`` (open loop) is given. Raises
-    :class:`LoadTestFailed` when the server cannot be reached or no request completes. Needs httpx.
+    Exactly one of ``concurrency`` (closed loop) and ``rate`` (open loop) is given. A ``batchkit
+    serve`` still loading its models (``GET /ready``: 503 ``loading``) is waited for, up to
+    ``timeout_s``, before the run starts. Raises :class:`LoadTestFailed` when the server cannot be
+    reached, is still loading after ``timeout_s``, or no request completes. Needs httpx.
     """
     import anyio
     import httpx
@@ -416,6 +441,7 @@ def run_load_test(
         # The per-request limit is timeout_s (anyio.fail_after); httpx's own is the same bound.
         async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
             used_model = await _preflight(client, url, model, timeout_s)
+            await _wait_while_loading(client, url, timeout_s)
             body = request_body(endpoint, used_model, prompt, max_tokens)
             route = ENDPOINTS[endpoint]
             t0 = time.perf_counter()
