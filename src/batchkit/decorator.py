@@ -193,13 +193,18 @@ class _BatchedBase(Generic[T, R]):
 def _submit_waiting(b: DynamicBatcher[T, R], item: T) -> concurrent.futures.Future[R]:
     """``b.submit(item)``, waiting for room while the queue is full (any ``on_full``); a closed
     batcher still raises :class:`~batchkit.BatcherClosed`."""
+    q = b.queue
     while True:
+        # Wait before submitting, not only after a QueueFull: under "drop_oldest" or
+        # "shed_lowest_priority" a submit to a full queue evicts another caller's item instead.
+        # Wake at least every 0.1 s to look again: room may come with no waiter told (an item
+        # expired by a reader), and a batcher closed meanwhile refuses the next try.
+        while len(q) >= q.maxsize and not b.closed:
+            q.wait_for_room(0.1)
         try:
             return b.submit(item)
         except QueueFull:
-            # Wake at least every 0.1 s to try again: room may come with no waiter told (an item
-            # expired by a reader), and a batcher closed meanwhile refuses the next try.
-            b.queue.wait_for_room(0.1)
+            q.wait_for_room(0.1)
 
 
 class BatchedFunction(_BatchedBase[T, R]):
