@@ -17,6 +17,8 @@ that while the model is busy the next batch keeps growing.
 from __future__ import annotations
 
 import enum
+import logging
+import math
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from ._queue_core import ANY_KEY, Drop, QueueCore, QueueEntry
 from .adaptive import AdaptiveBatchController, CircuitBreaker
 
 __all__ = ["FLUSH_REASONS", "BatchFormer", "BatchInfo", "FlushReason", "FormedBatch"]
+
+logger = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=QueueEntry[Any])
 
@@ -236,7 +240,7 @@ class BatchFormer(Generic[E]):
             # The controller sees the backlog a batch of the current size would leave behind:
             # none means batches have room to spare (step down), some means they fall behind.
             backlog = max(0, q.depth - self.max_batch_size)
-            self.max_batch_size = self.controller.update(backlog, now).batch_size
+            self.max_batch_size = self._controlled_size(backlog, now)
         entries: list[E] = q.take(self.max_batch_size, now, self.max_batch_cost, key)  # type: ignore[assignment]
         info = BatchInfo(
             size=len(entries),
@@ -252,6 +256,32 @@ class BatchFormer(Generic[E]):
         self.reasons[reason.value] += 1
         self.recent.append(info)
         return batch, wake_at
+
+    # ------------------------------------------------------------------ the controller
+
+    # The controller is user code (a subclass, or its ``memory_headroom`` callable), called from a
+    # batcher's dispatcher, worker or caller threads (or an AsyncBatcher's loop callbacks). An
+    # exception from it must not escape there (it would leave entries admitted and never batched,
+    # kill the dispatcher, or fail a caller's submit after its item was queued): it is logged, and
+    # the batch size stays as it was.
+
+    def _controlled_size(self, backlog: int, now: float) -> int:
+        controller = self.controller
+        assert controller is not None
+        try:
+            size = controller.update(backlog, now).batch_size
+        except Exception:
+            logger.exception("controller %r: update() raised; the batch size stays %d", controller, self.max_batch_size)
+            return self.max_batch_size
+        return _valid_size(size, self.max_batch_size)
+
+    def _tell_controller(self, method: str, *args: Any) -> bool:
+        try:
+            getattr(self.controller, method)(*args)
+        except Exception:
+            logger.exception("controller %r: %s() raised; ignored", self.controller, method)
+            return False
+        return True
 
     # ------------------------------------------------------------------ batches out
 
@@ -270,7 +300,7 @@ class BatchFormer(Generic[E]):
                 breaker.release_probe()
             return
         if self.controller is not None:
-            self.controller.observe_batch(ran, seconds, now)
+            self._tell_controller("observe_batch", ran, seconds, now)
         # An abandoned batch was already counted as failed when it timed out.
         if breaker is not None and not batch.abandoned:
             breaker.record(ok)
@@ -278,13 +308,12 @@ class BatchFormer(Generic[E]):
     def observe_latencies(self, seconds: list[float], now: float) -> None:
         """End-to-end latencies of answered entries, for the controller's SLO guard."""
         if self.controller is not None:
-            self.controller.observe_latencies(seconds, now)
+            self._tell_controller("observe_latencies", seconds, now)
 
     def on_oom(self, size: int, now: float) -> None:
         """A batch of ``size`` ran out of memory: the controller lowers its ceiling."""
-        if self.controller is not None:
-            self.controller.on_oom(size, now)
-            self.max_batch_size = min(self.max_batch_size, self.controller.batch_size)
+        if self.controller is not None and self._tell_controller("on_oom", size, now):
+            self.max_batch_size = min(self.max_batch_size, _valid_size(self.controller.batch_size, self.max_batch_size))
 
     def timed_out(self, now: float) -> list[FormedBatch[E]]:
         """The running batches older than ``batch_timeout_s``: marked abandoned, counted as
@@ -328,3 +357,14 @@ class BatchFormer(Generic[E]):
             f"<BatchFormer waiting={self.queue.depth} running={len(self.running)} "
             f"max_batch_size={self.max_batch_size} max_wait_ms={self.max_wait_ms:g}>"
         )
+
+
+def _valid_size(size: object, current: int) -> int:
+    """A controller's batch size if it is an int >= 1 (a float is truncated), else ``current``
+    (logged): a bad size must not stall or crash the batcher."""
+    if isinstance(size, float) and math.isfinite(size):
+        size = int(size)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        logger.error("controller gave batch size %r (not an int >= 1); the batch size stays %d", size, current)
+        return current
+    return size
