@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -52,6 +53,10 @@ R = TypeVar("R")
 
 _NO_FALLBACK: Any = object()
 _get_running_loop = asyncio.get_running_loop
+
+# The AsyncBatcher whose ``async def`` batch function the current task runs, or a task it started
+# (tasks copy the context they are created in): its aclose() must not wait for its own batch.
+_running_batch_of: contextvars.ContextVar[object] = contextvars.ContextVar("batchkit_running_batch_of", default=None)
 
 
 class _Entry(QueueEntry[Any]):
@@ -380,6 +385,7 @@ class AsyncBatcher(BatcherShell[T, R]):
 
     async def _call(self, items: list[Any]) -> Any:
         if self._is_async:
+            _running_batch_of.set(self)  # this task's own context (see _running_batch_of)
             return await self.fn(items)
         if self.offload:
             if self._executor is None:
@@ -479,8 +485,8 @@ class AsyncBatcher(BatcherShell[T, R]):
         runs; without, waiting items fail with :class:`BatcherClosed`. Waits at most
         ``timeout`` seconds; batches still running then are cancelled (an ``async def`` or
         offloaded call) and their callers fail with :class:`BatcherClosed`. Idempotent. Awaited in
-        the batch function itself, it closes and returns without waiting (a later ``aclose()``
-        from elsewhere waits)."""
+        the batch function itself (or in a task it started), it closes and returns without
+        waiting (a later ``aclose()`` from elsewhere waits)."""
         if not self._closing:
             self._closing = True
             self.former.close()
@@ -499,9 +505,10 @@ class AsyncBatcher(BatcherShell[T, R]):
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         self._pump()
-        if asyncio.current_task() in self._tasks.values():
-            # From the batch function itself: waiting for the batches to finish would wait for
-            # this one. The rest drains on its own; a later aclose() from elsewhere waits for it.
+        if _running_batch_of.get() is self:
+            # From the batch function itself (or a task it started): waiting for the batches to
+            # finish would wait for this one. The rest drains on its own; a later aclose() from
+            # elsewhere waits for it.
             return
         finished = self._finished
         assert finished is not None
