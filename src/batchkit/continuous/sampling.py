@@ -115,18 +115,24 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
 
     if all(p.greedy for p in params):
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
+    # Each row is shifted so that its best logit is 0: a tiny temperature then sends the others
+    # to -inf instead of overflowing them all (inf - inf is NaN in the softmax). The row maxima
+    # are taken for every row at once, and tell which rows hold +inf logits: those are
+    # certainties, kept alone (as 0, the rest -inf). One pass and one device sync per step, not
+    # per row (a row's softmax and draw stay per row).
+    x_all = logits.to(torch.float32)
+    best = x_all.amax(dim=1, keepdim=True)
+    if bool(torch.isposinf(best).any()):
+        top = torch.isposinf(x_all)
+        certain = torch.zeros_like(x_all).masked_fill(~top, float("-inf"))
+        x_all = torch.where(top.any(dim=1, keepdim=True), certain, x_all)
+        best = x_all.amax(dim=1, keepdim=True)
     out: list[int] = []
-    for row, p, gen in zip(logits, params, generators, strict=True):
+    for row, xs, m, p, gen in zip(logits, x_all, best, params, generators, strict=True):
         if p.greedy:
             out.append(int(row.argmax()))
             continue
-        x = row.to(torch.float32)
-        top = torch.isposinf(x)
-        if top.any():  # +inf logits are certainties: draw among them alone
-            x = torch.zeros_like(x).masked_fill(~top, float("-inf"))
-        # Shifted so that the best logit is 0: a tiny temperature then sends the others to -inf
-        # instead of overflowing them all (inf - inf is NaN in the softmax).
-        x = (x - x.max()) / p.temperature
+        x = (xs - m).div_(p.temperature)
         if p.top_k and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
