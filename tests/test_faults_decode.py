@@ -1,0 +1,93 @@
+"""A step function that fails in the ways a user's model can: raises, returns the wrong shape,
+dtype or type, NaN, or logits wider than the model's vocabulary. The requests of that step fail
+with a clear error, and the loop serves the next ones."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import batchkit  # noqa: E402
+from batchkit.models import LlamaConfig, LlamaModel  # noqa: E402
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    torch.manual_seed(0)
+    return LlamaModel(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+
+
+def _raise(b: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+    raise ValueError("step")
+
+
+FAULTS: dict[str, tuple[Callable[[batchkit.StepBatch, batchkit.PagedKVCache], Any], type[BaseException]]] = {
+    "raises": (_raise, ValueError),
+    "none": (lambda b, kv: None, TypeError),
+    "list": (lambda b, kv: [[0.0] * VOCAB] * len(b.sample_indices), TypeError),
+    "too_few_rows": (lambda b, kv: torch.zeros(len(b.sample_indices) - 1, VOCAB), ValueError),
+    "one_dimensional": (lambda b, kv: torch.zeros(len(b.sample_indices)), ValueError),
+    "int_dtype": (lambda b, kv: torch.zeros(len(b.sample_indices), VOCAB, dtype=torch.int64), ValueError),
+    "nan": (lambda b, kv: torch.full((len(b.sample_indices), VOCAB), float("nan")), FloatingPointError),
+    "memory_error": (lambda b, kv: (_ for _ in ()).throw(MemoryError("oom")), MemoryError),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_faulty_step_fails_its_requests_and_the_loop_serves_on(model: LlamaModel, fault: str) -> None:
+    faulty, error = FAULTS[fault]
+    calls = 0
+
+    def step(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+        nonlocal calls
+        calls += 1
+        return faulty(batch, kv) if calls == 1 else model(batch, kv)
+
+    with batchkit.ContinuousDecodeLoop(step, model.make_cache(num_blocks=32, block_size=4), max_num_seqs=8) as loop:
+        first = loop.submit([1, 2, 3], max_new_tokens=2)
+        with pytest.raises(error):
+            first.result(timeout=60)
+        assert len(loop.submit([1, 2], max_new_tokens=2).result(timeout=60)) == 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ContinuousDecodeLoop accepts logits wider than step_fn.config.vocab_size and samples a token id "
+    "past the vocabulary (delivered to the caller; the next step's embedding fails for every request in it)",
+)
+def test_logits_wider_than_the_vocabulary_are_malformed(model: LlamaModel) -> None:
+    class Wide:
+        """The model's step, declaring the model's config, with 5 logits too many."""
+
+        config = model.config
+
+        def __call__(self, batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+            logits = torch.zeros(len(batch.sample_indices), VOCAB + 5)
+            logits[:, VOCAB + 2] = 1.0  # the greedy pick is an id the model does not have
+            return logits
+
+    with batchkit.ContinuousDecodeLoop(Wide(), model.make_cache(num_blocks=32, block_size=4), max_num_seqs=8) as loop:
+        fut = loop.submit([1, 2, 3], max_new_tokens=1)
+        try:
+            tokens = fut.result(timeout=60)
+        except ValueError:
+            return
+        except concurrent.futures.TimeoutError:
+            pytest.fail("the request was never answered")
+        assert all(0 <= t < VOCAB for t in tokens), tokens
