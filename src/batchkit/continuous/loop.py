@@ -523,8 +523,10 @@ class ContinuousDecodeLoop:
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
         # A row no token can be drawn from (a NaN, or every logit -inf: a broken model state
         # there) fails its own request, not its neighbours': the row is sampled from zeros so
-        # that the others go on, then dropped.
-        nan_rows = torch.isnan(logits).any(dim=1) | torch.isneginf(logits).all(dim=1)
+        # that the others go on, then dropped. One reduction finds both: a row's max is NaN if
+        # the row holds a NaN (max propagates it), and -inf only if every logit is -inf.
+        row_max = logits.amax(dim=1)
+        nan_rows = torch.isnan(row_max) | torch.isneginf(row_max)
         broken = [sampling[i].request_id for i in nan_rows.nonzero().flatten().tolist()] if nan_rows.any() else []
         if broken:
             logits = logits.masked_fill(nan_rows[:, None], 0.0)
