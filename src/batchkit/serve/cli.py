@@ -155,11 +155,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"{prog}: error: argument --device: {exc}", file=sys.stderr)
         return 2
+    log = logging.getLogger("batchkit")
+    level = log.level
     handler = _log_to_stderr(args.log_level)
     try:
         return _serve(args, quotas)
-    finally:
-        logging.getLogger("batchkit").removeHandler(handler)
+    finally:  # the process's logging as it was (run_serve may be called in-process, by tests)
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 class _LevelPrefix(logging.Formatter):
