@@ -164,6 +164,16 @@ def _make_target(
     elif isinstance(fn, DynamicBatcher):
         batcher = fn
     elif callable(fn):
+        # A record retried alone (its batch timed out) runs in a call of its own through the same
+        # batcher, so that --concurrency still bounds the calls: it costs more than a whole batch,
+        # and an item over max_batch_cost runs alone. The cost is taken at submit.
+        alone: set[int] = set()
+        cost_options: dict[str, Any] = {}
+        if batch_timeout_s is not None:
+            cost_options = {
+                "size_fn": lambda record: max_batch + 1 if id(record) in alone else 1,
+                "max_batch_cost": max_batch,
+            }
         own: DynamicBatcher[Any, Any] = DynamicBatcher(
             fn,
             max_batch_size=max_batch,
@@ -175,29 +185,18 @@ def _make_target(
             isolate_errors=True,
             batch_timeout_s=batch_timeout_s,
             name=f"job-{getattr(fn, '__name__', 'fn')}",
+            **cost_options,
         )
 
-        alone: list[DynamicBatcher[Any, Any]] = []
-
         def submit_alone(record: dict[str, Any]) -> concurrent.futures.Future[Any]:
-            if not alone:  # built on the first timeout: most jobs never need it
-                alone.append(
-                    DynamicBatcher(
-                        fn,
-                        max_batch_size=1,
-                        max_wait_ms=0,
-                        max_concurrent_batches=concurrency,
-                        max_queue=owned_queue,
-                        batch_timeout_s=batch_timeout_s,
-                        name=f"job-{getattr(fn, '__name__', 'fn')}-alone",
-                    )
-                )
-            return alone[0].submit(record)
+            alone.add(id(record))
+            try:
+                return own.submit(record)
+            finally:
+                alone.discard(id(record))
 
         def close_own(drain: bool) -> None:
             own.close(drain=drain, timeout=None if drain else 5.0)
-            for b in alone:
-                b.close(drain=drain, timeout=None if drain else 5.0)
 
         return _Target(
             own.submit,
