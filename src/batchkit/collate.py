@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,6 +34,13 @@ def _is_torch(x: object) -> bool:
 def _check_items(items: Sequence[Any], what: str) -> None:
     if len(items) == 0:
         raise ValueError(f"{what} needs at least one item, got an empty list")
+    if _is_torch(items[0]) and not all(_is_torch(x) for x in items):
+        raise ValueError(f"{what} needs items of one kind: the first is a torch tensor, so every item must be one")
+
+
+def _is_count(value: object) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def stack(items: Sequence[Any]) -> Any:
@@ -60,7 +68,7 @@ def split(batch: Any, n: int | None = None) -> list[Any]:
     rows = batch.shape[0]
     if n is None:
         n = rows
-    if not 0 <= n <= rows:
+    if not _is_count(n) or not 0 <= n <= rows:
         raise ValueError(f"n must be in 0..{rows} (the batch's first dimension), got {n!r}")
     return [batch[i] for i in range(n)]
 
@@ -97,7 +105,10 @@ def _holds(value: float, cast: Callable[[float], Any]) -> bool:
     if not math.isfinite(value):
         return False
     with np.errstate(invalid="ignore", over="ignore"):
-        return bool(cast(value) == value)
+        try:
+            return bool(cast(value) == value)
+        except (OverflowError, RuntimeError, ValueError):  # too large for any int dtype (numpy, torch)
+            return False
 
 
 def pad(
@@ -118,7 +129,9 @@ def pad(
             rows (keeps shapes in a small set, e.g. for CUDA graphs).
 
     Raises:
-        ValueError: no items, a bad side or multiple, trailing shapes that differ, more items
+        ValueError: no items, a torch tensor first and another kind of item after it, a bad side,
+            a ``pad_to_multiple`` or ``allowed_batch_sizes`` that is not an int >= 1, trailing
+            shapes that differ, more items
             than the largest allowed batch size, or a ``pad_value`` the items' dtype cannot hold
             exactly (``0.5`` or ``-1`` for unsigned ints, ``2`` for bools).
     """
@@ -129,8 +142,10 @@ def pad(
         raise ValueError("pad needs items with a first (length) dimension, got a 0-d item; use collate.stack")
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    if pad_to_multiple is not None and pad_to_multiple < 1:
-        raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple!r}")
+    if pad_to_multiple is not None and not (_is_count(pad_to_multiple) and pad_to_multiple >= 1):
+        raise ValueError(f"pad_to_multiple must be an int >= 1 or None, got {pad_to_multiple!r}")
+    if allowed_batch_sizes is not None and not all(_is_count(b) and b >= 1 for b in allowed_batch_sizes):
+        raise ValueError(f"allowed_batch_sizes must be ints >= 1, got {list(allowed_batch_sizes)!r}")
     trailing = {tuple(x.shape[1:]) for x in items}
     if len(trailing) > 1:
         raise ValueError(f"items must agree on every dimension after the first, got {sorted(trailing)}")
@@ -175,8 +190,11 @@ def unpad(outputs: Any, padded: Padded) -> list[Any]:
     """Undo :func:`pad` on a model output ``[B, L, ...]``: one ``[l_i, ...]`` per real item.
 
     Raises:
-        ValueError: ``outputs`` has fewer rows or positions than the padded batch.
+        ValueError: ``outputs`` has fewer than two dimensions, fewer rows than the padded batch
+            has items, or another length.
     """
+    if len(outputs.shape) < 2:
+        raise ValueError(f"outputs must be [rows, length, ...] like the padded batch, got shape {tuple(outputs.shape)}")
     if outputs.shape[0] < padded.num_items:
         raise ValueError(f"outputs has {outputs.shape[0]} rows for {padded.num_items} items")
     max_len = padded.mask.shape[1]
