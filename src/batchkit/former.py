@@ -165,7 +165,12 @@ class BatchFormer(Generic[E]):
 
         Raises:
             QueueFull: the queue's full policy refused it (counted by the queue).
+            ValueError: ``key`` is not equal to itself (a NaN), or comparing it raised: the
+                former finds an entry's group by equality, so such an entry could never be
+                batched (nothing is admitted).
         """
+        if key is not None:
+            _check_key(key)
         q = self.queue
         depth = q.depth
         drops = q.admit(priority, now) if depth >= q.maxsize else _NO_DROPS
@@ -368,3 +373,18 @@ def _valid_size(size: object, current: int) -> int:
         logger.error("controller gave batch size %r (not an int >= 1); the batch size stays %d", size, current)
         return current
     return size
+
+
+def _check_key(key: Hashable) -> None:
+    """Refuse a group key that is not equal to itself (``float("nan")``) or whose comparison
+    raises: its entries would never be found again to form a batch."""
+    try:
+        same = bool(key == key)
+    except Exception as exc:
+        raise ValueError(
+            f"group key {key!r} cannot be compared with itself ({exc!r}); group_by must return a value equal to itself"
+        ) from exc
+    if not same:
+        raise ValueError(
+            f"group key {key!r} is not equal to itself (a NaN?); group_by must return a value equal to itself"
+        )
