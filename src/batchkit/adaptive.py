@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -373,11 +374,16 @@ class AdaptiveTuner:
         """Read the target, ask the policy, apply its batch size; return it.
 
         Raises:
-            ValueError: the policy chose a batch size below 1 (nothing is applied).
+            ValueError: the policy chose a batch size below 1, or something that is not a finite
+                number (a bool, a string, None, NaN): nothing is applied.
         """
         t = self._tunable
         lat, self._seen = t.latency_samples(self._seen)
-        size = int(self.policy.decide(float(t.queue_depth()), lat, self.clock.now()))
+        chosen = self.policy.decide(float(t.queue_depth()), lat, self.clock.now())
+        # A number (a float is truncated); not a bool, a string int() would parse, None or NaN.
+        if isinstance(chosen, (bool, np.bool_)) or not isinstance(chosen, numbers.Real) or not math.isfinite(chosen):
+            raise ValueError(f"the policy chose batch size {chosen!r}; a batch size must be an int >= 1")
+        size = int(chosen)
         if size < 1:  # a target at batch size 0 would never run another batch
             raise ValueError(f"the policy chose batch size {size}; a batch size must be >= 1")
         t.set_batch_limit(size)
