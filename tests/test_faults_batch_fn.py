@@ -39,11 +39,6 @@ def test_sync_batch_function_raising_a_base_exception_fails_only_its_batch(exc_t
     assert (s.submitted, s.failed, s.succeeded) == (3, 2, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DynamicBatcher: an async def batch function raising KeyboardInterrupt/SystemExit/GeneratorExit "
-    "kills the anyio portal; later submits fail with RuntimeError('This portal is not running')",
-)
 @pytest.mark.parametrize("exc_type", BASE_EXCEPTIONS, ids=lambda t: t.__name__)
 def test_async_def_batch_function_raising_a_base_exception_keeps_the_batcher_serving(
     exc_type: type[BaseException],
@@ -79,11 +74,6 @@ def _raise_cancelled_sync(xs: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["async_def", "offload"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="AsyncBatcher: a batch function that raises CancelledError itself (no one cancelled the batch) "
-    "re-raises it in the batch task; its callers are never answered",
-)
 def test_async_batcher_batch_function_raising_cancelled_error_answers_its_callers(offload: bool) -> None:
     fn: Any = _raise_cancelled_sync if offload else _raise_cancelled
 
@@ -112,11 +102,6 @@ def test_dynamic_batcher_async_def_raising_cancelled_error_answers_its_callers()
     assert s.failed + s.cancelled == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AsyncBatcher(offload=True): GeneratorExit from the batch function ends the batch task with it "
-    "('Task exception was never retrieved' reaches the loop's exception handler)",
-)
 def test_async_batcher_offload_generator_exit_does_not_reach_the_loop_handler() -> None:
     def fn(xs: list[int]) -> list[int]:
         raise GeneratorExit("boom")

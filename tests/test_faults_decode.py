@@ -66,11 +66,6 @@ def test_a_faulty_step_fails_its_requests_and_the_loop_serves_on(model: LlamaMod
         assert len(loop.submit([1, 2], max_new_tokens=2).result(timeout=60)) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ContinuousDecodeLoop accepts logits wider than step_fn.config.vocab_size and samples a token id "
-    "past the vocabulary (delivered to the caller; the next step's embedding fails for every request in it)",
-)
 def test_logits_wider_than_the_vocabulary_are_malformed(model: LlamaModel) -> None:
     class Wide:
         """The model's step, declaring the model's config, with 5 logits too many."""

@@ -396,17 +396,25 @@ class AsyncBatcher(BatcherShell[T, R]):
                     thread_name_prefix=f"batchkit-{self.name}",
                     initializer=lambda: threads.append(threading.current_thread()),
                 )
-            return await self._loop.run_in_executor(self._executor, self.fn, items)  # type: ignore[union-attr]
+            result = await self._loop.run_in_executor(self._executor, _call_boxed, self.fn, items)  # type: ignore[union-attr]
+            if type(result) is _GeneratorExitBox:
+                raise result.exc  # raised here, not thrown into the awaiting coroutines (see _call_boxed)
+            return result
         return self.fn(items)
 
     async def _call_and_deliver(self, batch: _Batch, entries: list[_Entry]) -> bool:
         """Run the batch function and answer the callers; False if the batch failed."""
         try:
             results = await self._call([e.item for e in entries])
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if batch.abandoned or self._closing:
                 return False  # its callers were answered by whoever cancelled it
-            raise
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python >= 3.11
+            if cancelling is None or cancelling():
+                raise
+            # Raised by the batch function itself, nobody cancelled this batch: a failure of it.
+            self._fail(entries, exc)
+            return False
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
             if self._split_after(exc, len(entries)):
                 mid = len(entries) // 2
@@ -556,3 +564,20 @@ async def _join_idle_threads(threads: Sequence[threading.Thread], deadline: floa
             return
         await asyncio.sleep(delay)
         delay = min(0.01, delay * 2 or 0.0005)
+
+
+class _GeneratorExitBox:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: GeneratorExit) -> None:
+        self.exc = exc
+
+
+def _call_boxed(fn: Callable[[list[Any]], Any], items: list[Any]) -> Any:
+    """``fn(items)`` in an offload thread, a GeneratorExit returned boxed: thrown back into the
+    awaiting task, Python would close the coroutines it awaits through instead of raising it in
+    them, and the batch task would end with it unhandled."""
+    try:
+        return fn(items)
+    except GeneratorExit as exc:
+        return _GeneratorExitBox(exc)

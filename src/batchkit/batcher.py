@@ -935,12 +935,15 @@ class DynamicBatcher(BatcherShell[T, R]):
                     self._portal_thread = self._portal.call(threading.current_thread)
                 portal = self._portal
         try:
-            return portal.call(self.fn, items)
+            result = portal.call(_guarded, self.fn, items)
         except (concurrent.futures.CancelledError, RuntimeError):
             stopped = self._portal_stopped
             if stopped is not None:  # close() stopped the portal under this call
                 raise BatcherClosed(stopped) from None
             raise
+        if type(result) is _Raised:
+            raise result.exc
+        return result
 
     def _call_and_deliver(self, batch: _Batch, reqs: list[_Request], held: list[_Request] | None) -> bool:
         """Run the batch function and answer the callers; False if the batch failed: the
@@ -1042,6 +1045,24 @@ class DynamicBatcher(BatcherShell[T, R]):
                 self._count_drop(exc, count_as)
                 claimed.append(r)
         self._wake(claimed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """A BaseException that is not an Exception, carried out of the portal as a value."""
+
+    exc: BaseException
+
+
+async def _guarded(fn: Callable[[list[Any]], Awaitable[Any]], items: list[Any]) -> Any:
+    """Await the batch function in the portal. KeyboardInterrupt, SystemExit or GeneratorExit
+    raised there would stop the portal's event loop (anyio re-raises what is not an Exception) and
+    every later batch with it: return it boxed, for the worker thread to raise to this batch's
+    callers only. Cancellation (close(timeout=)) still propagates."""
+    try:
+        return await fn(items)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+        return _Raised(exc)
 
 
 def _check_positive_int(name: str, value: object) -> None:

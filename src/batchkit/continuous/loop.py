@@ -519,7 +519,7 @@ class ContinuousDecodeLoop:
             kv.copy_blocks(step.copies)
         batch = self.build_batch(step, kv.device)
         t0 = self.clock.now()
-        logits = check_logits(self.step_fn(batch, kv), batch)
+        logits = check_logits(self.step_fn(batch, kv), batch, self._vocab_size())
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
         # A row no token can be drawn from (a NaN, or every logit -inf: a broken model state
         # there) fails its own request, not its neighbours': the row is sampled from zeros so

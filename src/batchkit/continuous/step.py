@@ -60,8 +60,11 @@ class StepBatch:
         return len(self.seq_ids)
 
 
-def check_logits(logits: Any, batch: StepBatch) -> Tensor:
-    """Validate what a step function returned; raise a clear TypeError/ValueError otherwise."""
+def check_logits(logits: Any, batch: StepBatch, vocab_size: int | None = None) -> Tensor:
+    """Validate what a step function returned; raise a clear TypeError/ValueError otherwise.
+
+    With ``vocab_size`` (the model's), logits wider than it are refused: a token sampled past
+    the vocabulary would reach the caller and fail the next step of every request beside it."""
     import torch
 
     if not isinstance(logits, torch.Tensor):
@@ -74,6 +77,11 @@ def check_logits(logits: Any, batch: StepBatch) -> Tensor:
         )
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+    if vocab_size is not None and logits.shape[1] > vocab_size:
+        raise ValueError(
+            f"the step function returned {logits.shape[1]} logits per row for a vocabulary of {vocab_size} "
+            "(step_fn.config.vocab_size): token ids past it do not exist"
+        )
     return logits
 
 
