@@ -623,11 +623,14 @@ def test_close_timeout_is_one_deadline_for_all_threads(closer: str, monkeypatch:
     clock = _FakeMonotonic()
     monkeypatch.setattr(batchkit.batcher, "_monotonic", clock)
     rec = Recorder(hold=True)
-    b = DynamicBatcher(rec, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=2, name="hung")
+    # A name of its own: the threads of the other parametrization, released at its end, may still
+    # be exiting when this one starts.
+    name = f"hung-{closer}"
+    b = DynamicBatcher(rec, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=2, name=name)
     try:
         futs = [b.submit(i) for i in range(2)]
         rec.wait_started(2)
-        waits = _spy_on_joins("hung", clock, monkeypatch)
+        waits = _spy_on_joins(name, clock, monkeypatch)
         if closer == "close":
             b.close(timeout=0.5)
         else:
