@@ -372,6 +372,7 @@ class ModelServer:
         self.embed: BatchedFunction[str, tuple[list[float], int]] | None = None
         self.ready = False
         self.accepting = True
+        self.created = int(time.time())  # the models' "created" time: when this server was made
         self.load_error: BaseException | None = None
         self.registry = CollectorRegistry()
         self.collector = BatchkitCollector().register(self.registry)
@@ -649,9 +650,8 @@ class ModelServer:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     def _model_cards(self) -> list[dict[str, Any]]:
-        created = int(time.time())
         return [
-            {"id": name, "object": "model", "created": created, "owned_by": "batchkit"}
+            {"id": name, "object": "model", "created": self.created, "owned_by": "batchkit"}
             for name, present in (
                 (self.model_name, self._model_source),
                 (self.embedding_model_name, self._embedding_source),
