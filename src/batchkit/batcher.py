@@ -90,6 +90,11 @@ class _Request(QueueEntry[Any]):
 
 _Batch = FormedBatch[_Request]
 
+# A writer waiting for room on a "block" queue tries again at least this often. close() wakes the
+# waiting writers, but one that found the queue full just before close() and starts waiting just
+# after it has missed that wake-up; this bounds how long it waits to learn of the close.
+_ROOM_RECHECK_S = 0.1
+
 
 @dataclass(frozen=True, slots=True)
 class BatcherStatistics:
@@ -660,8 +665,10 @@ class DynamicBatcher(BatcherShell[T, R]):
         try:
             while not self._enqueue(req, priority, deadline_ms):
                 waited = True
-                if not self.queue.wait_for_room(None if deadline is None else deadline - _monotonic()):
+                left = None if deadline is None else deadline - _monotonic()
+                if left is not None and left <= 0:
                     raise self._no_room(timeout)
+                self.queue.wait_for_room(_ROOM_RECHECK_S if left is None else min(left, _ROOM_RECHECK_S))
         except (BatcherClosed, CircuitOpen):
             if waited:  # this writer may have taken a wake-up meant for room: pass it on
                 self.queue.wake_room_waiters()
@@ -675,7 +682,8 @@ class DynamicBatcher(BatcherShell[T, R]):
             with anyio.move_on_after(timeout):
                 while not self._enqueue(req, priority, deadline_ms):
                     waited = True
-                    await self.queue.await_room()
+                    with anyio.move_on_after(_ROOM_RECHECK_S):
+                        await self.queue.await_room()
                 return
         except (BatcherClosed, CircuitOpen):
             if waited:  # this writer may have taken a wake-up meant for room: pass it on
