@@ -960,6 +960,12 @@ class DynamicBatcher(BatcherShell[T, R]):
 
         The answered requests of the last call are put in ``held`` (not woken) when it is given.
         """
+        stopped = self._portal_stopped
+        if stopped is not None and self._is_async and self._portal is None:
+            # close(timeout=...) stopped the event loop of the async batch function before this
+            # batch could start: its callers are answered as closed before they ran.
+            self._deliver(batch, None, BatcherClosed(stopped), reqs, held, never_ran=True)
+            return False
         items = [r.item for r in reqs]
         try:
             results = self._call(items)
@@ -984,9 +990,12 @@ class DynamicBatcher(BatcherShell[T, R]):
         error: BaseException | None,
         reqs: list[_Request] | None = None,
         held: list[_Request] | None = None,
+        *,
+        never_ran: bool = False,
     ) -> None:
         """Resolve each request once (lock for the bookkeeping, wakes outside it, or appends
-        them to ``held`` for the caller to wake)."""
+        them to ``held`` for the caller to wake). ``never_ran``: the batch function was not
+        called; its callers count as cancelled, not failed."""
         if reqs is None:
             reqs = batch.entries
         if batch.abandoned and error is None:
@@ -1010,7 +1019,10 @@ class DynamicBatcher(BatcherShell[T, R]):
                     else:
                         r.value = v
                 claimed.append(r)
-            self._count_answers(len(claimed), failed, [now - r.arrival for r in claimed], now)
+            if never_ran:
+                self._cancelled += len(claimed)
+            else:
+                self._count_answers(len(claimed), failed, [now - r.arrival for r in claimed], now)
         if held is not None:
             held.extend(claimed)
         else:
