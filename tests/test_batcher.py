@@ -381,19 +381,25 @@ def test_block_policy_waits_for_room() -> None:
 
 def test_batch_timeout_fails_callers_and_service_continues() -> None:
     """A batch function that hangs past batch_timeout_s fails its callers with BatchTimeout."""
+    clock = MockClock()  # time passes only when told: the second batch cannot time out too
     hang = threading.Event()
+    started = threading.Event()
     calls = []
 
     def fn(xs: list[int]) -> list[int]:
         calls.append(xs)
         if len(calls) == 1:
+            started.set()
             hang.wait(WAIT)
         return xs
 
-    b = DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, batch_timeout_s=0.05)
+    b = DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, batch_timeout_s=0.05, clock=clock)
     try:
+        hung = b.submit(1)
+        assert started.wait(WAIT)
+        clock.advance(0.05)
         with pytest.raises(BatchTimeout, match="batch_timeout_s"):
-            b.submit(1).result(WAIT)
+            hung.result(WAIT)
         assert b.submit(2).result(WAIT) == 2
     finally:
         hang.set()
