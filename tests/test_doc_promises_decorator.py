@@ -18,9 +18,9 @@ def test_close_before_first_call_refuses_later_calls() -> None:
     def echo(xs: list[int]) -> list[int]:
         return xs
 
-    before = threading.active_count()
+    before = set(threading.enumerate())  # the threads, not their count: an earlier test's may still be exiting
     echo.close()
-    assert threading.active_count() == before  # closing an unused function starts nothing
+    assert set(threading.enumerate()) <= before  # closing an unused function starts nothing
     with pytest.raises(batchkit.BatcherClosed):
         echo(1)
     with pytest.raises(batchkit.BatcherClosed):
