@@ -38,7 +38,9 @@ def test_threads_calling_share_batches() -> None:
     sizes: list[int] = []
     gate = threading.Barrier(8, timeout=WAIT)
 
-    @batched(max_batch=8, max_wait_ms=1000)
+    # A clock that never moves: the batch goes when all 8 callers are in, however late the last
+    # one is scheduled, never on max_wait_ms with part of them.
+    @batched(max_batch=8, max_wait_ms=1000, clock=batchkit.testing.MockClock())
     def square(xs: list[int]) -> list[int]:
         sizes.append(len(xs))
         return [x * x for x in xs]
