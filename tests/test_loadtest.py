@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -210,9 +211,17 @@ def test_a_server_still_loading_after_the_timeout_fails_the_run(
 ) -> None:
     f, url = fake
     monkeypatch.setattr("batchkit.serve.loadtest.LOADING_POLL_S", 0.01)
+    # The wait for /ready is measured on a clock that moves 1 s per reading: it runs out after
+    # about 30 polls, while each HTTP call keeps a timeout no loaded machine comes near (a short
+    # timeout_s would also bound GET /v1/models and /ready, failing the run for another reason).
+    readings = itertools.count()
+    monkeypatch.setattr(
+        "batchkit.serve.loadtest.time",
+        SimpleNamespace(monotonic=lambda: float(next(readings)), perf_counter=time.perf_counter),
+    )
     f.behaviour.loading_polls = 10**6
-    with pytest.raises(LoadTestFailed, match="still loading"):
-        run_load_test(url, concurrency=2, duration_s=0.2, timeout_s=0.2)
+    with pytest.raises(LoadTestFailed, match="still loading its models after 30 s"):
+        run_load_test(url, concurrency=2, duration_s=0.2, timeout_s=30)
     assert f.received == 0
 
 
