@@ -345,7 +345,10 @@ class AdaptiveTuner:
 
     ``target`` is any :class:`TunableTarget` (both of those implement it). Call :meth:`step`
     periodically (or :meth:`start` a timer thread). ``policy`` is an :class:`AdaptiveBatchController` or any object with
-    ``decide(queue_depth, latencies_s, now)``.
+    ``decide(queue_depth, latencies_s, now)``. A controller gets the backlog a batch of the
+    current size would leave behind, as inside a batcher: a batcher's waiting items less its
+    ``max_batch_size`` (its next batch takes those), a decode loop's waiting requests as they are.
+    Any other policy gets the target's ``queue_depth()``.
 
     Raises:
         TypeError: ``target`` is neither a :class:`TunableTarget` nor a decode loop.
@@ -379,7 +382,10 @@ class AdaptiveTuner:
         """
         t = self._tunable
         lat, self._seen = t.latency_samples(self._seen)
-        chosen = self.policy.decide(float(t.queue_depth()), lat, self.clock.now())
+        depth = float(t.queue_depth())
+        if isinstance(self.policy, _ControllerPolicy):
+            depth = self._backlog(depth)
+        chosen = self.policy.decide(depth, lat, self.clock.now())
         # A number (a float is truncated); not a bool, a string int() would parse, None or NaN.
         if isinstance(chosen, (bool, np.bool_)) or not isinstance(chosen, numbers.Real) or not math.isfinite(chosen):
             raise ValueError(f"the policy chose batch size {chosen!r}; a batch size must be an int >= 1")
@@ -388,6 +394,17 @@ class AdaptiveTuner:
             raise ValueError(f"the policy chose batch size {size}; a batch size must be >= 1")
         t.set_batch_limit(size)
         return size
+
+    def _backlog(self, depth: float) -> float:
+        # An AdaptiveBatchController's Q_t is the backlog a batch of the current size would leave
+        # behind, as a batcher's own controller sees it. A batcher's waiting items are what its
+        # next batch takes (up to max_batch_size of them); a decode loop's waiting requests are
+        # already what its running set left out, and so is the depth of a target without a
+        # max_batch_size.
+        size = getattr(self.target, "max_batch_size", None)
+        if isinstance(size, numbers.Real) and not isinstance(size, bool):
+            return max(0.0, depth - float(size))
+        return depth
 
     def start(self, interval_s: float = 0.1) -> None:
         """Run :meth:`step` every ``interval_s`` seconds on a daemon thread until :meth:`stop`.
