@@ -102,6 +102,13 @@ def _lines(path: Path, length: int) -> Iterator[tuple[int, bytes]]:
                 return
 
 
+def _describe(key: str, what: str, value: object) -> str:
+    """A journal header setting as the user chose it (an id field of None is ``--line-ids``)."""
+    if key == "id_field" and value is None:
+        return "line numbers as ids (--line-ids)"
+    return f"{what} {value!r}"
+
+
 def _is_id(value: object) -> bool:
     return isinstance(value, (str, int)) and not isinstance(value, bool)
 
@@ -236,8 +243,9 @@ class JobStore:
         for key, what in (("id_field", "id field"), ("source", "input"), ("dead_letter", "dead-letter file")):
             if header.get(key) != self.header[key]:
                 raise JobStateError(
-                    f"{self.output} belongs to a job with {what} {header.get(key)!r}, not {self.header[key]!r}: "
-                    "rerun with the same arguments to resume it, or choose another output"
+                    f"{self.output} belongs to a job with {_describe(key, what, header.get(key))}, not "
+                    f"{_describe(key, what, self.header[key])}: rerun with the same arguments to resume it, or "
+                    "choose another output"
                 )
         out, dead = 0, 0
         for raw in reversed(complete[1:]):
