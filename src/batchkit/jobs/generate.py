@@ -75,6 +75,9 @@ class GenerateFunction:
                 )
             )
             return out
+        if not prompt:  # a chat template would wrap it into a prompt of its own: refuse it first
+            out.set_exception(ValueError(f"the prompt under {self.prompt_field!r} is empty"))
+            return out
         try:
             ids = list(self.encode(prompt))
             fut = self.loop.submit(ids, **self.sampling)
