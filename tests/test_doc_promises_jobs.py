@@ -303,6 +303,14 @@ def test_the_report_has_every_documented_field(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- signals and status
 
 
+def test_top_level_help_names_the_sigterm_status(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/jobs.md documents exit status 143 (terminated by SIGTERM) beside 0, 1, 2 and 130;
+    `batchkit --help`, which lists the exit statuses, names it too."""
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "143 terminated" in out
+
+
 SLOW = "import time\ndef slow(records):\n    time.sleep(0.02)\n    return [r['n'] * 2 for r in records]\n"
 
 

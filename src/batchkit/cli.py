@@ -397,7 +397,8 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="batchkit",
         description="Batching for any model callable.",
         epilog="exit status: 0 done, 1 the target or model failed (one-line cause; --traceback for more), "
-        "2 a usage error (one line naming the argument and the fix), 130 interrupted (Ctrl-C)",
+        "2 a usage error (one line naming the argument and the fix), 130 interrupted (Ctrl-C), "
+        "143 terminated by SIGTERM (batchkit run; rerun it to resume)",
         formatter_class=_HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench,run,serve}")
