@@ -211,3 +211,17 @@ def test_the_circuit_breaker_example_arguments_are_its_defaults() -> None:
     """CircuitBreaker(failure_threshold=5, reset_timeout_s=10), as the guide writes it, is the default."""
     cb = batchkit.CircuitBreaker()
     assert (cb.failure_threshold, cb.reset_timeout_s, cb.state) == (5, 10.0, "closed")
+
+
+def test_simulated_utilisation_is_the_share_of_time_the_model_was_busy() -> None:
+    """Two batches running side by side (max_concurrent_batches=2) keep the model busy once, not
+    twice: utilisation is a share of the run, at most 1."""
+    cost = sim.linear_cost(fixed_ms=10, per_item_ms=0)
+    r = sim.simulate(cost, sim.trace([0, 0, 0, 0]), max_batch_size=2, max_concurrent_batches=2)
+    assert r.batches == 2
+    assert r.duration == pytest.approx(0.010)
+    assert r.utilisation == pytest.approx(1.0)
+    # then idle from 0.010 until a lone item's batch at 0.035 (max_wait_ms=5) runs to 0.045
+    r = sim.simulate(cost, sim.trace([0, 0, 0, 0, 0.03]), max_batch_size=2, max_concurrent_batches=2)
+    assert r.duration == pytest.approx(0.045)
+    assert r.utilisation == pytest.approx(0.020 / 0.045)

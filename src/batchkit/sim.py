@@ -185,7 +185,7 @@ class SimResult:
     latency: LatencySummary
     mean_batch_size: float
     batches: int
-    utilisation: float  # share of the time the model was busy
+    utilisation: float  # share of the time the model was busy (running one batch or more)
     mean_in_system: float  # L, time-averaged
     phases: list[PhaseResult] = field(default_factory=list)
     batch_sizes: list[tuple[float, int]] = field(default_factory=list)  # (time, size) of each batch
@@ -281,7 +281,8 @@ def simulate(
     arrival_times: list[float] = []
     batch_sizes: list[tuple[float, int]] = []
     n_arrivals = rejected = expired = 0
-    busy = 0.0
+    busy = 0.0  # time at least one batch ran: concurrent batches overlap
+    busy_until = 0.0
     in_system_area = 0.0
     in_system = 0
     last_t = 0.0
@@ -330,7 +331,8 @@ def simulate(
                 break
             size = len(formed.entries)
             dt = _seconds(cost(size), size)
-            busy += dt
+            busy += max(0.0, t + dt - max(t, busy_until))
+            busy_until = max(busy_until, t + dt)
             batch_sizes.append((t, size))
             push(t + dt, 0, (formed, size, dt))
         if wake_at is not None and wake_at > t and wake_at not in timers:
