@@ -448,9 +448,15 @@ class ModelServer:
             return
         self.ready = True
         self.metrics.ready.set(1)
-        logger.info(
-            "batchkit.serve: ready (chat model %s, embedding model %s)", self.model_name, self.embedding_model_name
-        )
+        served = [
+            f"{what} {name}"
+            for what, name, model in (
+                ("chat model", self.model_name, self.loop),
+                ("embedding model", self.embedding_model_name, self.embed),
+            )
+            if model is not None
+        ]
+        logger.info("batchkit.serve: ready (%s)", ", ".join(served))
 
     async def shutdown(self) -> None:
         """Stop admitting; give requests in flight ``shutdown_grace_s`` to finish; abort the rest; close."""

