@@ -225,3 +225,14 @@ def test_simulated_utilisation_is_the_share_of_time_the_model_was_busy() -> None
     r = sim.simulate(cost, sim.trace([0, 0, 0, 0, 0.03]), max_batch_size=2, max_concurrent_batches=2)
     assert r.duration == pytest.approx(0.045)
     assert r.utilisation == pytest.approx(0.020 / 0.045)
+
+
+def test_an_out_of_memory_error_lowers_the_ceiling_to_half_the_failed_batch() -> None:
+    """A batch of 8 that ran out of memory puts the ceiling at 4, whatever it was (64 here), and
+    the batch size under it; later steps up stop there."""
+    clock = MockClock()
+    ctl = AdaptiveBatchController(target_queue=1, eta=4, min_batch=1, max_batch=64, initial=8, clock=clock)
+    ctl.on_oom(8)
+    assert (ctl.ceiling, ctl.batch_size) == (4, 4)
+    clock.advance(1)
+    assert ctl.update(queue_depth=100).batch_size == 4
