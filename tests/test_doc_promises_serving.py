@@ -191,6 +191,9 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "web_search_options", {}),
     ("/v1/completions", "logprobs", 2),
     ("/v1/completions", "echo", True),
     ("/v1/completions", "best_of", 2),
@@ -236,6 +239,7 @@ def test_neutral_values_and_fields_openai_does_not_define_are_accepted(live: Liv
         "tool_choice": "none",
         "response_format": {"type": "text"},
         "logit_bias": {},
+        "modalities": ["text"],
         "not_an_openai_field": {"anything": [1, 2]},
     }
     r = _post(f"{live.url}/v1/chat/completions", chat)

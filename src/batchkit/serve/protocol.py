@@ -157,6 +157,10 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[st
     for name in ("tool_choice", "function_call"):
         _unsupported(body, name, (None, "none", "auto"))
     _unsupported(body, "response_format", (None, {"type": "text"}))
+    # Audio output and web search: the answer would be plain text without them, silently.
+    _unsupported(body, "audio", (None,))
+    _unsupported(body, "modalities", (None, ["text"]))
+    _unsupported(body, "web_search_options", (None,))
     # Each is checked, the first given wins (max_completion_tokens, OpenAI's newer name).
     limits = [(name, _opt_int(body, name, lo=1)) for name in max_tokens_names]
     max_tokens_param, max_tokens = next(((n, v) for n, v in limits if v is not None), ("max_tokens", None))
