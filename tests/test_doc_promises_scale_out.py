@@ -244,3 +244,35 @@ def test_mapper_rows_hold_id_output_and_a_type_message_error_after_retries() -> 
     assert list(rows["error"]) == [None, None, "ValueError: bad record", "KeyError: 'poison'", None]
     assert tries[4] == 1
     assert tries[2] > 1  # tried again before its error was recorded
+
+
+def test_a_batch_request_may_carry_more_items_than_the_replicas_queue_holds() -> None:
+    """handle.batch.remote(items): many items in one request, one result each. On an idle replica
+    every item is served, even when the request carries more items than the queue holds: they wait
+    for room instead of failing with QueueFull."""
+
+    def double(xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+    replica = BatchkitReplica(double, {"max_batch_size": 4, "max_wait_ms": 1, "max_queue": 8})
+
+    async def main() -> list[Any]:
+        return await asyncio.wait_for(replica.batch(list(range(50))), WAIT)
+
+    try:
+        assert asyncio.run(main()) == [2 * i for i in range(50)]
+    finally:
+        replica.batcher.close()
+    assert replica.statistics().rejected == 0
+
+
+def test_a_batch_request_to_a_closed_replica_gets_batcher_closed_in_every_slot() -> None:
+    replica = BatchkitReplica(lambda xs: list(xs), {"max_batch_size": 4, "max_wait_ms": 1, "max_queue": 2})
+    replica.batcher.close()
+
+    async def main() -> list[Any]:
+        return await asyncio.wait_for(replica.batch([1, 2, 3, 4, 5]), WAIT)
+
+    out = asyncio.run(main())
+    assert len(out) == 5
+    assert all(isinstance(r, batchkit.BatcherClosed) for r in out)

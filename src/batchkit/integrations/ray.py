@@ -45,6 +45,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from .._errors import QueueFull
 from ..adaptive import CircuitBreaker
 from ..batcher import DynamicBatcher
 from ..decorator import AsyncBatchedFunction, BatchedFunction
@@ -350,8 +351,10 @@ class BatchkitReplica:
         """Many items in one request (a page of a bulk job), each batched with everyone else's.
 
         Returns one result per item; a failed item's slot holds its exception instead of failing
-        the whole request. Serve counts this as one request: scale on queue depth
-        (``autoscale_on_queue_depth``) when callers send lists.
+        the whole request. Items wait for room in the replica's queue instead of failing with
+        :class:`~batchkit.QueueFull`, so a request may carry more items than the queue holds.
+        Serve counts this as one request: scale on queue depth (``autoscale_on_queue_depth``)
+        when callers send lists.
         """
         import anyio
 
@@ -359,7 +362,7 @@ class BatchkitReplica:
 
         async def one(i: int, item: Any) -> None:
             try:
-                results[i] = await self.batcher.asubmit(item)
+                results[i] = await self._submit_waiting(item)
             except Exception as exc:  # noqa: BLE001 - one item's failure is that item's result
                 results[i] = exc
 
@@ -367,6 +370,27 @@ class BatchkitReplica:
             for i, item in enumerate(items):
                 tg.start_soon(one, i, item)
         return results
+
+    async def _submit_waiting(self, item: Any) -> Any:
+        """``asubmit(item)``, waiting for room while the queue is full, whatever its ``on_full``
+        (a submit to a full ``drop_oldest`` queue would evict another caller's item); a closed
+        batcher still raises :class:`~batchkit.BatcherClosed`."""
+        import anyio
+
+        b = self.batcher
+        q = b.queue
+        while True:
+            # Look again at least every 0.1 s: room may come with no waiter told (an item expired
+            # by a reader), and a batcher closed meanwhile refuses the next try.
+            while len(q) >= q.maxsize and not b.closed:
+                with anyio.move_on_after(0.1):
+                    await q.await_room()
+            try:
+                return await b.asubmit(item)
+            except QueueFull:
+                if b.closed:
+                    raise
+                # Another request took the room first (or evicted this item): wait and try again.
 
     def statistics(self) -> Any:
         """This replica's ``BatcherStatistics``."""
