@@ -475,16 +475,46 @@ def test_the_priority_header_orders_admission(models: tuple[Any, Any]) -> None:
         finished.append(name)
 
     with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(3) as pool:
-        scheduler = server.state.loop.scheduler
-        first = pool.submit(send, "first", 0, 40)
-        _wait_until(lambda: len(scheduler.running) == 1, "the first request to run")
-        late = pool.submit(send, "bulk", 5, 2)
-        _wait_until(lambda: len(scheduler.waiting) == 1, "the bulk request to wait")
-        urgent = pool.submit(send, "urgent", -1, 2)
-        urgent.result(timeout=DEADLINE_S)
-        assert not first.done()  # the urgent request took the first one's slot
-        for f in (first, late):
-            f.result(timeout=DEADLINE_S)
+        loop = server.state.loop
+        scheduler = loop.scheduler
+        # The engine's steps wait at a gate until the test lets them through: the first request
+        # cannot finish its 40 tokens before the two others arrive, however slowly the machine
+        # runs the threads that send them.
+        model = loop.step_fn
+        parked = threading.Semaphore(0)  # released by each step that reaches the closed gate
+        passes = threading.Semaphore(0)  # one step through the gate per release
+        opened = threading.Event()
+
+        class GatedSteps:
+            config = getattr(model, "config", None)
+
+            def __call__(self, batch: Any, kv: Any) -> Any:
+                if not opened.is_set():
+                    parked.release()
+                    assert passes.acquire(timeout=DEADLINE_S)
+                return model(batch, kv)
+
+        loop.step_fn = GatedSteps()
+        try:
+            first = pool.submit(send, "first", 0, 40)
+            assert parked.acquire(timeout=DEADLINE_S)  # the first request's first step is at the gate
+            assert len(scheduler.running) == 1
+            late = pool.submit(send, "bulk", 5, 2)
+            _wait_until(lambda: len(loop._inbox) == 1, "the bulk request to reach the loop")
+            passes.release()  # that step ends; the loop takes the bulk request in, and the next step waits
+            assert parked.acquire(timeout=DEADLINE_S)
+            assert len(scheduler.waiting) == 1  # the bulk request waits for the one running slot
+            urgent = pool.submit(send, "urgent", -1, 2)
+            _wait_until(lambda: len(loop._inbox) == 1, "the urgent request to reach the loop")
+            opened.set()
+            passes.release()
+            urgent.result(timeout=DEADLINE_S)
+            assert not first.done()  # the urgent request took the first one's slot
+            for f in (first, late):
+                f.result(timeout=DEADLINE_S)
+        finally:
+            opened.set()  # a failed assertion must not leave the engine at the gate
+            passes.release()
     assert finished == ["urgent", "first", "bulk"]
 
 
