@@ -199,6 +199,26 @@ def test_a_device_as_output_is_refused(
     assert "argument --output" in err
 
 
+def test_stdin_is_refused_as_a_pipe_and_taken_as_the_file_it_redirects(tmp_path: Path) -> None:
+    """A pipe as the input is refused (one line, status 2); `--input /dev/stdin < in.jsonl` is
+    the file itself: the journal names it, and the same command resumes the job."""
+    _module(tmp_path, "dp_jobs_stdin_shout", SHOUT)
+    src = _write(tmp_path / "in.jsonl", ['{"id": "a", "text": "x"}', '{"id": "b", "text": "y"}'])
+    argv = [sys.executable, "-m", "batchkit", "run", "dp_jobs_stdin_shout:shout", "--input", "/dev/stdin"]
+    argv += ["--output", "out.jsonl", "--no-progress"]
+    piped = subprocess.run(argv, cwd=tmp_path, input=src.read_text(), capture_output=True, text=True, timeout=WAIT_S)
+    assert piped.returncode == 2
+    assert len(piped.stderr.splitlines()) == 1
+    assert "argument --input" in piped.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+    for skipped in (0, 2):
+        with src.open() as stdin:
+            done = subprocess.run(argv, cwd=tmp_path, stdin=stdin, capture_output=True, text=True, timeout=WAIT_S)
+        assert done.returncode == 0, done.stderr
+        assert f"{skipped} skipped" in done.stdout
+    assert _records(tmp_path / "out.jsonl.journal")[0]["source"] == str(src)
+
+
 # --------------------------------------------------------------------------- in Python
 
 

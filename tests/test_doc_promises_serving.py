@@ -334,6 +334,34 @@ def test_bad_batchkit_headers_are_400_invalid_header(live: LiveServer) -> None:
         assert r.json()["error"]["code"] == "invalid_header"
 
 
+def test_a_client_leaving_a_non_streamed_request_aborts_it_and_frees_its_blocks(live: LiveServer) -> None:
+    """ "A client that disconnects aborts its request at once, streaming or not": a plain request
+    whose connection closes mid-generation is aborted, its KV blocks freed, and it is counted
+    with status 499."""
+    loop = live.state.loop
+
+    def count(name: str, *labels: tuple[str, str]) -> float:
+        return _metrics(live.url).get((name, tuple(sorted(labels))), 0.0)
+
+    left = count("batchkit_http_requests_total", ("route", "completions"), ("status", "499"))
+    aborted = loop.statistics().scheduler.aborted
+    body = json.dumps({"model": CHAT, "prompt": "Count:", "max_tokens": 3000, "ignore_eos": True}).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        _wait_until(
+            lambda: loop.statistics().scheduler.generated_tokens > 0 and loop.statistics().scheduler.running == 1,
+            "the request to decode",
+        )
+    _wait_until(lambda: loop.statistics().scheduler.aborted == aborted + 1, "the request to be aborted")
+    _wait_until(lambda: loop.allocator.statistics().used_blocks == 0, "its KV blocks to be freed")
+    _wait_until(
+        lambda: count("batchkit_http_requests_total", ("route", "completions"), ("status", "499")) == left + 1,
+        "the request to be counted 499",
+    )
+
+
 # ----------------------------------------------------------------------------- metrics
 
 METRIC_TYPES = {
