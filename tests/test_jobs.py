@@ -566,9 +566,11 @@ def test_cli_usage_errors_exit_2_with_one_line(
 
 
 CRASH_FN = """\
-import time
+import os, threading, time
 
 def work(records):
+    if any(r["id"] == os.environ.get("HOLD_ID") for r in records):
+        threading.Event().wait(60)  # the run to be killed never ends: its last batch waits for the kill
     time.sleep(0.002)  # a model call: long enough for a kill to land mid-job
     return [{"x2": r["x"] * 2} for r in records]
 """
@@ -637,9 +639,13 @@ def test_a_job_killed_three_times_writes_every_id_exactly_once(tmp_path: Path) -
         "--no-progress",
     ]
     env = dict(os.environ)
+    env.pop("HOLD_ID", None)
+    # A run to be killed holds the batch of the last record (read last, a window before the end):
+    # it cannot finish before the kill point is reached, however late this process polls.
+    held = {**env, "HOLD_ID": f"r{n - 1}"}
     kill_at = sorted(int(rng.uniform(0.05, 0.9) * final_size) for _ in range(3))
     for size in kill_at:
-        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=held, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 30
             while (out.stat().st_size if out.exists() else 0) < size:
