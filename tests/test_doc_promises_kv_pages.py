@@ -224,3 +224,28 @@ def test_plan_config_reads_a_hugging_face_config_json(tmp_path: Path, capsys: py
     assert "32 layers, 32 KV heads x 128, 2 bytes per value" in out
     for row in ("weights                                     12.55 GiB", "7,353 x 16", "117,648", "114"):
         assert row in out
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "model_type": "gpt2"},
+        {"model_type": "llava", "text_config": {"num_hidden_layers": 32, "num_attention_heads": 32}},
+    ],
+    ids=["gpt2-names", "nested-text-config"],
+)
+def test_plan_config_refuses_a_config_without_the_names_it_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, Any]
+) -> None:
+    """A config that does not name num_hidden_layers / num_attention_heads at its top level is
+    refused (exit status 2, naming what it needs), not planned from guesses."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--config", str(path)]) == 2
+    assert "num_hidden_layers" in capsys.readouterr().err
+
+
+def test_plan_config_defaults_the_kv_heads_to_the_attention_heads() -> None:
+    config = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32, "torch_dtype": "float16"}
+    shape = batchkit.ModelShape.from_hf_config(config)
+    assert (shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (32, 128, 2)
