@@ -549,6 +549,26 @@ def test_a_streamed_request_refused_for_a_full_queue_gets_a_503_not_a_stream(mod
         assert waiting.result(timeout=WAIT_S) == 200
 
 
+def test_a_request_beyond_its_tenants_whole_quota_is_400_context_length_exceeded(models: tuple[Any, Any]) -> None:
+    """ "a request that needs more than its tenant's whole quota gets 400
+    (`context_length_exceeded`)", counted as a rejection; another tenant's request is served."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=64, block_size=16, tenant_quotas={"bulk": 2}, warmup=False)
+    body = {"model": CHAT, "prompt": "word " * 40, "max_tokens": 4, "temperature": 0}
+    with LiveServer(app) as server:
+        r = _post(f"{server.url}/v1/completions", body, headers={"X-Batchkit-Tenant": "bulk"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        rejected = {
+            dict(k[1])["reason"]: v for k, v in _metrics(server.url).items() if k[0] == "batchkit_http_rejections_total"
+        }
+        assert sum(rejected.values()) == 1
+        assert set(rejected) <= {"kv_exhausted", "prompt_too_long"}
+        assert _post(f"{server.url}/v1/completions", body, headers={"X-Batchkit-Tenant": "chat"}).status_code == 200
+
+
 def test_a_full_embedding_queue_answers_503_queue_full(
     models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
