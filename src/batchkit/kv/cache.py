@@ -129,13 +129,16 @@ class PagedKVCache:
     def scatter(self, layer: int, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
         """Write new tokens' K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots.
 
-        Negative slots are padding and are skipped. On the CUDA kernels, the slot range is checked
-        only while ``batchkit._cuda.CHECK_INDICES`` is on (a device synchronisation); with it off
-        nothing here waits for the device, and the kernel skips a slot past the cache.
+        Negative slots are padding and are skipped. ``slot_mapping`` may be a tensor, or the numpy
+        array (or list) :meth:`PagedKVAllocator.slot_mapping` hands out. On the CUDA kernels, the
+        slot range is checked only while ``batchkit._cuda.CHECK_INDICES`` is on (a device
+        synchronisation); with it off nothing here waits for the device, and the kernel skips a
+        slot past the cache.
 
         Raises:
             ValueError: shapes that do not match the cache, or a slot outside it.
         """
+        slot_mapping = self._index(slot_mapping)
         self._check_tokens(key, value, slot_mapping)
         if self._use_cuda():
             from .. import _cuda
@@ -150,12 +153,15 @@ class PagedKVCache:
     ) -> tuple[Tensor, Tensor]:
         """Sequences' pages to contiguous K and V ``[sum(seq_lens), num_kv_heads, head_dim]``.
 
-        ``total_tokens`` (= ``sum(seq_lens)``) spares the CUDA kernels a device synchronisation.
+        ``block_tables`` and ``seq_lens`` may be tensors, or numpy arrays (or lists) as the
+        allocator hands them out. ``total_tokens`` (= ``sum(seq_lens)``) spares the CUDA kernels a
+        device synchronisation.
 
         Raises:
             ValueError: ``total_tokens`` is given and differs from ``sum(seq_lens)`` (on every
                 backend; the CUDA one checks it only with ``CHECK_INDICES`` on).
         """
+        block_tables, seq_lens = self._index(block_tables), self._index(seq_lens)
         if self._use_cuda():
             from .. import _cuda
 
@@ -211,10 +217,24 @@ class PagedKVCache:
         query_lens: Tensor | None = None,
         scale: float | None = None,
     ) -> Tensor:
-        """Attention over this layer's pages (see :func:`batchkit.kv.ops.paged_attention`)."""
+        """Attention over this layer's pages (see :func:`batchkit.kv.ops.paged_attention`);
+        ``block_tables``, ``seq_lens`` and ``query_lens`` may be numpy arrays or lists too."""
+        block_tables, seq_lens = self._index(block_tables), self._index(seq_lens)
+        if query_lens is not None:
+            query_lens = self._index(query_lens)
         return ops.paged_attention(query, self.key(layer), self.value(layer), block_tables, seq_lens, query_lens, scale)
 
     # ------------------------------------------------------------------ validation
+
+    def _index(self, x: Any) -> Tensor:
+        """An index array as a tensor: the allocator's numpy arrays (and lists) move to the cache's
+        device; a tensor is used as it is."""
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return x
+        t = torch.as_tensor(x, device=self.device)
+        return t.long() if t.numel() == 0 else t
 
     def _check_tokens(self, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
         want = (self.num_kv_heads, self.head_dim)
