@@ -276,3 +276,31 @@ def test_a_batch_request_to_a_closed_replica_gets_batcher_closed_in_every_slot()
     out = asyncio.run(main())
     assert len(out) == 5
     assert all(isinstance(r, batchkit.BatcherClosed) for r in out)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"upscale_delay_s": 0.0},
+        {"num_replicas": 2, "downscale_delay_s": 5.0},
+    ],
+    ids=["no-range", "fixed-count"],
+)
+def test_autoscaling_delays_without_autoscaling_are_refused(kwargs: dict[str, Any]) -> None:
+    """The delays go to the autoscaling config: without a replica range (a fixed count) there is
+    none, and they are a ValueError instead of being dropped."""
+    with pytest.raises(ValueError, match="autoscaling"):
+        deployment_options(max_batch=8, **kwargs)
+
+
+@pytest.mark.parametrize("delay", [-1.0, float("nan"), float("inf"), "1", True])
+def test_an_autoscaling_delay_is_a_finite_number_of_seconds(delay: object) -> None:
+    with pytest.raises(ValueError, match="upscale_delay_s"):
+        deployment_options(max_batch=8, max_replicas=2, upscale_delay_s=delay)  # type: ignore[arg-type]
+
+
+def test_autoscaling_delays_reach_the_autoscaling_config() -> None:
+    cfg = deployment_options(max_batch=8, max_replicas=3, upscale_delay_s=0, downscale_delay_s=5.5)[
+        "autoscaling_config"
+    ]
+    assert (cfg["upscale_delay_s"], cfg["downscale_delay_s"]) == (0, 5.5)

@@ -162,14 +162,16 @@ def deployment_options(
             fed by each replica's ``record_autoscaling_stats``) instead of Serve's request count.
             Choose it when one request can carry many items (:meth:`BatchkitReplica.batch`), since
             Serve counts requests, not items.
-        upscale_delay_s, downscale_delay_s: passed to the autoscaling config when given.
+        upscale_delay_s, downscale_delay_s: passed to the autoscaling config when given (finite
+            seconds >= 0; only with autoscaling).
 
     Returns:
         Keyword arguments for ``serve.deployment(...)`` or ``Deployment.options(...)``.
 
     Raises:
         ValueError: a bound below 1, ``b_opt`` above ``max_batch``, ``num_replicas`` together with
-            ``min_replicas``/``max_replicas``, or ``min_replicas > max_replicas``.
+            ``min_replicas``/``max_replicas``, ``min_replicas > max_replicas``, or an autoscaling
+            delay that is not finite seconds >= 0 or comes without autoscaling.
     """
     _check_int("max_batch", max_batch, 1)
     _check_int("max_concurrent_batches", max_concurrent_batches, 1)
@@ -185,6 +187,16 @@ def deployment_options(
         )
     options: dict[str, Any] = {"max_ongoing_requests": max_queue}
     autoscaling = min_replicas is not None or max_replicas is not None or autoscale_on_queue_depth
+    for name, delay in (("upscale_delay_s", upscale_delay_s), ("downscale_delay_s", downscale_delay_s)):
+        if delay is None:
+            continue
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {delay!r}")
+        if not autoscaling:
+            raise ValueError(
+                f"{name} is an autoscaling setting and this deployment does not autoscale: pass min_replicas / "
+                "max_replicas (or autoscale_on_queue_depth) instead of a fixed num_replicas"
+            )
     if not autoscaling:
         options["num_replicas"] = _check_int("num_replicas", num_replicas if num_replicas is not None else 1, 1)
         return options
