@@ -283,3 +283,29 @@ def test_mock_clock_wakes_the_dispatcher_only_when_advanced() -> None:
         clock.advance(0.001)
         assert f.result(WAIT) == 1
         assert b.recent_batches()[-1].reason == "timeout"
+
+
+def test_aclose_waits_for_the_running_batch_without_blocking_the_event_loop() -> None:
+    """aclose() drains like close(), and the loop keeps running other tasks meanwhile."""
+    gate = Gate()
+    b = DynamicBatcher(gate, max_batch_size=1, max_wait_ms=0)
+
+    async def main() -> tuple[int, bool]:
+        caller = asyncio.ensure_future(b.asubmit(1))
+        while not gate.started.is_set():
+            await asyncio.sleep(0.001)
+        closing = asyncio.ensure_future(b.aclose())
+        for _ in range(5):
+            await asyncio.sleep(0)  # other tasks run while aclose waits for the batch
+        still_closing = not closing.done()
+        gate.release.set()
+        await asyncio.wait_for(closing, WAIT)
+        return await asyncio.wait_for(caller, WAIT), still_closing
+
+    try:
+        assert asyncio.run(main()) == (1, True)
+    finally:
+        gate.release.set()
+    assert b.closed
+    with pytest.raises(BatcherClosed):
+        b.submit(2)
