@@ -630,6 +630,52 @@ def test_end_grace_from_thread_aborts_what_still_runs_at_once(models: tuple[Any,
         stopping.result(timeout=WAIT_S)
 
 
+def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve_flags(
+    models: tuple[Any, Any],
+) -> None:
+    """ "The options are those of `batchkit serve`: ...": each option the page lists is a keyword
+    `create_app` takes, each has its `batchkit serve` flag (but `warmup`), and every flag's option
+    is listed."""
+    import argparse
+
+    from batchkit.serve import create_app
+    from batchkit.serve.cli import add_serve_parser
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text().split())
+    listed = re.search(r"The options are those of `batchkit serve`: (.*?) A model is a source", text)
+    assert listed
+    options = set(re.findall(r"`([a-z_]+)`", listed.group(1)))
+    serve = add_serve_parser(argparse.ArgumentParser(prog="batchkit").add_subparsers(dest="command"))
+    flags = {a.dest for a in serve._actions if a.option_strings and a.dest not in ("help", "traceback")}
+    renamed = {"no_prefix_caching": "enable_prefix_caching", "served_model_name": "model_name"}
+    flag_options = {renamed.get(d, d) for d in flags} - {"model", "embedding_model", "host", "port", "log_level"}
+    assert options - {"warmup"} == flag_options
+    lm, encoder = models
+    values = {
+        "num_blocks": 16,
+        "block_size": 16,
+        "max_num_seqs": 2,
+        "max_num_batched_tokens": 256,
+        "max_waiting": 4,
+        "enable_prefix_caching": False,
+        "tenant_quotas": {"bulk": 8},
+        "default_max_tokens": 8,
+        "embedding_max_batch": 4,
+        "embedding_max_wait_ms": 1.0,
+        "retry_after_s": 2,
+        "request_timeout_s": 30.0,
+        "shutdown_grace_s": 1.0,
+        "model_name": "chat",
+        "embedding_model_name": "vectors",
+        "dtype": "float32",
+        "device": "cpu",
+        "warmup": False,
+    }
+    assert set(values) == options
+    app = create_app(lm, embedding_model=encoder, **values)
+    assert (app.state.batchkit.model_name, app.state.batchkit.embedding_model_name) == ("chat", "vectors")
+
+
 # ----------------------------------------------------------------------------- batchkit serve
 
 
