@@ -37,6 +37,15 @@ pytestmark = [
 WAIT = 10.0
 
 
+async def until(condition: Any, what: str) -> None:
+    """Poll condition() on the event loop until it holds; fail after WAIT seconds."""
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
 class Gate:
     """A batch function that records its batches and holds each one until released."""
 
@@ -152,17 +161,14 @@ def test_a_replica_submit_reaches_priorities_and_deadlines() -> None:
 
     async def main() -> None:
         busy = asyncio.ensure_future(replica.submit("busy"))
-        while replica.statistics().pending < 1:
-            await asyncio.sleep(0.001)
+        await until(lambda: replica.statistics().pending >= 1, "the first item queued")
         replica.batcher.flush()
-        while not gate.started.is_set():
-            await asyncio.sleep(0.001)
+        await until(gate.started.is_set, "the first batch to start")
         late = asyncio.ensure_future(replica.submit("late", priority=1))
         doomed = asyncio.ensure_future(replica.submit("doomed", deadline_ms=10))
         early = asyncio.ensure_future(replica.submit("early", priority=-1))
         mid = asyncio.ensure_future(replica.submit("mid"))
-        while replica.statistics().pending < 4:
-            await asyncio.sleep(0.001)
+        await until(lambda: replica.statistics().pending >= 4, "four items queued")
         clock.advance(0.02)
         with pytest.raises(batchkit.DeadlineExceeded):
             await asyncio.wait_for(doomed, WAIT)

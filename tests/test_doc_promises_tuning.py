@@ -236,3 +236,25 @@ def test_an_out_of_memory_error_lowers_the_ceiling_to_half_the_failed_batch() ->
     assert (ctl.ceiling, ctl.batch_size) == (4, 4)
     clock.advance(1)
     assert ctl.update(queue_depth=100).batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"failure_threshold": 0}, "failure_threshold"),
+        ({"failure_threshold": 2.5}, "failure_threshold"),
+        ({"failure_threshold": True}, "failure_threshold"),
+        ({"failure_threshold": "3"}, "failure_threshold"),
+        ({"reset_timeout_s": 0}, "reset_timeout_s"),
+        ({"reset_timeout_s": float("nan")}, "reset_timeout_s"),
+        ({"reset_timeout_s": float("inf")}, "reset_timeout_s"),
+        ({"reset_timeout_s": "10"}, "reset_timeout_s"),
+    ],
+)
+def test_a_circuit_breaker_refuses_settings_that_would_never_open_or_never_probe(
+    kwargs: dict[str, object], match: str
+) -> None:
+    """failure_threshold is a count (an int >= 1); reset_timeout_s a finite number of seconds > 0:
+    a NaN or infinite cool-down would keep an open circuit open for good."""
+    with pytest.raises(ValueError, match=match):
+        batchkit.CircuitBreaker(**kwargs)  # type: ignore[arg-type]

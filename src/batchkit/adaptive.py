@@ -237,13 +237,24 @@ class CircuitBreaker:
     closed -> (``failure_threshold`` consecutive failures) -> open: :meth:`check` raises
     :class:`CircuitOpen` -> (``reset_timeout_s`` later) -> half-open: one probe may run ->
     success closes, failure opens again.
+
+    Raises:
+        ValueError: ``failure_threshold`` is not an int >= 1, or ``reset_timeout_s`` is not a
+            finite number of seconds > 0.
     """
 
     def __init__(self, failure_threshold: int = 5, reset_timeout_s: float = 10.0, clock: Clock | None = None) -> None:
-        if failure_threshold < 1 or reset_timeout_s <= 0:
-            raise ValueError("failure_threshold must be >= 1 and reset_timeout_s > 0")
-        self.failure_threshold = failure_threshold
-        self.reset_timeout_s = reset_timeout_s
+        if (
+            isinstance(failure_threshold, bool)
+            or not isinstance(failure_threshold, numbers.Integral)
+            or failure_threshold < 1
+        ):
+            raise ValueError(f"failure_threshold must be an int >= 1, got {failure_threshold!r}")
+        # A NaN or infinite cool-down would keep an open circuit open for good.
+        if not (_is_finite(reset_timeout_s) and reset_timeout_s > 0):
+            raise ValueError(f"reset_timeout_s must be a finite number of seconds > 0, got {reset_timeout_s!r}")
+        self.failure_threshold = int(failure_threshold)
+        self.reset_timeout_s = float(reset_timeout_s)
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.state = "closed"
         self._failures = 0
