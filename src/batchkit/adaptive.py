@@ -244,11 +244,7 @@ class CircuitBreaker:
     """
 
     def __init__(self, failure_threshold: int = 5, reset_timeout_s: float = 10.0, clock: Clock | None = None) -> None:
-        if (
-            isinstance(failure_threshold, bool)
-            or not isinstance(failure_threshold, numbers.Integral)
-            or failure_threshold < 1
-        ):
+        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int) or failure_threshold < 1:
             raise ValueError(f"failure_threshold must be an int >= 1, got {failure_threshold!r}")
         # A NaN or infinite cool-down would keep an open circuit open for good.
         if not (_is_finite(reset_timeout_s) and reset_timeout_s > 0):
