@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "QueueCore",
     "QueueEntry",
     "QueueStatistics",
+    "check_number",
     "check_put_args",
     "check_queue_options",
 ]
@@ -122,6 +124,28 @@ def check_queue_options(maxsize: object, on_full: object = "reject", aging_s: ob
         raise ValueError(f"aging_s must be > 0 seconds or None, got {aging_s!r}")
 
 
+def check_number(name: str, value: object, *, unit: str, positive: bool = False, optional: bool = False) -> None:
+    """Refuse a setting that is not a real number (a bool, a str, None...) or is below its
+    bound (NaN included), with a message that names it: ``>= 0``, or ``> 0`` when ``positive``.
+
+    Raises:
+        ValueError: ``value`` is not an int or float (numpy's too) within the bound.
+    """
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (number and (value > 0 if positive else value >= 0)):  # type: ignore[operator]
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be {bound}{' or None' if optional else ''} (a number of {unit}), got {value!r}")
+
+
+def is_cost(cost: object) -> bool:
+    """Whether ``cost`` is a finite number >= 0. An infinite cost is refused: the per-group
+    totals that decide a ``max_batch_cost`` flush would turn NaN once it left (inf - inf)."""
+    try:
+        return math.isfinite(cost) and cost >= 0  # type: ignore[arg-type, operator]
+    except TypeError:
+        return False
+
+
 def check_put_args(priority: object, deadline_ms: float | None, key: object = None, cost: float = 1) -> None:
     """Validate one ``put``'s ``priority``, ``deadline_ms``, group ``key`` and ``cost``.
 
@@ -131,10 +155,10 @@ def check_put_args(priority: object, deadline_ms: float | None, key: object = No
     """
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
-    if deadline_ms is not None and not deadline_ms >= 0:
-        raise ValueError(f"deadline_ms must be >= 0 or None, got {deadline_ms!r}")
-    if cost != 1 and not cost >= 0:
-        raise ValueError(f"cost must be a number >= 0, got {cost!r}")
+    if deadline_ms is not None:
+        check_number("deadline_ms", deadline_ms, unit="milliseconds", optional=True)
+    if cost != 1 and not is_cost(cost):
+        raise ValueError(f"cost must be a number >= 0 (and finite), got {cost!r}")
     if key is not None:
         try:
             hash(key)

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["AsyncWaiter", "ThreadWaiter", "Waiter", "new_async_waiter", "wake_all"]
+__all__ = ["AsyncWaiter", "ThreadWaiter", "Waiter", "new_async_waiter", "wait_limit", "wake_all"]
 
 _allocate_lock = threading.Lock
 
@@ -46,8 +46,10 @@ class ThreadWaiter:
             self._lock.release()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until woken (True) or ``timeout`` seconds pass (False)."""
-        if self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+        """Block until woken (True) or ``timeout`` seconds pass (False). A ``timeout`` beyond
+        what the platform can wait for (``math.inf``) waits without a limit."""
+        limit = wait_limit(timeout)
+        if self._lock.acquire(timeout=-1 if limit is None else limit):
             self._lock.release()
             return True
         return False
@@ -72,6 +74,15 @@ class _TrioWaiter:
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._event.wait().__await__()
+
+
+def wait_limit(timeout: float | None) -> float | None:
+    """``timeout`` seconds as ``threading`` waits (``Condition.wait``, ``Thread.join``) take
+    them: None (no limit) for None and for spans beyond ``threading.TIMEOUT_MAX``, which they
+    refuse with an OverflowError (``math.inf`` means "no limit"); at least 0 otherwise."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:
+        return None
+    return max(timeout, 0.0)
 
 
 # An asyncio waiter is a bare future of the caller's loop: awaiting it is as cheap as it gets.

@@ -106,7 +106,7 @@ class AsyncBatcher(BatcherShell[T, R]):
         ValueError: as ``DynamicBatcher``; ``batch_timeout_s`` with a plain ``fn`` on the
             loop (a call that holds the loop cannot be timed out: pass ``offload=True``);
             ``offload=True`` with an ``async def`` ``fn``.
-        TypeError: ``fn`` is not callable.
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable (see :func:`check_batcher_options`).
     """
 
     def __init__(
@@ -139,6 +139,7 @@ class AsyncBatcher(BatcherShell[T, R]):
                 "max_concurrent_batches": max_concurrent_batches,
                 "size_fn": size_fn,
                 "max_batch_cost": max_batch_cost,
+                "group_by": group_by,
                 "batch_timeout_s": batch_timeout_s,
             },
         )
@@ -291,9 +292,16 @@ class AsyncBatcher(BatcherShell[T, R]):
                     self._room.append(room)
                     try:
                         await room
-                    finally:
+                    except BaseException:
                         if room in self._room:
                             self._room.remove(room)
+                        elif room.done() and not room.cancelled():
+                            # Woken for a freed slot, then cancelled (or timed out) before it could
+                            # take it: pass the slot on, or the next waiter sleeps beside room.
+                            self._on_release(1)
+                        raise
+                    if room in self._room:  # woken by aclose(), which leaves the list to the waiters
+                        self._room.remove(room)
                     if self._enqueue(entry, priority, deadline_ms):
                         return
         except TimeoutError:

@@ -36,8 +36,8 @@ import anyio
 
 from ._clock import Clock, ListenableClock
 from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
-from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_put_args, check_queue_options
-from ._waiters import ThreadWaiter, new_async_waiter, wake_all
+from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
+from ._waiters import ThreadWaiter, new_async_waiter, wait_limit, wake_all
 from .adaptive import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
 from .metrics import LatencySummary, SampleWindow
@@ -159,8 +159,11 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
     take their defaults.
 
     Raises:
-        TypeError: ``fn`` is not callable, or an option name is unknown.
-        ValueError: a value the batcher refuses (the message names the argument and the fix).
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue`` is not a
+            :class:`BoundedQueue`, or an option name is unknown.
+        ValueError: a value the batcher refuses (the message names the argument and the fix):
+            a size that is not an int >= 1, a ``max_wait_ms`` that is not a number >= 0, a
+            ``max_batch_cost`` or ``batch_timeout_s`` that is not a number > 0.
     """
     unknown = options.keys() - _OPTION_NAMES
     if unknown:
@@ -172,18 +175,22 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
         raise TypeError(f"fn must be callable (a batch function over a list), got {fn!r}")
     _check_positive_int("max_batch_size", max_batch_size)
     _check_positive_int("max_concurrent_batches", options.get("max_concurrent_batches", 1))
-    if not max_wait_ms >= 0:
-        raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
+    check_number("max_wait_ms", max_wait_ms, unit="milliseconds")
     size_fn = options.get("size_fn")
     max_batch_cost = options.get("max_batch_cost")
+    for what, f in (("size_fn", size_fn), ("group_by", options.get("group_by"))):
+        if f is not None and not callable(f):
+            raise TypeError(f"{what} must be a function of one item, got {f!r}")
     if max_batch_cost is not None and size_fn is None:
         raise ValueError("max_batch_cost needs size_fn: pass size_fn=lambda item: cost_of(item)")
-    if max_batch_cost is not None and not max_batch_cost > 0:
-        raise ValueError(f"max_batch_cost must be > 0, got {max_batch_cost!r}")
+    if max_batch_cost is not None:
+        check_number("max_batch_cost", max_batch_cost, unit="size_fn cost units", positive=True, optional=True)
     batch_timeout_s = options.get("batch_timeout_s")
-    if batch_timeout_s is not None and not batch_timeout_s > 0:
-        raise ValueError(f"batch_timeout_s must be > 0 or None, got {batch_timeout_s!r}")
+    if batch_timeout_s is not None:
+        check_number("batch_timeout_s", batch_timeout_s, unit="seconds", positive=True, optional=True)
     queue = options.get("queue")
+    if queue is not None and not isinstance(queue, BoundedQueue):
+        raise TypeError(f"queue must be a batchkit.BoundedQueue (or None for the default one), got {queue!r}")
     if queue is None:
         max_queue = options.get("max_queue", 4096)
         _check_positive_int("max_queue", max_queue)
@@ -452,10 +459,13 @@ class DynamicBatcher(BatcherShell[T, R]):
         name: shown in ``repr`` and thread names.
 
     Raises:
-        ValueError: a non-positive size, negative wait, ``max_batch_cost`` without ``size_fn``,
-            a ``queue`` that already serves another batcher, or a ``queue`` together with a
-            ``max_queue`` or ``on_full`` other than the default (see :func:`check_batcher_options`).
-        TypeError: ``fn`` is not callable.
+        ValueError: a size that is not an int >= 1, a ``max_wait_ms`` that is not a number >= 0,
+            a ``max_batch_cost`` or ``batch_timeout_s`` that is not a number > 0,
+            ``max_batch_cost`` without ``size_fn``, a ``queue`` that already serves another
+            batcher, or a ``queue`` together with a ``max_queue`` or ``on_full`` other than the
+            default (see :func:`check_batcher_options`).
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, or ``queue`` is not a
+            :class:`BoundedQueue`.
     """
 
     def __init__(
@@ -489,6 +499,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 "max_concurrent_batches": max_concurrent_batches,
                 "size_fn": size_fn,
                 "max_batch_cost": max_batch_cost,
+                "group_by": group_by,
                 "batch_timeout_s": batch_timeout_s,
             },
         )
@@ -561,11 +572,20 @@ class DynamicBatcher(BatcherShell[T, R]):
         fut.add_done_callback(lambda f: self._cancel(req) if f.cancelled() else None)
         return fut
 
-    def __call__(self, item: T, *, priority: int = 0, deadline_ms: float | None = None) -> R:
-        """Submit ``item`` and block this thread until its result is ready."""
+    def __call__(
+        self,
+        item: T,
+        *,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+        fallback: Any = _NO_FALLBACK,
+        timeout: float | None = None,
+    ) -> R:
+        """Submit ``item`` and block this thread until its result is ready; the arguments and
+        errors of :meth:`submit`, raised here."""
         waiter = ThreadWaiter()
-        req = _Request(item, waiter, _NO_FALLBACK)
-        self._enqueue_sync(req, priority, deadline_ms, None)
+        req = _Request(item, waiter, fallback)
+        self._enqueue_sync(req, priority, deadline_ms, timeout)
         try:
             waiter.wait()
         except BaseException:  # KeyboardInterrupt while parked: give the item up
@@ -751,7 +771,7 @@ class DynamicBatcher(BatcherShell[T, R]):
             # One deadline for every join: close(timeout=t) returns after about t, not t per thread.
             deadline = None if timeout is None else _monotonic() + timeout
             for t in [dispatcher, *self._workers]:
-                t.join(None if deadline is None else max(0.0, deadline - _monotonic()))
+                t.join(None if deadline is None else wait_limit(deadline - _monotonic()))
                 stuck = stuck or t.is_alive()
         if not inside:
             self._stop_portal(cancel_running=stuck, timeout=timeout)
@@ -847,8 +867,8 @@ class DynamicBatcher(BatcherShell[T, R]):
                         self._dispatcher_until = None if mock else wake_at
                         if wake_at is None or mock:
                             self._cond.wait(None if not mock else 1.0)
-                        else:
-                            self._cond.wait(max(wake_at - now, 0.0))
+                        else:  # an infinite (or huge) wake_at sleeps until told
+                            self._cond.wait(wait_limit(wake_at - now))
                         self._dispatcher_idle = False
                 if drops:
                     self._resolve_drops(drops)
@@ -1105,7 +1125,7 @@ def item_key_and_cost(
 
     Raises:
         TypeError: ``group_by`` returned an unhashable key.
-        ValueError: ``size_fn`` returned a negative (or NaN) cost.
+        ValueError: ``size_fn`` returned a cost that is not a finite number >= 0.
     """
     key: Hashable = None
     cost: float = 1
@@ -1120,8 +1140,8 @@ def item_key_and_cost(
             ) from None
     if size_fn is not None:
         cost = size_fn(item)
-        if not cost >= 0:
-            raise ValueError(f"size_fn must return a cost >= 0, got {cost!r}")
+        if not is_cost(cost):
+            raise ValueError(f"size_fn must return a cost >= 0 (a finite number), got {cost!r}")
     return key, cost
 
 

@@ -24,7 +24,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._queue_core import ANY_KEY, Drop, QueueCore, QueueEntry
+from ._queue_core import ANY_KEY, Drop, QueueCore, QueueEntry, check_number
 from .adaptive import AdaptiveBatchController, CircuitBreaker
 
 __all__ = ["FLUSH_REASONS", "BatchFormer", "BatchInfo", "FlushReason", "FormedBatch"]
@@ -121,12 +121,11 @@ class BatchFormer(Generic[E]):
         for name, value in (("max_batch_size", max_batch_size), ("max_concurrent_batches", max_concurrent_batches)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not max_wait_ms >= 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
-        if max_batch_cost is not None and not max_batch_cost > 0:
-            raise ValueError(f"max_batch_cost must be > 0 or None, got {max_batch_cost!r}")
-        if batch_timeout_s is not None and not batch_timeout_s > 0:
-            raise ValueError(f"batch_timeout_s must be > 0 or None, got {batch_timeout_s!r}")
+        check_number("max_wait_ms", max_wait_ms, unit="milliseconds")
+        if max_batch_cost is not None:
+            check_number("max_batch_cost", max_batch_cost, unit="cost units", positive=True, optional=True)
+        if batch_timeout_s is not None:
+            check_number("batch_timeout_s", batch_timeout_s, unit="seconds", positive=True, optional=True)
         self.queue = queue
         self._loads = queue.loads()  # the core's live dict (it is never replaced)
         self.max_batch_size = controller.batch_size if controller is not None else max_batch_size

@@ -1,0 +1,320 @@
+"""docs/api.md, "Dynamic batching", "Collating", "Adaptive sizing and faults", "Time and testing"
+and "Errors": the promises a user meets at the edges (bad arguments, infinite limits, cancelled
+callers, the blocking call's arguments), checked through the public API."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import batchkit
+from batchkit.testing import MockClock, echo_batch
+
+WAIT_S = 10.0  # the bound of every wait below; never reached when the promise holds
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+
+def _dynamic(**options: Any) -> object:
+    return batchkit.DynamicBatcher(echo_batch, **options)
+
+
+def _async(**options: Any) -> object:
+    async def fn(xs: list[int]) -> list[int]:
+        return xs
+
+    return batchkit.AsyncBatcher(fn, **options)
+
+
+def _decorated(**options: Any) -> object:
+    return batchkit.batched(max_batch=4, **options)(echo_batch)
+
+
+MAKERS = [_dynamic, _async, _decorated]
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=["DynamicBatcher", "AsyncBatcher", "batched"])
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"max_wait_ms": "5"}, "max_wait_ms"),
+        ({"max_wait_ms": None}, "max_wait_ms"),
+        ({"max_wait_ms": True}, "max_wait_ms"),
+        ({"batch_timeout_s": "1"}, "batch_timeout_s"),
+        ({"size_fn": len, "max_batch_cost": "10"}, "max_batch_cost"),
+    ],
+)
+def test_a_limit_that_is_not_a_number_is_a_value_error_naming_it(
+    make: Callable[..., object], options: dict[str, Any], name: str
+) -> None:
+    """A wait, cost or timeout that is not a number is refused at construction with a
+    ValueError that names the argument (not a TypeError from a comparison inside)."""
+    with pytest.raises(ValueError, match=name):
+        make(**options)
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=["DynamicBatcher", "AsyncBatcher", "batched"])
+@pytest.mark.parametrize("name", ["size_fn", "group_by"])
+def test_size_fn_and_group_by_that_cannot_be_called_are_refused_at_construction(
+    make: Callable[..., object], name: str
+) -> None:
+    """A ``size_fn`` or ``group_by`` that is not a function fails where the batcher is made,
+    naming the option, instead of failing every submit later."""
+    with pytest.raises(TypeError, match=name):
+        make(**{name: 3})
+
+
+def test_a_queue_that_is_not_a_bounded_queue_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"queue must be a batchkit\.BoundedQueue"):
+        batchkit.DynamicBatcher(echo_batch, queue=[])  # type: ignore[arg-type]
+
+
+def test_a_deadline_that_is_not_a_number_is_a_value_error_naming_it() -> None:
+    """``deadline_ms`` is checked at submit (the batcher's and the queue's), with its name."""
+    with batchkit.DynamicBatcher(echo_batch) as b:
+        with pytest.raises(ValueError, match="deadline_ms"):
+            b.submit(1, deadline_ms="100")  # type: ignore[arg-type]
+        assert b.statistics().submitted == 0
+        assert b.submit(2).result(timeout=WAIT_S) == 2
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+    with pytest.raises(ValueError, match="deadline_ms"):
+        q.put_nowait(1, deadline_ms="100")  # type: ignore[arg-type]
+    assert len(q) == 0
+
+
+@pytest.mark.parametrize("cost", [None, "3", math.inf, math.nan, -1])
+def test_a_size_fn_cost_that_is_not_a_finite_number_at_least_zero_fails_that_submit(cost: object) -> None:
+    """api.md: a cost that is not a number >= 0 fails that submit. An infinite cost is refused
+    too: it would leave its group's running total NaN, and ``max_batch_cost`` would stop
+    dispatching full batches of that group."""
+
+    def size_fn(x: object) -> Any:
+        return cost if x == "bad" else 1
+
+    b: batchkit.DynamicBatcher[object, object] = batchkit.DynamicBatcher(echo_batch, size_fn=size_fn, max_batch_cost=10)
+    with b:
+        with pytest.raises(ValueError, match="size_fn"):
+            b.submit("bad")
+        assert b.statistics().submitted == 0
+        assert b.submit("good").result(timeout=WAIT_S) == "good"
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+    with pytest.raises(ValueError, match="cost"):
+        q.put_nowait(1, cost=math.inf)
+
+
+# ---------------------------------------------------------------------------- infinite limits
+
+
+class _WatchClock:
+    """The real clock, recording the queue depth each time the batcher's dispatcher thread
+    reads it (the dispatcher reads the clock, under the batcher's lock, before it decides and
+    sleeps; a call that needs that lock afterwards runs once it sleeps)."""
+
+    def __init__(self) -> None:
+        self.batcher: batchkit.DynamicBatcher[Any, Any] | None = None
+        self.depths: list[int] = []
+        self._cond = threading.Condition()
+
+    def now(self) -> float:
+        t = time.monotonic()
+        b = self.batcher
+        if b is not None and threading.current_thread().name.startswith("batchkit-dispatch"):
+            with self._cond:
+                self.depths.append(b.queue_depth())
+                self._cond.notify_all()
+        return t
+
+    def wait_for(self, predicate: Callable[[list[int]], bool]) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: predicate(self.depths), timeout=WAIT_S)
+
+
+def test_an_infinite_max_wait_ms_leaves_batches_to_size_and_flush() -> None:
+    """``max_wait_ms=math.inf`` (a number >= 0): a lone item waits for company or a flush; the
+    dispatcher sleeps until told instead of dying on a wait the platform cannot time."""
+    clock = _WatchClock()
+    b = batchkit.DynamicBatcher(echo_batch, max_batch_size=4, max_wait_ms=math.inf, clock=clock)
+    clock.batcher = b
+    fut = b.submit(1)
+    clock.wait_for(lambda depths: 1 in depths)  # the dispatcher has seen the item and sleeps
+    b.flush()
+    assert fut.result(timeout=WAIT_S) == 1
+    b.close(timeout=WAIT_S)
+    assert b.statistics().flush_reasons == {"flush": 1}
+
+
+@pytest.mark.parametrize("infinite", ["deadline_ms", "batch_timeout_s"])
+def test_an_infinite_deadline_or_batch_timeout_keeps_the_dispatcher_alive(infinite: str) -> None:
+    """An item with ``deadline_ms=math.inf`` waiting behind a busy batch, or a running batch
+    under ``batch_timeout_s=math.inf``, has no time to wake for: later deadlines still expire."""
+    clock = _WatchClock()
+    started, gate = threading.Event(), threading.Event()
+
+    def fn(xs: list[str]) -> list[str]:
+        if "slow" in xs:
+            started.set()
+            gate.wait(WAIT_S)
+        return xs
+
+    b = batchkit.DynamicBatcher(
+        fn,
+        max_batch_size=1,
+        max_wait_ms=0,
+        batch_timeout_s=math.inf if infinite == "batch_timeout_s" else None,
+        clock=clock,
+    )
+    clock.batcher = b
+    try:
+        slow = b.submit("slow")
+        assert started.wait(WAIT_S)
+        if infinite == "deadline_ms":
+            clock.depths.clear()
+            patient = b.submit("patient", deadline_ms=math.inf)
+            clock.wait_for(lambda depths: 1 in depths)  # the dispatcher has seen it and sleeps
+        else:
+            clock.wait_for(lambda depths: 0 in depths[depths.index(1) :] if 1 in depths else False)
+        hurried = b.submit("hurried", deadline_ms=1, fallback="too late")
+        assert hurried.result(timeout=WAIT_S) == "too late"  # expired while "slow" still runs
+        assert not slow.done()
+    finally:
+        gate.set()
+    assert slow.result(timeout=WAIT_S) == "slow"
+    if infinite == "deadline_ms":
+        assert patient.result(timeout=WAIT_S) == "patient"
+    b.close(timeout=WAIT_S)
+    assert b.statistics().expired == 1
+
+
+def test_an_infinite_timeout_means_no_limit() -> None:
+    """``timeout=math.inf`` waits without a limit (``close``, the queue's ``get``, ``put`` and
+    ``wait_for_room``) instead of raising OverflowError."""
+    b = batchkit.DynamicBatcher(echo_batch)
+    assert b.submit(1).result(timeout=WAIT_S) == 1
+    b.close(timeout=math.inf)
+    assert b.closed
+    with pytest.raises(batchkit.BatcherClosed):
+        b.submit(2)
+
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(1, "block")
+    writer = threading.Thread(target=lambda: q.put(7, timeout=math.inf))
+    writer.start()
+    assert q.get(timeout=math.inf) == 7  # waits for the writer (or finds its item)
+    writer.join(WAIT_S)
+    assert q.wait_for_room(math.inf)
+    q.put_nowait(8)
+    filler = threading.Thread(target=lambda: q.put(9, timeout=math.inf))  # waits for room
+    filler.start()
+    assert q.get(timeout=WAIT_S) == 8
+    filler.join(WAIT_S)
+    assert not filler.is_alive()
+    assert q.get_nowait() == 9
+
+
+# ---------------------------------------------------------------------------- cancellation
+
+
+def test_an_async_batcher_caller_cancelled_after_its_wake_for_room_passes_the_room_on() -> None:
+    """On a full ``"block"`` queue, a waiting caller that is cancelled just after a slot was
+    freed for it hands the slot to the next waiting caller, which is then admitted."""
+    asyncio.run(_cancelled_after_its_wake_for_room())
+
+
+async def _cancelled_after_its_wake_for_room() -> None:
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def fn(xs: list[int]) -> list[int]:
+        if xs == [1]:
+            started.set()
+            await gate.wait()
+        return xs
+
+    b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block")
+    first = asyncio.create_task(b.submit(1))
+    await asyncio.wait_for(started.wait(), WAIT_S)
+    queued = asyncio.create_task(b.submit(2))
+    await asyncio.sleep(0)  # one loop turn: it is admitted and fills the queue
+    assert b.queue_depth() == 1
+    wakeful = asyncio.create_task(b.submit(3))
+    patient = asyncio.create_task(b.submit(4))
+    await asyncio.sleep(0)  # one loop turn: both wait for room
+    assert not wakeful.done()
+    assert not patient.done()
+    # The queued caller gives up: its slot goes to `wakeful`, which is cancelled before it can
+    # run (call_soon runs after the wake-up is scheduled, before the task resumes).
+    queued.cancel()
+    asyncio.get_running_loop().call_soon(wakeful.cancel)
+    gate.set()
+    assert await asyncio.wait_for(patient, WAIT_S) == 4
+    assert await asyncio.wait_for(first, WAIT_S) == 1
+    assert wakeful.cancelled()
+    assert queued.cancelled()
+    await b.aclose(timeout=WAIT_S)
+    stats = b.statistics()
+    assert (stats.submitted, stats.succeeded, stats.cancelled) == (3, 2, 1)
+
+
+# ---------------------------------------------------------------------------- the blocking call
+
+
+def test_the_blocking_call_takes_the_arguments_of_submit() -> None:
+    """``batcher(item)`` and ``f(x)`` block for one result, with ``submit``'s ``fallback`` and
+    ``timeout`` as ``acall`` has them."""
+    with batchkit.DynamicBatcher(echo_batch) as b:
+        assert b(1, deadline_ms=0, fallback="fallback") == "fallback"  # expired at once
+        assert b(2, priority=-1) == 2
+
+    @batchkit.batched(max_batch=4, max_wait_ms=1)
+    def f(xs: list[int]) -> list[int]:
+        return xs
+
+    assert f(1, deadline_ms=0, fallback=None) is None
+    f.close()
+
+    started, gate = threading.Event(), threading.Event()
+
+    def slow(xs: list[int]) -> list[int]:
+        started.set()
+        gate.wait(WAIT_S)
+        return xs
+
+    b2 = batchkit.DynamicBatcher(slow, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block")
+    try:
+        running = b2.submit(1)
+        assert started.wait(WAIT_S)
+        waiting = b2.submit(2)  # fills the queue
+        with pytest.raises(batchkit.QueueFull, match="timeout"):
+            b2(3, timeout=0.01)
+        assert b2.statistics().rejected == 1
+    finally:
+        gate.set()
+    assert (running.result(timeout=WAIT_S), waiting.result(timeout=WAIT_S)) == (1, 2)
+    b2.close(timeout=WAIT_S)
+
+
+# ---------------------------------------------------------------------------- map
+
+
+def test_map_cancels_the_items_after_the_first_failure() -> None:
+    """api.md: the first item that fails raises when its turn comes, and the items after it are
+    cancelled: an item still waiting for its batch never reaches the batch function."""
+    seen: list[int] = []
+
+    @batchkit.batched(max_batch=2, max_wait_ms=60_000, clock=MockClock())
+    def picky(xs: list[int]) -> list[object]:
+        seen.extend(xs)
+        return [ValueError(f"bad {x}") if x == 0 else x for x in xs]
+
+    results = picky.map(range(3), window=3)  # 0 and 1 fill a batch; 2 waits for a partner
+    with pytest.raises(ValueError, match="bad 0"):
+        next(results)
+    stats = picky.statistics()
+    assert (stats.pending, stats.cancelled, stats.failed, stats.succeeded) == (0, 1, 1, 1)
+    picky.close(timeout=WAIT_S)
+    assert seen == [0, 1]
