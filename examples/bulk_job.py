@@ -6,7 +6,10 @@ malformed line does too. Run:
 
     python examples/bulk_job.py
 
-The same job from the shell: ``batchkit run bulk_job:rewrite --input products.jsonl --output out.jsonl``.
+The same job from the shell, run in this folder on a ``products.jsonl`` of ``{"sku": ...,
+"description": ...}`` lines (its records are identified by ``sku``, not the default ``id``)::
+
+    batchkit run bulk_job:rewrite --input products.jsonl --output out.jsonl --id-field sku
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import numbers
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,31 @@ class _SimClock:
         return self.t
 
 
+def _is_number(x: object) -> bool:
+    """A real number (numpy's included), not a bool, not NaN."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _in_order(arrivals: Iterable[float]) -> Iterator[float]:
+    """The arrival times, checked as they come: finite and never earlier than the one before.
+
+    Raises:
+        ValueError: a time that is not a finite number, or one earlier than its predecessor
+            (sort them, or read them with :func:`trace`, which does).
+    """
+    last = -math.inf
+    for i, t in enumerate(arrivals):
+        if not _is_number(t) or not math.isfinite(t):
+            raise ValueError(f"arrival {i} is {t!r}: arrival times must be finite numbers of seconds")
+        if t < last:
+            raise ValueError(
+                f"arrival {i} at {t!r} s comes before the one before it ({last!r} s): arrival times must be "
+                "in order (sort them, or read them with trace())"
+            )
+        last = t
+        yield float(t)
+
+
 def simulate(
     cost: CostFn,
     arrivals: Iterable[float] | ClosedLoop,
@@ -243,7 +269,18 @@ def simulate(
         controller: an :class:`AdaptiveBatchController` to drive the batch size (its clock is
             replaced by the simulation's).
         phases: ``[(start, end), ...]`` windows to report separately (by arrival time).
+
+    Raises:
+        ValueError: arrival times out of order or not finite, a ``deadline_ms`` that is not a
+            finite number > 0, a phase whose start is not before its end, or a ``cost`` that
+            returns anything but a finite number of seconds >= 0.
     """
+    if deadline_ms is not None and (not _is_number(deadline_ms) or not 0 < deadline_ms < math.inf):
+        raise ValueError(f"deadline_ms must be a finite number of ms > 0 (or None: no deadline), got {deadline_ms!r}")
+    for window in phases or []:
+        start, end = window
+        if not (_is_number(start) and _is_number(end) and start < end):
+            raise ValueError(f"each phase must be a (start, end) window of times with start < end, got {window!r}")
     clock = _SimClock()
     if controller is not None:
         controller.clock = clock
@@ -271,7 +308,7 @@ def simulate(
             push(0.0, 1)
         end_time = closed.duration_s
     else:
-        arrival_iter = iter(arrivals)  # type: ignore[arg-type]
+        arrival_iter = _in_order(arrivals)  # type: ignore[arg-type]
         first = next(arrival_iter, None)
         if first is not None:
             push(first, 1)

@@ -171,6 +171,17 @@ class ContinuousDecodeLoop:
     ) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(batch, kv), got {step_fn!r}")
+        if not isinstance(kv_cache, PagedKVCache):
+            raise TypeError(
+                f"kv_cache must be a batchkit.PagedKVCache (e.g. model.make_cache(num_blocks)), got {kv_cache!r}"
+            )
+        if detokenize is not None and not callable(detokenize):
+            raise TypeError(f"detokenize must be callable as detokenize(token_ids) -> str, or None, got {detokenize!r}")
+        if eos_token_id is not None:
+            SamplingParams(eos_token_id=eos_token_id)  # the TypeError every request would raise, now
+            eos_token_id = operator.index(eos_token_id)
+        if clock is not None and not callable(getattr(clock, "now", None)):
+            raise TypeError(f"clock must have a now() method (a batchkit.Clock), got {clock!r}")
         if max_waiting is not None and (
             isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
         ):
@@ -436,6 +447,7 @@ class ContinuousDecodeLoop:
                 if self._closing:
                     pending = list(self._streams.items()) + [(r.request_id, s) for r, s in self._inbox]
                     self._inbox.clear()
+                    self._streams = {}
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
@@ -468,6 +480,11 @@ class ContinuousDecodeLoop:
             if not step.requests and not inbox and not aborts:
                 with self._cond:  # nothing could run (e.g. waiting on room): wait for news
                     self._cond.wait(0.01)
+        # What is left is aborted in the scheduler too (this is its thread): its blocks go back to
+        # the pool and statistics() counts it aborted, not running or waiting for ever.
+        sched = self.scheduler
+        for req in [*sched.running, *sched.swapped, *sched.waiting]:
+            sched.abort(req.request_id)
         closed = BatcherClosed("the decode loop was closed")
         wake_all(w for rid, s in pending if (w := s.push(TokenEvent(rid, None, True, "abort", closed))) is not None)
 

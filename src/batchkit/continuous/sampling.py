@@ -9,9 +9,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 __all__ = ["SamplingParams", "sample"]
 
 Tensor = Any
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,25 @@ class SamplingParams:
             seed = _index(self.seed)
             if seed is None:
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            if not _SEED_MIN <= seed <= _SEED_MAX:  # what torch.Generator.manual_seed takes
+                raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
             object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         if self.eos_token_id is not None:
             object.__setattr__(self, "eos_token_id", _token_ids("eos_token_id", (self.eos_token_id,))[0])
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            if not isinstance(self.ignore_eos, np.bool_):  # numpy's bool is taken as a bool
+                raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        if isinstance(self.stop, str):
+            stop: tuple[Any, ...] = (self.stop,)
+        else:
+            try:
+                stop = tuple(self.stop)
+            except TypeError:
+                raise ValueError(
+                    f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}"
+                ) from None
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r} (stop on token ids with stop_token_ids=)")
@@ -92,7 +110,7 @@ def _token_ids(name: str, ids: Iterable[int] | int) -> tuple[int, ...]:
     Raises:
         TypeError: not a sequence of integers (e.g. one bare int).
     """
-    if isinstance(ids, int | str | bytes):
+    if isinstance(ids, int | str | bytes) or not isinstance(ids, Iterable):
         raise TypeError(f"{name} must be a sequence of token ids (ints), got {ids!r}")
     out: list[int] = []
     for t in ids:

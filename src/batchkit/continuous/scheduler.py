@@ -187,6 +187,8 @@ class Scheduler:
         clock: Clock | None = None,
         detokenize: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
+        if not isinstance(allocator, PagedKVAllocator):
+            raise TypeError(f"allocator must be a batchkit.PagedKVAllocator, got {allocator!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -225,9 +227,16 @@ class Scheduler:
         """Queue a request.
 
         Raises:
+            TypeError: not a :class:`Request`, or its ``params`` not a :class:`SamplingParams`.
             ValueError: a duplicate id or an empty prompt.
             KVCacheExhausted: the prompt can never be admitted (cache or tenant quota too small).
         """
+        if not isinstance(request, Request):
+            raise TypeError(f"add() takes a batchkit.continuous.Request, got {request!r}")
+        if not isinstance(request.params, SamplingParams):
+            raise TypeError(
+                f"request {request.request_id!r}: params must be a batchkit.SamplingParams, got {request.params!r}"
+            )
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not request.tokens:

@@ -7,6 +7,7 @@ memory traffic and a batch of 32 costs little more than a batch of 1: the case b
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import queue
 import threading
 import time
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import BatcherClosed
 from ..batcher import DynamicBatcher
 from ..metrics import percentiles
 
@@ -63,6 +65,21 @@ class ServeResult:
 # How long past the end of a run a caller may still wait for its answer before the demo gives up
 # (a model call that never returns must end the demo with an error, not hang it).
 CALL_TIMEOUT_S = 60.0
+
+
+def _check_load(inputs: list[Any], callers: int, duration_s: float) -> None:
+    """Refuse a closed loop that could not run (before any thread or server starts).
+
+    Raises:
+        ValueError: no inputs, ``callers`` not an int >= 1, or ``duration_s`` not a finite
+            number of seconds > 0.
+    """
+    if len(inputs) == 0:
+        raise ValueError("inputs is empty: the callers need at least one input to send")
+    if isinstance(callers, bool) or not isinstance(callers, int) or callers < 1:
+        raise ValueError(f"callers must be an int >= 1, got {callers!r}")
+    if isinstance(duration_s, bool) or not isinstance(duration_s, int | float) or not 0 < duration_s < math.inf:
+        raise ValueError(f"duration_s must be a finite number of seconds > 0, got {duration_s!r}")
 
 
 def _closed_loop(
@@ -121,6 +138,8 @@ class OneByOneServer:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self._lock = threading.Lock()
+        self._closed = False
         self._jobs: queue.SimpleQueue[tuple[Any, concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._serve, name="batchkit-demo-one-by-one", daemon=True)
         self._worker.start()
@@ -139,19 +158,35 @@ class OneByOneServer:
                     fut.set_exception(exc)
 
     def submit(self, x: Any) -> concurrent.futures.Future[Any]:
-        """Queue one input behind every input queued before it."""
+        """Queue one input behind every input queued before it.
+
+        Raises:
+            BatcherClosed: :meth:`close` was called (no worker would ever serve it).
+        """
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._jobs.put((x, fut))
+        with self._lock:
+            if self._closed:
+                raise BatcherClosed("the one-by-one server is closed")
+            self._jobs.put((x, fut))
         return fut
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
-        """Serve what is queued, then stop the worker (waiting at most ``timeout`` seconds)."""
-        self._jobs.put(None)
+        """Serve what is queued, then stop the worker (waiting at most ``timeout`` seconds);
+        later calls of :meth:`submit` raise :class:`BatcherClosed`. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
         self._worker.join(timeout)
 
 
 def serve_one_by_one(model: Any, inputs: list[Any], callers: int, duration_s: float) -> ServeResult:
-    """The same callers through a :class:`OneByOneServer` (FIFO, one input per model call)."""
+    """The same callers through a :class:`OneByOneServer` (FIFO, one input per model call).
+
+    Raises:
+        ValueError: no inputs, ``callers`` < 1 or ``duration_s`` not > 0.
+    """
+    _check_load(inputs, callers, duration_s)
     server = OneByOneServer(model)
 
     def call(x: Any) -> Any:
@@ -179,7 +214,13 @@ def batch_fn_for(model: Any) -> Callable[[list[Any]], Any]:
 def serve_batched(
     model: Any, inputs: list[Any], callers: int, duration_s: float, max_batch_size: int = 32, max_wait_ms: float = 5
 ) -> ServeResult:
-    """The same callers through a :class:`DynamicBatcher`."""
+    """The same callers through a :class:`DynamicBatcher`.
+
+    Raises:
+        ValueError: no inputs, ``callers`` < 1 or ``duration_s`` not > 0 (and the batcher's own
+            checks of ``max_batch_size`` and ``max_wait_ms``).
+    """
+    _check_load(inputs, callers, duration_s)
     b = DynamicBatcher(
         batch_fn_for(model),
         max_batch_size=max_batch_size,
@@ -208,8 +249,16 @@ def serve_batched(
 
 
 def ceiling_rps(model: Any, inputs: list[Any], batch: int, duration_s: float) -> float:
-    """Requests/s of the model on ready-made batches of ``batch``: what no batcher can beat."""
+    """Requests/s of the model on ready-made batches of ``batch``: what no batcher can beat.
+
+    Raises:
+        ValueError: no inputs, ``batch`` < 1 or ``duration_s`` not > 0.
+    """
     import torch
+
+    _check_load(inputs, 1, duration_s)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
 
     x = torch.stack([inputs[i % len(inputs)] for i in range(batch)])
     n = 0

@@ -81,7 +81,13 @@ def dtype_bytes_of(dtype: object) -> int:
 
 def kv_cache_bytes(tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
     """Bytes of K and V for ``tokens`` tokens: ``2 * tokens * layers * kv_heads * head_dim * dtype_bytes``."""
-    for name, v in (("tokens", tokens), ("num_layers", num_layers), ("num_kv_heads", num_kv_heads)):
+    for name, v in (
+        ("tokens", tokens),
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("dtype_bytes", dtype_bytes),
+    ):
         if v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
     return 2 * tokens * num_layers * num_kv_heads * head_dim * dtype_bytes
@@ -96,6 +102,15 @@ class ModelShape:
     head_dim: int
     dtype_bytes: int = 2
     num_params: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelShape's {name} must be an int >= 1, got {v!r}")
+        n = self.num_params
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"ModelShape's num_params must be an int >= 0 or None (unknown), got {n!r}")
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype_bytes: int | None = None) -> ModelShape:
@@ -238,8 +253,13 @@ def plan(
     count is known.
 
     Raises:
+        TypeError: ``model`` is not a :class:`ModelShape`.
         ValueError: bad fractions or sizes, no memory left for the cache, or not room for one block.
     """
+    if not isinstance(model, ModelShape):
+        raise TypeError(
+            f"plan() takes a batchkit.ModelShape (e.g. ModelShape.from_hf_config(config)), got {type(model).__name__}"
+        )
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     for name, v in (("block_size", block_size), ("mean_seq_len", mean_seq_len), ("device_bytes", device_bytes)):

