@@ -362,3 +362,33 @@ def test_a_real_models_streams_carry_transformers_greedy_tokens_and_stop_strings
         assert stop not in lm.decode(stopped[:-1])
     finally:
         loop.close()
+
+
+# --------------------------------------------------------------------------- extra_eos_ids and check_logits
+
+
+def test_extra_eos_ids_is_a_settable_tuple_of_token_ids() -> None:
+    """extra_eos_ids: "settable tuple of more end-of-sequence ids": any sequence of ids is kept
+    as a tuple and stops later requests (not those with ignore_eos); one bare id or a string is a
+    TypeError on setting, not a failure of every later submit."""
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache()) as loop:
+        loop.extra_eos_ids = cast(Any, [np.int64(0)])
+        assert loop.extra_eos_ids == (0,)
+        assert loop.submit([1], max_new_tokens=5).result(WAIT) == [0]
+        assert loop.submit([1], max_new_tokens=3, ignore_eos=True).result(WAIT) == [0, 0, 0]
+        for bad in (5, "2", ("2",), (True,)):
+            with pytest.raises(TypeError, match="extra_eos_ids"):
+                loop.extra_eos_ids = cast(Any, bad)
+        assert loop.extra_eos_ids == (0,)
+
+
+def test_check_logits_refuses_rows_without_a_single_logit() -> None:
+    """check_logits: logits [num_sampling, vocab]; a vocab of 0 leaves nothing to sample."""
+    from batchkit.continuous import check_logits
+
+    loop = batchkit.ContinuousDecodeLoop(_zeros, _cache())
+    loop.scheduler.add(Request("a", [1, 2, 3], batchkit.SamplingParams(max_new_tokens=2)))
+    batch = loop.build_batch(loop.scheduler.schedule())
+    assert check_logits(torch.zeros(1, VOCAB), batch).shape == (1, VOCAB)
+    with pytest.raises(ValueError, match="vocab"):
+        check_logits(torch.zeros(1, 0), batch)

@@ -14,7 +14,7 @@ import math
 import operator
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
@@ -221,10 +221,7 @@ class ContinuousDecodeLoop:
                 device="cpu",
             )
         self.eos_token_id = eos_token_id
-        self.extra_eos_ids: tuple[int, ...] = ()
-        """More end-of-sequence ids than ``eos_token_id`` (a model whose generation config lists
-        several, e.g. end-of-text and end-of-turn): every request submitted afterwards that does
-        not set ``ignore_eos`` also stops on these. ``PretrainedLM.make_loop`` sets them."""
+        self._extra_eos_ids: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inbox: list[tuple[Request, _Stream]] = []
@@ -240,6 +237,33 @@ class ContinuousDecodeLoop:
         self._t_first: float | None = None
         self._t_last = 0.0
         self._generated = 0
+
+    @property
+    def extra_eos_ids(self) -> tuple[int, ...]:
+        """More end-of-sequence ids than ``eos_token_id`` (a model whose generation config lists
+        several, e.g. end-of-text and end-of-turn): every request submitted afterwards that does
+        not set ``ignore_eos`` also stops on these. ``PretrainedLM.make_loop`` sets them.
+
+        Settable to any sequence of token ids (kept as a tuple).
+
+        Raises:
+            TypeError: (on setting) not a sequence of ints, e.g. one bare id.
+        """
+        return self._extra_eos_ids
+
+    @extra_eos_ids.setter
+    def extra_eos_ids(self, ids: Iterable[int]) -> None:
+        if isinstance(ids, int | str | bytes) or not isinstance(ids, Iterable):
+            raise TypeError(f"extra_eos_ids must be a sequence of token ids (ints), e.g. (2,), got {ids!r}")
+        out: list[int] = []
+        for t in ids:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                out.append(operator.index(t))
+            except TypeError:
+                raise TypeError(f"extra_eos_ids must hold token ids (ints), got {t!r}") from None
+        self._extra_eos_ids = tuple(out)
 
     # ------------------------------------------------------------------ submitting
 

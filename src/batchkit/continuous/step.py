@@ -70,7 +70,7 @@ def check_logits(logits: Any, batch: StepBatch, vocab_size: int | None = None) -
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"the step function must return a torch.Tensor of logits, got {type(logits).__name__}")
     n = int(batch.sample_indices.shape[0])
-    if logits.dim() != 2 or logits.shape[0] != n:
+    if logits.dim() != 2 or logits.shape[0] != n or (n and logits.shape[1] == 0):
         raise ValueError(
             f"the step function must return logits [num_sampling={n}, vocab] (one row per sequence in "
             f"batch.sample_indices), got shape {tuple(logits.shape)}"
