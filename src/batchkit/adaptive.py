@@ -252,21 +252,28 @@ class CircuitBreaker:
         self.failure_threshold = int(failure_threshold)
         self.reset_timeout_s = float(reset_timeout_s)
         self.clock: Clock = clock if clock is not None else MonotonicClock()
-        self.state = "closed"
+        self._state = "closed"
         self._failures = 0
         self._opened_at = 0.0
         self._probe_out = False
         self.opens = 0
 
+    @property
+    def state(self) -> str:
+        """``"closed"``, ``"open"`` or ``"half_open"`` now: an open circuit whose
+        ``reset_timeout_s`` has passed reads ``"half_open"`` (its probe may go)."""
+        self._refresh()
+        return self._state
+
     def _refresh(self) -> None:
-        if self.state == "open" and self.clock.now() - self._opened_at >= self.reset_timeout_s:
-            self.state = "half_open"
+        if self._state == "open" and self.clock.now() - self._opened_at >= self.reset_timeout_s:
+            self._state = "half_open"
             self._probe_out = False
 
     def check(self) -> None:
         """Raise :class:`CircuitOpen` if new work must fail fast now."""
         self._refresh()
-        if self.state == "open":
+        if self._state == "open":
             left = self.reset_timeout_s - (self.clock.now() - self._opened_at)
             raise CircuitOpen(
                 f"{self._failures} consecutive batch failures opened the circuit; new work fails fast for "
@@ -276,9 +283,9 @@ class CircuitBreaker:
     def allow_dispatch(self) -> bool:
         """Whether a batch may be dispatched now (half-open: only the one probe)."""
         self._refresh()
-        if self.state == "closed":
+        if self._state == "closed":
             return True
-        if self.state == "half_open" and not self._probe_out:
+        if self._state == "half_open" and not self._probe_out:
             self._probe_out = True
             return True
         return False
@@ -299,17 +306,17 @@ class CircuitBreaker:
         malformed result, or ran past its timeout."""
         if success:
             self._failures = 0
-            self.state = "closed"
+            self._state = "closed"
             return
         self._failures += 1
-        if self.state == "half_open" or self._failures >= self.failure_threshold:
-            if self.state != "open":
+        if self._state == "half_open" or self._failures >= self.failure_threshold:
+            if self._state != "open":
                 self.opens += 1
-            self.state = "open"
+            self._state = "open"
             self._opened_at = self.clock.now()
 
     def __repr__(self) -> str:
-        return f"<CircuitBreaker {self.state} failures={self._failures}>"
+        return f"<CircuitBreaker {self._state} failures={self._failures}>"
 
 
 class BatchSizePolicy(Protocol):
