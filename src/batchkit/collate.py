@@ -130,6 +130,7 @@ def pad(
 
     Raises:
         ValueError: no items, a torch tensor first and another kind of item after it, a bad side,
+            a ``pad_value`` that is not a number,
             a ``pad_to_multiple`` or ``allowed_batch_sizes`` that is not an int >= 1, trailing
             shapes that differ, more items
             than the largest allowed batch size, or a ``pad_value`` the items' dtype cannot hold
@@ -142,6 +143,9 @@ def pad(
         raise ValueError("pad needs items with a first (length) dimension, got a 0-d item; use collate.stack")
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    if not isinstance(pad_value, (numbers.Number, np.number, np.bool_)):
+        # None would fill a float batch with NaN, silently; a str fails deep inside numpy or torch.
+        raise ValueError(f"pad_value must be a number (the fill of padded positions), got {pad_value!r}")
     if pad_to_multiple is not None and not (_is_count(pad_to_multiple) and pad_to_multiple >= 1):
         raise ValueError(f"pad_to_multiple must be an int >= 1 or None, got {pad_to_multiple!r}")
     if allowed_batch_sizes is not None and not all(_is_count(b) and b >= 1 for b in allowed_batch_sizes):
