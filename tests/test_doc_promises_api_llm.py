@@ -392,3 +392,31 @@ def test_check_logits_refuses_rows_without_a_single_logit() -> None:
     assert check_logits(torch.zeros(1, VOCAB), batch).shape == (1, VOCAB)
     with pytest.raises(ValueError, match="vocab"):
         check_logits(torch.zeros(1, 0), batch)
+
+
+# --------------------------------------------------------------------------- LlamaModel
+
+
+def test_a_llama_model_refuses_a_cache_shaped_for_another_model_naming_make_cache() -> None:
+    """LlamaModel is a step function on PagedKVCache; a cache of other layers / KV heads / head
+    size fails its requests with a ValueError saying to use make_cache (it was an IndexError
+    from deep inside the attention, or a shape error about keys and values)."""
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaModel(cfg)
+    with batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=8, block_size=4)) as loop:
+        assert len(loop.submit([1, 2], max_new_tokens=2).result(WAIT)) == 2
+    for layers, heads, dim in ((1, 2, 8), (2, 1, 8), (2, 2, 4)):
+        wrong = batchkit.PagedKVCache(layers, 8, 4, heads, dim)
+        with batchkit.ContinuousDecodeLoop(model, wrong) as loop, pytest.raises(ValueError, match="make_cache"):
+            loop.submit([1, 2], max_new_tokens=2).result(WAIT)
+    with pytest.raises(TypeError, match="LlamaConfig"):
+        LlamaModel(cast(Any, {"vocab_size": 32}))

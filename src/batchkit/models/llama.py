@@ -200,6 +200,11 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(
+                f"config must be a batchkit.models.LlamaConfig (LlamaConfig.from_hf(...) reads a transformers "
+                f"config), got {type(config).__name__}"
+            )
         super().__init__()
         self.config = config
         self.model = _Decoder(config)
@@ -266,6 +271,23 @@ class LlamaModel(nn.Module):
         )
 
     def forward(self, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor:
+        """The step: logits ``[len(batch.sample_indices), vocab_size]``.
+
+        Raises:
+            ValueError: ``kv`` is not shaped for this model (layers, KV heads, head size), e.g. a
+                cache made by another model's :meth:`make_cache`.
+        """
+        cfg = self.config
+        if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.dim_per_head,
+        ):
+            raise ValueError(
+                f"the KV cache holds {kv.num_layers} layers x {kv.num_kv_heads} KV heads x head_dim {kv.head_dim}, "
+                f"this model needs {cfg.num_hidden_layers} x {cfg.num_key_value_heads} x {cfg.dim_per_head}: "
+                "build the cache with model.make_cache(num_blocks)"
+            )
         x = self.model.embed_tokens(batch.input_ids)
         freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
