@@ -360,3 +360,17 @@ def test_pad_refuses_a_pad_value_that_is_not_a_number(pad_value: Any) -> None:
     padded = batchkit.collate.pad([np.ones(2), np.ones(3)], pad_value=np.float32(-1))
     assert padded.batch.tolist() == [[1.0, 1.0, -1.0], [1.0, 1.0, 1.0]]
     assert batchkit.collate.pad([np.array([True]), np.array([False, True])], pad_value=False).batch.dtype == bool
+
+
+def test_a_queue_with_its_own_on_drop_is_refused_with_the_reason() -> None:
+    """A ``queue=`` that comes with an ``on_drop`` of its user is refused for what it is (the
+    batcher needs that hook to answer dropped callers), not as a queue of another batcher."""
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4, on_drop=lambda entry, error: None)
+    with pytest.raises(ValueError, match="queue has an on_drop callback") as refused:
+        batchkit.DynamicBatcher(echo_batch, queue=q)
+    assert "another batcher" not in str(refused.value)
+    owned: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+    b = batchkit.DynamicBatcher(echo_batch, queue=owned)
+    with pytest.raises(ValueError, match="queue already belongs to a batcher"):
+        batchkit.DynamicBatcher(echo_batch, queue=owned)
+    b.close()

@@ -196,7 +196,13 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
         _check_positive_int("max_queue", max_queue)
         check_queue_options(max_queue, options.get("on_full", "reject"))
     elif queue.on_drop is not None:
-        raise ValueError("queue already belongs to a batcher (its on_drop is set); give each its own")
+        if isinstance(getattr(queue.on_drop, "__self__", None), BatcherShell):
+            raise ValueError("queue already belongs to a batcher (its on_drop is set); give each its own")
+        raise ValueError(
+            f"queue has an on_drop callback ({queue.on_drop!r}); a batcher answers the callers of the items "
+            "that leave its queue unserved through on_drop itself: pass a queue without one (the batcher's "
+            "statistics() count the expired, evicted and cancelled items)"
+        )
     elif options.get("max_queue", 4096) != 4096 or options.get("on_full", "reject") != "reject":
         raise ValueError(
             "queue= brings its own capacity and on_full policy; pass either queue or max_queue/on_full, not both"
@@ -462,8 +468,8 @@ class DynamicBatcher(BatcherShell[T, R]):
         ValueError: a size that is not an int >= 1, a ``max_wait_ms`` that is not a number >= 0,
             a ``max_batch_cost`` or ``batch_timeout_s`` that is not a number > 0,
             ``max_batch_cost`` without ``size_fn``, a ``queue`` that already serves another
-            batcher, or a ``queue`` together with a ``max_queue`` or ``on_full`` other than the
-            default (see :func:`check_batcher_options`).
+            batcher or has an ``on_drop`` of its own, or a ``queue`` together with a
+            ``max_queue`` or ``on_full`` other than the default (see :func:`check_batcher_options`).
         TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, or ``queue`` is not a
             :class:`BoundedQueue`.
     """
