@@ -131,9 +131,15 @@ def bench_batchkit_threads(n: int, threads: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--requests", type=int, default=20_000, help="requests per run, at least 512 (one per caller) (default: 20000)"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs, at least 1 (default: 3)")
     args = ap.parse_args()
+    if args.requests < 512:  # 512 asyncio callers share them: fewer would leave every caller idle
+        ap.error(f"--requests must be at least 512 (one per caller of the 512-task rows), got {args.requests}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     n = args.requests
     rows: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}

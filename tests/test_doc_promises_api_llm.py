@@ -420,3 +420,50 @@ def test_a_llama_model_refuses_a_cache_shaped_for_another_model_naming_make_cach
             loop.submit([1, 2], max_new_tokens=2).result(WAIT)
     with pytest.raises(TypeError, match="LlamaConfig"):
         LlamaModel(cast(Any, {"vocab_size": 32}))
+
+
+# --------------------------------------------------------------------------- load testing
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"sla_ms": 0}, "sla_ms"),
+        ({"sla_ms": math.nan}, "sla_ms"),
+        ({"price_per_hour": -1.0}, "price_per_hour"),
+        ({"price_per_hour": math.inf}, "price_per_hour"),
+        ({"tokens_per_item": 0}, "tokens_per_item"),
+    ],
+)
+def test_sweep_refuses_an_sla_price_or_token_count_that_means_nothing(kwargs: dict[str, Any], name: str) -> None:
+    """sweep's sla_ms (a P99 bound), price_per_hour and tokens_per_item (the cost per token's
+    inputs) are checked before any batch size runs: an SLA of 0 left no B_opt, a negative price
+    gave a negative cost per token."""
+    from batchkit import bench
+    from batchkit.testing import echo_batch
+
+    calls: list[int] = []
+
+    def make_item(i: int) -> int:
+        calls.append(i)
+        return i
+
+    with pytest.raises(ValueError, match=name):
+        bench.sweep(echo_batch, make_item, [1, 2], concurrency=2, duration_s=0.05, **kwargs)
+    assert calls == []
+    report = bench.sweep(echo_batch, make_item, [2], concurrency=2, duration_s=0.05, price_per_hour=0.0)
+    assert report.cost_per_token == 0.0
+
+
+def test_the_overhead_benchmark_refuses_fewer_requests_than_callers() -> None:
+    """benchmarks/overhead.py --requests N (docs/benchmarks.md): its rows run 512 callers, so
+    fewer than 512 requests left every caller idle and the run died on an assertion; it is a
+    usage error (status 2) that says so."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--requests", "100", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--requests must be at least 512" in done.stderr

@@ -354,8 +354,19 @@ def sweep(
     QPS_max and the cost per token.
 
     Raises:
-        ValueError: an empty list or a batch size that is not an int >= 1, and what :func:`run_point` raises.
+        ValueError: an empty list or a batch size that is not an int >= 1, an ``sla_ms`` or
+            ``tokens_per_item`` that is not a finite number > 0, a ``price_per_hour`` that is not a
+            finite number >= 0 (checked before anything runs), and what :func:`run_point` raises.
     """
+    if sla_ms is not None:
+        _check_positive("sla_ms", sla_ms)
+    _check_positive("tokens_per_item", tokens_per_item)
+    if price_per_hour is not None and (
+        isinstance(price_per_hour, bool)
+        or not isinstance(price_per_hour, (int, float))
+        or not 0 <= price_per_hour < math.inf
+    ):
+        raise ValueError(f"price_per_hour must be a finite number >= 0, got {price_per_hour!r}")
     for bsz in batch_sizes:
         if isinstance(bsz, bool) or not isinstance(bsz, int) or bsz < 1:
             raise ValueError(f"batch sizes must be ints >= 1, got {bsz!r}")
