@@ -71,6 +71,18 @@ def test_size_fn_and_group_by_that_cannot_be_called_are_refused_at_construction(
         make(**{name: 3})
 
 
+@pytest.mark.parametrize("make", MAKERS, ids=["DynamicBatcher", "AsyncBatcher", "batched"])
+@pytest.mark.parametrize("name", ["controller", "circuit_breaker", "clock"])
+def test_a_controller_breaker_or_clock_of_the_wrong_kind_is_a_type_error_naming_it(
+    make: Callable[..., object], name: str
+) -> None:
+    """api.md: ``controller`` is an AdaptiveBatchController, ``circuit_breaker`` a CircuitBreaker,
+    ``clock`` any object with ``now()``; anything else fails at construction, naming the option
+    (not with an AttributeError, or at the first failing batch)."""
+    with pytest.raises(TypeError, match=name):
+        make(**{name: object()})
+
+
 def test_a_queue_that_is_not_a_bounded_queue_is_refused_naming_it() -> None:
     with pytest.raises(TypeError, match=r"queue must be a batchkit\.BoundedQueue"):
         batchkit.DynamicBatcher(echo_batch, queue=[])  # type: ignore[arg-type]

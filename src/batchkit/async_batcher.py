@@ -106,7 +106,9 @@ class AsyncBatcher(BatcherShell[T, R]):
         ValueError: as ``DynamicBatcher``; ``batch_timeout_s`` with a plain ``fn`` on the
             loop (a call that holds the loop cannot be timed out: pass ``offload=True``);
             ``offload=True`` with an ``async def`` ``fn``.
-        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable (see :func:`check_batcher_options`).
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``controller`` or
+            ``circuit_breaker`` is not of its type, or ``clock`` has no ``now()`` (see
+            :func:`~batchkit.batcher.check_batcher_options`).
     """
 
     def __init__(
@@ -141,6 +143,9 @@ class AsyncBatcher(BatcherShell[T, R]):
                 "max_batch_cost": max_batch_cost,
                 "group_by": group_by,
                 "batch_timeout_s": batch_timeout_s,
+                "controller": controller,
+                "circuit_breaker": circuit_breaker,
+                "clock": clock,
             },
         )
         is_async = is_async_callable(fn)

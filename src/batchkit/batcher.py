@@ -159,8 +159,9 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
     take their defaults.
 
     Raises:
-        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue`` is not a
-            :class:`BoundedQueue`, or an option name is unknown.
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue``,
+            ``controller`` or ``circuit_breaker`` is not of its type, ``clock`` has no ``now()``,
+            or an option name is unknown.
         ValueError: a value the batcher refuses (the message names the argument and the fix):
             a size that is not an int >= 1, a ``max_wait_ms`` that is not a number >= 0, a
             ``max_batch_cost`` or ``batch_timeout_s`` that is not a number > 0.
@@ -181,6 +182,13 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
     for what, f in (("size_fn", size_fn), ("group_by", options.get("group_by"))):
         if f is not None and not callable(f):
             raise TypeError(f"{what} must be a function of one item, got {f!r}")
+    for what, cls in (("controller", AdaptiveBatchController), ("circuit_breaker", CircuitBreaker)):
+        value = options.get(what)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{what} must be a batchkit.{cls.__name__} (or None), got {value!r}")
+    clock = options.get("clock")
+    if clock is not None and not callable(getattr(clock, "now", None)):
+        raise TypeError(f"clock must have a now() method returning seconds (a batchkit.Clock), got {clock!r}")
     if max_batch_cost is not None and size_fn is None:
         raise ValueError("max_batch_cost needs size_fn: pass size_fn=lambda item: cost_of(item)")
     if max_batch_cost is not None:
@@ -470,8 +478,10 @@ class DynamicBatcher(BatcherShell[T, R]):
             ``max_batch_cost`` without ``size_fn``, a ``queue`` that already serves another
             batcher or has an ``on_drop`` of its own, or a ``queue`` together with a
             ``max_queue`` or ``on_full`` other than the default (see :func:`check_batcher_options`).
-        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, or ``queue`` is not a
-            :class:`BoundedQueue`.
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue`` is not a
+            :class:`BoundedQueue`, ``controller`` not an :class:`~batchkit.AdaptiveBatchController`,
+            ``circuit_breaker`` not a :class:`~batchkit.CircuitBreaker`, or ``clock`` has no
+            ``now()``.
     """
 
     def __init__(
@@ -507,6 +517,9 @@ class DynamicBatcher(BatcherShell[T, R]):
                 "max_batch_cost": max_batch_cost,
                 "group_by": group_by,
                 "batch_timeout_s": batch_timeout_s,
+                "controller": controller,
+                "circuit_breaker": circuit_breaker,
+                "clock": clock,
             },
         )
         if queue is None:
