@@ -467,3 +467,15 @@ def test_the_overhead_benchmark_refuses_fewer_requests_than_callers() -> None:
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--requests must be at least 512" in done.stderr
+
+
+@pytest.mark.parametrize("quota", ["5", "x", None, True])
+def test_a_tenant_quota_is_an_int_or_a_fraction_nothing_else(quota: Any) -> None:
+    """tenant_quotas: `{tenant: blocks}`, an int or a fraction of the pool. A string was read as
+    a number ("5" became 5 blocks, "x" a ValueError about int()), True as 1 block: each is a
+    TypeError naming the tenant's entry."""
+    with pytest.raises(TypeError, match=r"tenant_quotas\['a'\]"):
+        batchkit.PagedKVAllocator(16, 4, tenant_quotas={"a": quota})
+    with pytest.raises(TypeError, match=r"tenant_quotas\['a'\]"):
+        batchkit.ContinuousDecodeLoop(_zeros, _cache(), tenant_quotas={"a": quota})
+    assert batchkit.PagedKVAllocator(17, 4, tenant_quotas={"a": cast(Any, np.int32(3))}).quota_of("a") == 3

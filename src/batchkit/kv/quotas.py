@@ -6,6 +6,7 @@ A block shared by several sequences counts once for each sequence that holds it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Mapping
 
 from .._errors import KVCacheExhausted
@@ -34,7 +35,18 @@ class TenantQuotas:
                     f"tenant_quotas[{tenant!r}] = {q!r}: a float is a fraction of the pool, in [0, 1]; "
                     "give an int for a number of blocks"
                 )
-            blocks = int(q * total_blocks) if isinstance(q, float) else int(q)
+            if isinstance(q, float):
+                blocks = int(q * total_blocks)
+            else:
+                try:
+                    if isinstance(q, bool):
+                        raise TypeError
+                    blocks = operator.index(q)  # ints, numpy ints
+                except TypeError:
+                    raise TypeError(
+                        f"tenant_quotas[{tenant!r}] = {q!r}: give an int (a number of blocks) or a float in [0, 1] "
+                        "(a fraction of the pool)"
+                    ) from None
             if blocks < 0:
                 raise ValueError(f"tenant_quotas[{tenant!r}] must be >= 0, got {q!r}")
             self._quotas[tenant] = blocks
