@@ -479,3 +479,21 @@ def test_a_tenant_quota_is_an_int_or_a_fraction_nothing_else(quota: Any) -> None
     with pytest.raises(TypeError, match=r"tenant_quotas\['a'\]"):
         batchkit.ContinuousDecodeLoop(_zeros, _cache(), tenant_quotas={"a": quota})
     assert batchkit.PagedKVAllocator(17, 4, tenant_quotas={"a": cast(Any, np.int32(3))}).quota_of("a") == 3
+
+
+def test_run_with_on_a_loop_it_already_closed_is_batcher_closed_and_main_never_starts() -> None:
+    """run_with() returns main's result "the loop closed": a second run_with() (or run_engine())
+    on it raises BatcherClosed, not "the engine already runs", and does not start main."""
+    loop = batchkit.ContinuousDecodeLoop(_zeros, _cache(), engine="caller")
+    started: list[str] = []
+
+    async def main() -> list[int]:
+        started.append("main")
+        return [t async for t in loop.generate([1], max_new_tokens=2)]
+
+    assert loop.run_with(main) == [0, 0]
+    with pytest.raises(batchkit.BatcherClosed, match="make a new loop"):
+        loop.run_with(main)
+    with pytest.raises(batchkit.BatcherClosed, match="make a new loop"):
+        loop.run_engine()
+    assert started == ["main"]

@@ -679,14 +679,24 @@ class ContinuousDecodeLoop:
 
         Raises:
             RuntimeError: the loop starts its own engine thread, or the engine already runs.
+            BatcherClosed: the engine ran and stopped (the loop was closed): make a new loop.
         """
+        self._claim_engine("run_engine")
+        self._engine()
+
+    def _claim_engine(self, caller: str) -> None:
+        """Make the calling thread the engine's, or raise why it cannot be."""
         if self.engine != "caller":
-            raise RuntimeError("run_engine() needs a loop made with engine='caller'; this one runs its own thread")
+            raise RuntimeError(f"{caller}() needs a loop made with engine='caller'; this one runs its own thread")
         with self._cond:
             if self._thread is not None:
+                if self._stopped.is_set():
+                    raise BatcherClosed(
+                        f"the decode loop is closed: its engine ran in thread {self._thread.name!r} and stopped; "
+                        "make a new loop"
+                    )
                 raise RuntimeError(f"the engine already runs in thread {self._thread.name!r}")
             self._thread = threading.current_thread()
-        self._engine()
 
     def run_with(self, main: Callable[[], Awaitable[T]], *, backend: str = "asyncio") -> T:
         """Run ``main`` (an async function of yours: a server, a client, a job) on an event loop
@@ -709,11 +719,12 @@ class ContinuousDecodeLoop:
 
         Raises:
             RuntimeError: the loop starts its own engine thread, or the engine already runs.
+            BatcherClosed: the engine ran and stopped (the loop was closed, e.g. by an earlier
+                ``run_with``): make a new loop. ``main`` is not started then.
         """
         import anyio
 
-        if self.engine != "caller":
-            raise RuntimeError("run_with() needs a loop made with engine='caller'; this one runs its own thread")
+        self._claim_engine("run_with")
         outcome: list[Any] = []
 
         def app() -> None:
@@ -726,7 +737,7 @@ class ContinuousDecodeLoop:
 
         thread = threading.Thread(target=app, name="batchkit-app", daemon=True)
         thread.start()
-        self.run_engine()
+        self._engine()
         thread.join()
         ok, value = outcome[0]
         if not ok:
