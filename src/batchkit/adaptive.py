@@ -73,7 +73,9 @@ class AdaptiveBatchController:
         clock: time source.
 
     Raises:
-        ValueError: inconsistent limits.
+        ValueError: a batch size that is not an int, ``min_batch``/``max_batch``/``initial`` out of
+            order, a limit that is not a finite number or is out of its range (the message names it).
+        TypeError: ``memory_headroom`` is not callable.
     """
 
     def __init__(
@@ -107,19 +109,26 @@ class AdaptiveBatchController:
             ("cooldown_s", cooldown_s),
             ("window_s", window_s),
             ("min_headroom", min_headroom),
+            ("slo_margin", slo_margin),
+            ("slo_quantile", slo_quantile),
         ):
             if not _is_finite(number):
                 raise ValueError(f"{name} must be a finite number, got {number!r}")
-        if target_queue < 0 or deadband < 0 or cooldown_s < 0 or window_s <= 0:
-            raise ValueError("target_queue, deadband and cooldown_s must be >= 0 and window_s > 0")
+        for name, number in (("target_queue", target_queue), ("deadband", deadband), ("cooldown_s", cooldown_s)):
+            if number < 0:
+                raise ValueError(f"{name} must be >= 0, got {number!r}")
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
         if not 0 <= min_headroom <= 1:
             raise ValueError(f"min_headroom is a share of memory, in [0, 1], got {min_headroom!r}")
+        if memory_headroom is not None and not callable(memory_headroom):
+            raise TypeError(f"memory_headroom must be a function () -> float in [0, 1], got {memory_headroom!r}")
         if latency_slo_ms is not None and not (_is_finite(latency_slo_ms) and latency_slo_ms > 0):
-            raise ValueError(f"latency_slo_ms must be a finite number > 0, got {latency_slo_ms}")
+            raise ValueError(f"latency_slo_ms must be a finite number > 0, got {latency_slo_ms!r}")
         if not 0 < slo_margin <= 1:
-            raise ValueError(f"slo_margin must be in (0, 1], got {slo_margin}")
+            raise ValueError(f"slo_margin must be in (0, 1], got {slo_margin!r}")
         if not 0 <= slo_quantile <= 100:
-            raise ValueError(f"slo_quantile must be a percentile in [0, 100], got {slo_quantile}")
+            raise ValueError(f"slo_quantile must be a percentile in [0, 100], got {slo_quantile!r}")
         start = min_batch if initial is None else initial
         if not min_batch <= start <= max_batch:
             raise ValueError(f"initial must be within [{min_batch}, {max_batch}], got {initial}")
@@ -222,7 +231,8 @@ class AdaptiveBatchController:
 
 
 def _is_finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
