@@ -413,3 +413,29 @@ def test_the_controller_names_the_argument_it_refuses(
         batchkit.AdaptiveBatchController(**settings)
     others = {"target_queue", "deadband", "cooldown_s", "window_s"} - {name}
     assert not any(other in str(refused.value) for other in others)
+
+
+# ---------------------------------------------------------------------------- fallback and close
+
+
+def test_close_without_drain_fails_an_item_with_a_fallback_with_batcher_closed() -> None:
+    """``fallback`` answers a deadline that passed; ``close(drain=False)`` fails what waits with
+    BatcherClosed, fallback or not (and counts it as cancelled)."""
+    b = batchkit.DynamicBatcher(echo_batch, max_batch_size=4, max_wait_ms=1000, clock=MockClock())
+    waiting = b.submit(1, deadline_ms=5000, fallback="fallback")
+    b.close(drain=False)
+    with pytest.raises(batchkit.BatcherClosed):
+        waiting.result(timeout=WAIT_S)
+    assert (b.statistics().cancelled, b.statistics().expired) == (1, 0)
+    asyncio.run(_async_close_without_drain_with_a_fallback())
+
+
+async def _async_close_without_drain_with_a_fallback() -> None:
+    b = batchkit.AsyncBatcher(echo_batch, max_batch_size=4, max_wait_ms=1000, clock=MockClock())
+    waiting = asyncio.create_task(b.submit(1, deadline_ms=5000, fallback="fallback"))
+    await asyncio.sleep(0)  # one loop turn: it is admitted
+    assert b.queue_depth() == 1
+    await b.aclose(drain=False)
+    with pytest.raises(batchkit.BatcherClosed):
+        await asyncio.wait_for(waiting, WAIT_S)
+    assert (b.statistics().cancelled, b.statistics().expired) == (1, 0)

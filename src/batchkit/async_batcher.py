@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import anyio
 
 from ._clock import Clock, ListenableClock, MonotonicClock
-from ._errors import BatcherClosed, BatchTimeout, QueueFull
+from ._errors import BatcherClosed, BatchTimeout, DeadlineExceeded, QueueFull
 from ._queue_core import Drop, QueueCore, QueueEntry
 from .adaptive import AdaptiveBatchController, CircuitBreaker
 from .batcher import (
@@ -488,7 +488,7 @@ class AsyncBatcher(BatcherShell[T, R]):
             fut = e.future
             if fut.done():
                 continue
-            if e.fallback is not _NO_FALLBACK and not isinstance(exc, QueueFull):
+            if e.fallback is not _NO_FALLBACK and isinstance(exc, DeadlineExceeded):  # not on eviction or close
                 fut.set_result(e.fallback)
             else:
                 fut.set_exception(exc)

@@ -35,7 +35,7 @@ from typing import Any, Generic, TypedDict, TypeVar
 import anyio
 
 from ._clock import Clock, ListenableClock
-from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
+from ._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, DeadlineExceeded, QueueFull
 from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
 from ._waiters import ThreadWaiter, new_async_waiter, wait_limit, wake_all
 from .adaptive import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
@@ -1097,7 +1097,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 if r.done:
                     continue
                 r.done = True
-                if r.fallback is not _NO_FALLBACK and not isinstance(exc, QueueFull):
+                if r.fallback is not _NO_FALLBACK and isinstance(exc, DeadlineExceeded):  # not on eviction or close
                     r.value = r.fallback
                 else:
                     r.error = exc
