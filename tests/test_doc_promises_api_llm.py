@@ -497,3 +497,30 @@ def test_run_with_on_a_loop_it_already_closed_is_batcher_closed_and_main_never_s
     with pytest.raises(batchkit.BatcherClosed, match="make a new loop"):
         loop.run_engine()
     assert started == ["main"]
+
+
+def test_prompt_tokens_computed_counts_only_prompt_tokens_when_a_recomputed_chunk_spans_the_output() -> None:
+    """SchedulerStatistics.prompt_tokens_computed (batchkit serve's "prompt tokens computed"):
+    a request preempted by recompute computes its prompt again, in chunks that may run on into
+    its earlier output; only the prompt's tokens count (a chunk's every token counted before)."""
+    sched = batchkit.Scheduler(
+        batchkit.PagedKVAllocator(num_blocks=16, block_size=4), max_num_seqs=1, max_num_batched_tokens=2
+    )
+    a = Request("a", [1, 2, 3], batchkit.SamplingParams(max_new_tokens=4))
+    sched.add(a)
+
+    def step() -> None:
+        s = sched.schedule()
+        sched.update(s, [7] * sum(s.samples))
+
+    while len(a.output) < 2:
+        step()
+    assert sched.statistics().prompt_tokens_computed == 3
+    sched.add(Request("b", [5], batchkit.SamplingParams(max_new_tokens=1), priority=-1))
+    step()  # b takes a's seat: a is preempted by recompute
+    assert sched.statistics().preemptions == 1
+    while sched.has_work():
+        step()
+    s = sched.statistics()
+    assert a.output == [7, 7, 7, 7]
+    assert s.prompt_tokens_computed == 3 + 1 + 3  # a, b, a's prompt again (its 2 outputs are not prompt)

@@ -575,7 +575,7 @@ class Scheduler:
                 # The step wrote these blocks' K/V: only now may they serve as prefix-cache hits.
                 a.mark_computed(req.request_id, req.num_computed)
             if was_prompt:
-                self._prompt_computed += min(n, req.prompt_len)
+                self._prompt_computed += min(req.num_computed, req.prompt_len) - before
             if not samples:
                 continue
             token = next(it)
