@@ -439,3 +439,20 @@ async def _async_close_without_drain_with_a_fallback() -> None:
     with pytest.raises(batchkit.BatcherClosed):
         await asyncio.wait_for(waiting, WAIT_S)
     assert (b.statistics().cancelled, b.statistics().expired) == (1, 0)
+
+
+def test_a_queue_and_a_batcher_clock_that_differ_are_refused() -> None:
+    """The batcher runs on its queue's clock: a ``clock=`` other than the queue's would set
+    deadlines on one clock and read them on the other (the queue's own statistics() expired a
+    caller at once). The same clock, on the queue alone or on both, is taken."""
+    clock = MockClock()
+    with pytest.raises(ValueError, match="clock"):
+        batchkit.DynamicBatcher(echo_batch, queue=batchkit.BoundedQueue(8), clock=clock)
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(8, clock=clock)
+    b = batchkit.DynamicBatcher(echo_batch, queue=q, clock=clock, max_wait_ms=1000)
+    waiting = b.submit(1, deadline_ms=60_000)
+    assert q.statistics().expiries == 0
+    assert not waiting.done()
+    clock.advance(1.0)
+    assert waiting.result(timeout=WAIT_S) == 1
+    b.close(timeout=WAIT_S)

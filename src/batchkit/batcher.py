@@ -215,6 +215,13 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
         raise ValueError(
             "queue= brings its own capacity and on_full policy; pass either queue or max_queue/on_full, not both"
         )
+    elif clock is not None and queue.clock is not clock:
+        # Deadlines and waits would be set on one clock and read on the other: the queue's own
+        # expire() (in statistics(), put, get) would fail a caller long before its deadline.
+        raise ValueError(
+            "queue= keeps its own clock: pass clock= to the BoundedQueue (the batcher then uses it), not another "
+            "one to the batcher"
+        )
 
 
 class BatcherShell(Generic[T, R]):
@@ -477,7 +484,8 @@ class DynamicBatcher(BatcherShell[T, R]):
             a ``max_batch_cost`` or ``batch_timeout_s`` that is not a number > 0,
             ``max_batch_cost`` without ``size_fn``, a ``queue`` that already serves another
             batcher or has an ``on_drop`` of its own, or a ``queue`` together with a
-            ``max_queue`` or ``on_full`` other than the default (see :func:`check_batcher_options`).
+            ``max_queue`` or ``on_full`` other than the default, or with a ``clock`` other than its
+            own (see :func:`check_batcher_options`).
         TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue`` is not a
             :class:`BoundedQueue`, ``controller`` not an :class:`~batchkit.AdaptiveBatchController`,
             ``circuit_breaker`` not a :class:`~batchkit.CircuitBreaker`, or ``clock`` has no
