@@ -524,3 +524,15 @@ def test_prompt_tokens_computed_counts_only_prompt_tokens_when_a_recomputed_chun
     s = sched.statistics()
     assert a.output == [7, 7, 7, 7]
     assert s.prompt_tokens_computed == 3 + 1 + 3  # a, b, a's prompt again (its 2 outputs are not prompt)
+
+
+@pytest.mark.parametrize("prompt", [None, 5, "tensor"])
+def test_a_prompt_that_is_not_a_sequence_is_a_type_error_naming_prompt_ids(prompt: Any) -> None:
+    """prompt_ids are token ids: None, one bare id or a 0-d tensor is refused at submit with a
+    TypeError naming prompt_ids (it was "'NoneType' object is not iterable")."""
+    if prompt == "tensor":
+        prompt = torch.tensor(5)
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache()) as loop:
+        with pytest.raises(TypeError, match="prompt_ids"):
+            loop.submit(prompt)
+        assert loop.submit(cast(Any, torch.tensor([1, 2])), max_new_tokens=2).result(WAIT) == [0, 0]

@@ -90,8 +90,12 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int
     """
     if isinstance(prompt_ids, str | bytes):
         raise TypeError("prompt_ids must be token ids (a sequence of ints), got a string; tokenize it first")
+    try:
+        items = list(prompt_ids)
+    except TypeError:  # one bare id, None, a 0-d tensor...
+        raise TypeError(f"prompt_ids must be token ids (a sequence of ints), got {prompt_ids!r}") from None
     prompt: list[int] = []
-    for t in prompt_ids:
+    for t in items:
         try:
             if isinstance(t, bool):
                 raise TypeError
