@@ -22,6 +22,7 @@ and the rare copy-on-write and block-filling paths.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,19 @@ __all__ = [
     "SeqBatch",
     "UnknownSequence",
 ]
+
+
+def _int(value: object, name: str) -> int:
+    """``value`` as an int (numpy's included); ValueError naming ``name`` for anything else (a
+    float, a bool): a fractional token count would corrupt the block tables."""
+    if type(value) is int:
+        return value
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +243,7 @@ class PagedKVAllocator:
         info = self._seqs.get(seq_id)
         if info is None or info.cpu_blocks is not None:
             info = self._resident(seq_id)  # raises
+        num_tokens = _int(num_tokens, "num_tokens")
         length = int(self.tables.lens[info.row])
         if num_tokens > length or num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} is outside the sequence's {length} tokens")
@@ -255,6 +270,7 @@ class PagedKVAllocator:
         Raises:
             ValueError: a negative ``num_tokens``.
         """
+        num_tokens = _int(num_tokens, "num_tokens")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         return -(-num_tokens // self.block_size)
@@ -302,12 +318,13 @@ class PagedKVAllocator:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated; free it first or use a new id")
-        n = prompt if isinstance(prompt, int) else len(prompt)
+        ids: Sequence[int] | None = None if isinstance(prompt, int) or not hasattr(prompt, "__len__") else prompt
+        n = _int(prompt, "prompt (a token count)") if ids is None else len(ids)
         if n < 1:
             raise ValueError("a prompt needs at least one token")
         # With prefix caching the prompt is keyed, not kept: the caller holds the tokens (read
         # here as Python ints, so that keys hash and compare alike whatever ints were given).
-        tokens = None if isinstance(prompt, int) or not self.enable_prefix_caching else list(map(int, prompt))
+        tokens = None if ids is None or not self.enable_prefix_caching else list(map(int, ids))
         hit_blocks: list[int] = []
         hashes: list[int] = []
         if tokens is not None:
@@ -443,6 +460,7 @@ class PagedKVAllocator:
 
     def can_append_slots(self, seq_ids: Iterable[Hashable], n: int = 1) -> bool:
         """Whether every listed sequence can take ``n`` more tokens now (blocks and quotas)."""
+        n = _int(n, "n")
         infos = [self._resident(sid) for sid in seq_ids]
         rows = np.fromiter((i.row for i in infos), dtype=np.int64, count=len(infos))
         _, new, cow = self._growth(rows, n)
@@ -465,6 +483,8 @@ class PagedKVAllocator:
         Raises:
             UnknownSequence, KVCacheExhausted (nothing is changed then), ValueError for n < 1.
         """
+        if type(n) is not int:
+            n = _int(n, "n")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n!r}")
         info = self._seqs.get(seq_id)
@@ -685,7 +705,8 @@ class PagedKVAllocator:
         """Slots (int64) of the sequence's token positions ``start..end-1``."""
         info = self._resident(seq_id)
         length = int(self.tables.lens[info.row])
-        end = length if end is None else end
+        start = _int(start, "start")
+        end = length if end is None else _int(end, "end")
         if not 0 <= start <= end <= length:
             raise ValueError(f"positions {start}..{end} are outside the sequence's {length} tokens")
         return self.tables.row_slots(info.row, start, end - start)
