@@ -566,3 +566,12 @@ def test_a_token_count_that_is_not_an_int_changes_nothing(call: Any, name: str) 
     assert (a.num_tokens("s"), a.statistics()) == before
     assert a.append_slots("s", cast(Any, np.int64(2))).tolist() == [7, 8]  # numpy ints are ints
     assert a.allocate("u", cast(Any, np.int64(3))) == 0
+
+
+def test_llama_config_from_hf_takes_a_config_object_not_a_dict() -> None:
+    """LlamaConfig.from_hf(config): "from a transformers.LlamaConfig"; a dict read none of its
+    keys (its unsupported-feature checks all passed) and then failed with an AttributeError."""
+    from batchkit.models import LlamaConfig
+
+    with pytest.raises(TypeError, match=r"transformers\.LlamaConfig\(\*\*d\)"):
+        LlamaConfig.from_hf({"vocab_size": 32, "hidden_act": "gelu"})

@@ -8,6 +8,7 @@ it is written for clarity on a CPU, not for speed on a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +78,14 @@ class LlamaConfig:
         """From a ``transformers.LlamaConfig`` (default RoPE, no biases, SiLU).
 
         Raises:
+            TypeError: a dict (or another mapping) instead of a config object.
             ValueError: a RoPE scaling, attention or MLP biases, or an activation other than SiLU,
                 which this model does not implement (its output would be wrong, not just slow).
         """
+        if isinstance(config, Mapping):  # getattr() would read none of its keys: every check would pass
+            raise TypeError(
+                "from_hf takes a transformers.LlamaConfig, not a dict; build one with transformers.LlamaConfig(**d)"
+            )
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(config, flag, False):
                 raise ValueError(f"{flag}=True is not supported: LlamaModel's projections have no biases")
