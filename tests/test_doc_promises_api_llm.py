@@ -10,6 +10,7 @@ import asyncio
 import importlib.metadata
 import json
 import math
+import re
 import shlex
 import shutil
 import subprocess
@@ -575,3 +576,34 @@ def test_llama_config_from_hf_takes_a_config_object_not_a_dict() -> None:
 
     with pytest.raises(TypeError, match=r"transformers\.LlamaConfig\(\*\*d\)"):
         LlamaConfig.from_hf({"vocab_size": 32, "hidden_act": "gelu"})
+
+
+# --------------------------------------------------------------------------- docs/benchmarks.md commands
+
+
+def _script_flags(script: Path) -> set[str]:
+    """The --flags a benchmark script's argparse parser defines (read from its source)."""
+    flags: set[str] = {"--help"}
+    for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            flags |= {str(a.value) for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    return flags
+
+
+def test_every_benchmark_command_in_the_docs_names_a_script_and_flags_it_has() -> None:
+    """docs/benchmarks.md (and the other pages) quote `.venv/bin/python benchmarks/<name>.py
+    --flag ...` commands: each script exists and defines every flag quoted for it."""
+    pattern = re.compile(r"benchmarks/(\w+)\.py((?:\s+--?[\w-]+(?:\s+(?!--)[^\s#`]+)?)*)")
+    seen = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.lstrip().startswith((".venv/bin/python benchmarks/", "python benchmarks/")):
+                continue
+            for m in pattern.finditer(line):
+                script = ROOT / "benchmarks" / f"{m.group(1)}.py"
+                assert script.exists(), f"{page.name}:{n}: no {script.name}"
+                quoted = set(re.findall(r"(?<!\S)(--[\w-]+)", m.group(2)))
+                missing = quoted - _script_flags(script)
+                assert not missing, f"{page.name}:{n}: {script.name} has no {sorted(missing)}"
+                seen += 1
+    assert seen >= 10  # docs/benchmarks.md alone quotes a dozen
