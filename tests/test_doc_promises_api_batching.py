@@ -496,3 +496,43 @@ def test_mock_clock_notifies_its_listeners_when_it_advances_and_stops_after_remo
     waiter.join(WAIT_S)
     assert outcomes[1] == (False, 6.5)
     assert batchkit.testing.echo_batch([1, "a"]) == [1, "a"]
+
+
+# ---------------------------------------------------------------------------- priorities and groups
+
+
+def test_a_better_priority_does_not_wait_behind_another_group() -> None:
+    """Lower ``priority`` goes first, with ``group_by`` too: when the oldest item's wait is up,
+    the group of the best waiting item goes first (on both batchers)."""
+    clock = MockClock()
+    calls: list[list[tuple[str, int]]] = []
+
+    def fn(xs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        calls.append(list(xs))
+        return xs
+
+    def group(x: tuple[str, int]) -> str:
+        return x[0]
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=4, max_wait_ms=10, group_by=group, clock=clock)
+    late = b.submit(("low", 1), priority=5)
+    urgent = b.submit(("high", 1), priority=-1)
+    clock.advance(0.01)
+    assert (late.result(timeout=WAIT_S), urgent.result(timeout=WAIT_S)) == (("low", 1), ("high", 1))
+    b.close(timeout=WAIT_S)
+    assert calls == [[("high", 1)], [("low", 1)]]
+
+    calls.clear()
+    asyncio.run(_async_priority_across_groups(fn, group))
+    assert calls == [[("high", 1)], [("low", 1)]]
+
+
+async def _async_priority_across_groups(fn: Callable[..., Any], group: Callable[..., Any]) -> None:
+    b = batchkit.AsyncBatcher(fn, max_batch_size=4, max_wait_ms=60_000, group_by=group)
+    late = asyncio.create_task(b.submit(("low", 1), priority=5))
+    urgent = asyncio.create_task(b.submit(("high", 1), priority=-1))
+    await asyncio.sleep(0)  # one loop turn: both are admitted
+    assert b.queue_depth() == 2
+    b.flush()
+    assert list(await asyncio.wait_for(asyncio.gather(late, urgent), WAIT_S)) == [("low", 1), ("high", 1)]
+    await b.aclose(timeout=WAIT_S)

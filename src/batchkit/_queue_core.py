@@ -405,6 +405,15 @@ class QueueCore(Generic[T]):
                 best = head
         return best
 
+    def best(self, now: float) -> QueueEntry[T] | None:
+        """The waiting entry :meth:`take` would serve first at ``now`` (best effective priority,
+        FIFO within it), or None when empty."""
+        for p in self._ordered_levels(now):
+            head = self._head(self._levels[p])
+            if head is not None:
+                return head
+        return None
+
     def loads(self) -> dict[Hashable, list[float]]:
         """``{key: [count, cost]}`` of the waiting entries per group. The core's own live dict
         (the same object for the core's lifetime), for speed: read it, never change it."""

@@ -238,6 +238,13 @@ class BatchFormer(Generic[E]):
                     self.wake_at = wake_at
                     return None, wake_at
                 reason = FlushReason.TIMEOUT
+            if self.grouped:
+                # The oldest item says when; the group that goes is the one whose head is served
+                # first (best effective priority, FIFO within one), as a batch without groups is
+                # filled best level first: a better priority never waits behind another group.
+                best = q.best(now)
+                assert best is not None
+                key = best.key
         if not self.grouped:
             key = ANY_KEY
         if self.controller is not None:
