@@ -607,3 +607,12 @@ def test_every_benchmark_command_in_the_docs_names_a_script_and_flags_it_has() -
                 assert not missing, f"{page.name}:{n}: {script.name} has no {sorted(missing)}"
                 seen += 1
     assert seen >= 10  # docs/benchmarks.md alone quotes a dozen
+
+
+def test_an_unhashable_tenant_is_a_type_error_naming_tenant() -> None:
+    """tenant= names whose quota a request counts against: a list is refused at submit with a
+    TypeError that names tenant (it was Python's bare "unhashable type: 'list'")."""
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache(), tenant_quotas={"a": 4}) as loop:
+        with pytest.raises(TypeError, match="tenant"):
+            loop.submit([1], tenant=cast(Any, ["a"]))
+        assert loop.submit([1], max_new_tokens=1, tenant="a").result(WAIT) == [0]

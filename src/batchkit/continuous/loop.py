@@ -294,6 +294,10 @@ class ContinuousDecodeLoop:
         prompt = _check_prompt(prompt_ids, self._vocab_size())
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
+        try:
+            hash(tenant)
+        except TypeError:
+            raise TypeError(f"tenant must be hashable (a name, e.g. a string), got {tenant!r}") from None
         if deadline_s is not None and (
             isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not 0 < deadline_s < math.inf
         ):
