@@ -536,3 +536,36 @@ async def _async_priority_across_groups(fn: Callable[..., Any], group: Callable[
     b.flush()
     assert list(await asyncio.wait_for(asyncio.gather(late, urgent), WAIT_S)) == [("low", 1), ("high", 1)]
     await b.aclose(timeout=WAIT_S)
+
+
+# ---------------------------------------------------------------------------- a settable limit
+
+
+def test_lowering_max_batch_size_dispatches_a_group_that_now_holds_it() -> None:
+    """api.md: ``max_batch_size`` is settable, and a batch goes when a group holds that many
+    items: lowering it to what waits dispatches that batch now, not when the oldest item's
+    ``max_wait_ms`` is up (an AdaptiveTuner lowers it so)."""
+    clock = _WatchClock()
+    b = batchkit.DynamicBatcher(echo_batch, max_batch_size=8, max_wait_ms=60_000, clock=clock)
+    clock.batcher = b
+    waiting = [b.submit(i) for i in range(4)]
+    # The dispatcher has read the clock (and planned to sleep until the oldest item's wait is
+    # up; arrivals that fill no batch do not wake it); setting the limit waits for it to sleep.
+    clock.wait_for(lambda depths: len(depths) > 0)
+    b.max_batch_size = 4
+    assert [f.result(timeout=WAIT_S) for f in waiting] == [0, 1, 2, 3]
+    assert b.statistics().flush_reasons == {"size": 1}
+    b.close(timeout=WAIT_S)
+    asyncio.run(_async_lowered_limit())
+
+
+async def _async_lowered_limit() -> None:
+    b = batchkit.AsyncBatcher(echo_batch, max_batch_size=8, max_wait_ms=60_000)
+    waiting = [asyncio.create_task(b.submit(i)) for i in range(4)]
+    for _ in range(3):  # loop turns: the four are admitted and the batcher has set its timer
+        await asyncio.sleep(0)
+    assert b.queue_depth() == 4
+    await asyncio.to_thread(b.set_batch_limit, 4)  # from another thread, as AdaptiveTuner does
+    assert await asyncio.wait_for(asyncio.gather(*waiting), WAIT_S) == [0, 1, 2, 3]
+    assert b.statistics().flush_reasons == {"size": 1}
+    await b.aclose(timeout=WAIT_S)

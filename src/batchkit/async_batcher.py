@@ -496,6 +496,17 @@ class AsyncBatcher(BatcherShell[T, R]):
 
     # ------------------------------------------------------------------ controls
 
+    def _limit_changed(self) -> None:
+        # An AdaptiveTuner sets the limit from its own thread: reach the loop thread-safely.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if asyncio._get_running_loop() is loop:
+            self._kick()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._kick)
+
     def flush(self) -> None:
         """Dispatch everything waiting now without waiting for ``max_wait_ms``."""
         self.former.flush()

@@ -324,7 +324,13 @@ class BatcherShell(Generic[T, R]):
             ValueError: ``size`` is not an int >= 1 (a limit of 0 would never dispatch).
         """
         _check_positive_int("max_batch_size", size)
-        self.former.max_batch_size = size
+        with self._guard:
+            self.former.max_batch_size = size
+        self._limit_changed()
+
+    def _limit_changed(self) -> None:
+        """``max_batch_size`` changed: have the driver ask the former again (a group that holds
+        the new, smaller limit is due now, not when the oldest item's wait is up)."""
 
     def _key_and_cost(self, item: Any, priority: int, deadline_ms: float | None) -> tuple[Hashable, float]:
         """Check a submit's arguments; the item's group key and cost (no guard needed)."""
@@ -752,6 +758,11 @@ class DynamicBatcher(BatcherShell[T, R]):
                 self._cancelled += 1
 
     # ------------------------------------------------------------------ controls
+
+    def _limit_changed(self) -> None:
+        with self._mutex:
+            self._dispatcher_idle = False
+            self._cond.notify()
 
     def flush(self) -> None:
         """Dispatch everything waiting now without waiting for ``max_wait_ms``."""
