@@ -616,3 +616,17 @@ def test_an_unhashable_tenant_is_a_type_error_naming_tenant() -> None:
         with pytest.raises(TypeError, match="tenant"):
             loop.submit([1], tenant=cast(Any, ["a"]))
         assert loop.submit([1], max_new_tokens=1, tenant="a").result(WAIT) == [0]
+
+
+def test_a_tied_model_given_a_state_dict_without_embeddings_names_what_is_missing() -> None:
+    """load_hf_state_dict refuses a state dict that does not fit with a ValueError listing the
+    missing weights; for a model with tied embeddings that lacked them it was a bare KeyError."""
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, tie_word_embeddings=True
+    )
+    model = LlamaModel(cfg)
+    state = {k: v for k, v in model.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    with pytest.raises(ValueError, match=r"missing \['model\.embed_tokens\.weight'"):
+        model.load_hf_state_dict(state)

@@ -252,7 +252,7 @@ class LlamaModel(nn.Module):
             ValueError: missing or unexpected weights, or shapes that do not match the config.
         """
         sd = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in sd:
             sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
         try:
             result = self.load_state_dict(sd, strict=False)
