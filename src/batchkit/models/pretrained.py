@@ -330,8 +330,11 @@ class SentenceEncoder:
     to unit length when the model's pipeline has a Normalize module.
     """
 
-    def __init__(self, folder: Path, *, name: str, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], *, name: str, dtype: torch.dtype = torch.float32, device: Any = "cpu"
+    ) -> None:
         tf = _transformers()
+        folder = Path(folder)  # a str is a path too
         self.name = name
         self.path = folder
         self.tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
