@@ -569,3 +569,74 @@ async def _async_lowered_limit() -> None:
     assert await asyncio.wait_for(asyncio.gather(*waiting), WAIT_S) == [0, 1, 2, 3]
     assert b.statistics().flush_reasons == {"size": 1}
     await b.aclose(timeout=WAIT_S)
+
+
+# ---------------------------------------------------------------------------- size_fn runs once
+
+
+def test_size_fn_and_group_by_run_once_per_submit_while_it_waits_for_room() -> None:
+    """api.md: ``size_fn`` runs at ``submit``: once, also for a caller that waits for room in
+    a full ``"block"`` queue (a tokenizer is not rerun at every retry)."""
+    calls: list[int] = []
+    started, gate = threading.Event(), threading.Event()
+    writer_sized = threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        if 1 in xs:
+            started.set()
+            gate.wait(WAIT_S)
+        return xs
+
+    def size_fn(x: int) -> int:
+        calls.append(x)
+        if x == 3:
+            writer_sized.set()
+        return 1
+
+    def group(x: int) -> int:
+        calls.append(-x)
+        return 0
+
+    b = batchkit.DynamicBatcher(
+        fn, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block", size_fn=size_fn, group_by=group
+    )
+    first = b.submit(1)
+    assert started.wait(WAIT_S)
+    queued = b.submit(2)  # fills the queue
+    results: list[int] = []
+    writer = threading.Thread(target=lambda: results.append(b(3, timeout=WAIT_S)))
+    writer.start()
+    assert writer_sized.wait(WAIT_S)
+    gate.set()  # 1 finishes, 2 runs, the writer's 3 gets the freed slot
+    writer.join(WAIT_S)
+    assert (first.result(timeout=WAIT_S), queued.result(timeout=WAIT_S), results) == (1, 2, [3])
+    b.close(timeout=WAIT_S)
+    assert (calls.count(3), calls.count(-3)) == (1, 1)
+
+    calls.clear()
+    asyncio.run(_async_size_fn_once(size_fn, group, calls))
+
+
+async def _async_size_fn_once(size_fn: Callable[[int], int], group: Callable[[int], int], calls: list[int]) -> None:
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def fn(xs: list[int]) -> list[int]:
+        if 1 in xs:
+            started.set()
+            await gate.wait()
+        return xs
+
+    b = batchkit.AsyncBatcher(
+        fn, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block", size_fn=size_fn, group_by=group
+    )
+    first = asyncio.create_task(b.submit(1))
+    await asyncio.wait_for(started.wait(), WAIT_S)
+    queued = asyncio.create_task(b.submit(2))
+    await asyncio.sleep(0)  # one loop turn: it fills the queue
+    writer = asyncio.create_task(b.submit(3))
+    await asyncio.sleep(0)  # one loop turn: it waits for room
+    assert calls.count(3) == 1
+    gate.set()
+    assert list(await asyncio.wait_for(asyncio.gather(first, queued, writer), WAIT_S)) == [1, 2, 3]
+    await b.aclose(timeout=WAIT_S)
+    assert (calls.count(3), calls.count(-3)) == (1, 1)

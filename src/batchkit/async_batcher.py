@@ -242,8 +242,10 @@ class AsyncBatcher(BatcherShell[T, R]):
             if replan and not self._pump_soon:
                 self._pump_soon = True
                 loop.call_soon(self._pump)
-        elif not self._enqueue(entry, priority, deadline_ms):
-            await self._wait_for_room(entry, priority, deadline_ms, timeout)
+        else:
+            key_cost = self._key_and_cost(item, priority, deadline_ms)  # once, however long it waits
+            if not self._enqueue(entry, priority, deadline_ms, key_cost):
+                await self._wait_for_room(entry, priority, deadline_ms, timeout, key_cost)
         try:
             return await fut  # type: ignore[no-any-return]
         except asyncio.CancelledError:
@@ -273,9 +275,12 @@ class AsyncBatcher(BatcherShell[T, R]):
             self._listener = _LoopWake(loop, self._pump)
             self.clock.add_listener(self._listener)
 
-    def _enqueue(self, entry: _Entry, priority: int, deadline_ms: float | None) -> bool:
-        """Admit ``entry``; False when a ``"block"`` queue has no room (nothing done)."""
-        added = self._admit(entry, priority, deadline_ms, *self._key_and_cost(entry.item, priority, deadline_ms))
+    def _enqueue(
+        self, entry: _Entry, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float]
+    ) -> bool:
+        """Admit ``entry`` (of group key and cost ``key_cost``); False when a ``"block"`` queue
+        has no room (nothing done)."""
+        added = self._admit(entry, priority, deadline_ms, *key_cost)
         if added is None:
             return False
         drops, replan = added
@@ -286,7 +291,12 @@ class AsyncBatcher(BatcherShell[T, R]):
         return True
 
     async def _wait_for_room(
-        self, entry: _Entry, priority: int, deadline_ms: float | None, timeout: float | None
+        self,
+        entry: _Entry,
+        priority: int,
+        deadline_ms: float | None,
+        timeout: float | None,
+        key_cost: tuple[Hashable, float],
     ) -> None:
         loop = self._loop
         assert loop is not None
@@ -307,7 +317,7 @@ class AsyncBatcher(BatcherShell[T, R]):
                         raise
                     if room in self._room:  # woken by aclose(), which leaves the list to the waiters
                         self._room.remove(room)
-                    if self._enqueue(entry, priority, deadline_ms):
+                    if self._enqueue(entry, priority, deadline_ms, key_cost):
                         return
         except TimeoutError:
             self._rejected += 1

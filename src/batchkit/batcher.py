@@ -653,7 +653,13 @@ class DynamicBatcher(BatcherShell[T, R]):
             raise
         return req.outcome()  # type: ignore[no-any-return]
 
-    def _enqueue(self, req: _Request, priority: int, deadline_ms: float | None) -> bool:
+    def _enqueue(
+        self,
+        req: _Request,
+        priority: int,
+        deadline_ms: float | None,
+        key_cost: tuple[Hashable, float] | None = None,
+    ) -> bool:
         """Admit ``req`` through the former; False (nothing done) when a ``"block"`` queue has
         no room, so that the caller waits for some.
 
@@ -661,7 +667,14 @@ class DynamicBatcher(BatcherShell[T, R]):
             BatcherClosed, CircuitOpen, QueueFull, TypeError, ValueError: refused.
         """
         plain = self._plain and priority == 0 and deadline_ms is None
-        key, cost = (None, 1) if plain else self._key_and_cost(req.item, priority, deadline_ms)
+        key: Hashable
+        cost: float
+        if plain:
+            key, cost = None, 1
+        elif key_cost is not None:  # a writer that waits for room: group_by and size_fn ran once
+            key, cost = key_cost
+        else:
+            key, cost = self._key_and_cost(req.item, priority, deadline_ms)
         with self._mutex:
             if plain and not self._closing and self._dispatcher is not None:
                 drops, replan = self._admit_plain(req)
@@ -713,10 +726,11 @@ class DynamicBatcher(BatcherShell[T, R]):
         if not self._block:
             self._enqueue(req, priority, deadline_ms)
             return
+        key_cost = self._key_and_cost(req.item, priority, deadline_ms)  # once, however long it waits
         deadline = None if timeout is None else _monotonic() + timeout
         waited = False
         try:
-            while not self._enqueue(req, priority, deadline_ms):
+            while not self._enqueue(req, priority, deadline_ms, key_cost):
                 waited = True
                 left = None if deadline is None else deadline - _monotonic()
                 if left is not None and left <= 0:
@@ -730,10 +744,11 @@ class DynamicBatcher(BatcherShell[T, R]):
     async def _enqueue_async_blocking(
         self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None
     ) -> None:
+        key_cost = self._key_and_cost(req.item, priority, deadline_ms)  # once, however long it waits
         waited = False
         try:
             with anyio.move_on_after(timeout):
-                while not self._enqueue(req, priority, deadline_ms):
+                while not self._enqueue(req, priority, deadline_ms, key_cost):
                     waited = True
                     with anyio.move_on_after(_ROOM_RECHECK_S):
                         await self.queue.await_room()
