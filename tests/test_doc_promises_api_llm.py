@@ -644,3 +644,16 @@ def test_a_sentence_encoder_takes_its_folder_as_a_string_too() -> None:
     assert vectors.shape == (1, ref.dimension)
     assert torch.allclose(vectors, ref.encode(["hello"])[0])
     assert counts == [3]
+
+
+def test_sample_needs_one_params_and_one_generator_per_row() -> None:
+    """sample(logits, params, generators): one token per row under each row's SamplingParams; a
+    params list of another length is a ValueError (all-greedy rows gave a token for every row,
+    whatever the lists held)."""
+    from batchkit.continuous import sample
+
+    greedy = batchkit.SamplingParams()
+    assert sample(torch.zeros(2, 5), [greedy, greedy], [None, None]) == [0, 0]
+    for params, gens in (([greedy], [None, None]), ([greedy, greedy], [None])):
+        with pytest.raises(ValueError, match="per row"):
+            sample(torch.zeros(2, 5), params, gens)

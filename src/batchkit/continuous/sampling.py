@@ -128,8 +128,18 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
 
     A row's ``+inf`` logits are certainties (one of them is drawn); a row must hold no NaN and
     at least one logit above ``-inf`` (the loop fails a request whose row does not, alone).
+
+    Raises:
+        ValueError: ``params`` and ``generators`` do not hold one entry per row of ``logits``.
     """
     import torch
+
+    rows = int(logits.shape[0])
+    if len(params) != rows or len(generators) != rows:
+        raise ValueError(
+            f"sample needs one SamplingParams and one generator (or None) per row of logits: {rows} rows, "
+            f"{len(params)} params, {len(generators)} generators"
+        )
 
     if all(p.greedy for p in params):
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
