@@ -325,6 +325,8 @@ class BatcherShell(Generic[T, R]):
         """
         _check_positive_int("max_batch_size", size)
         with self._guard:
+            if self.former.max_batch_size == size:
+                return  # a tuner's step that keeps the size wakes nobody
             self.former.max_batch_size = size
         self._limit_changed()
 
