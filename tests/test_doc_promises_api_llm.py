@@ -657,3 +657,15 @@ def test_sample_needs_one_params_and_one_generator_per_row() -> None:
     for params, gens in (([greedy], [None, None]), ([greedy, greedy], [None])):
         with pytest.raises(ValueError, match="per row"):
             sample(torch.zeros(2, 5), params, gens)
+
+
+def test_scheduler_add_refuses_a_priority_that_is_not_an_int_and_queues_nothing() -> None:
+    """Requests are ordered by priority (an int): a str priority beside an int one left the
+    request known to get() but in no queue, and abort() then failed; now add() refuses it."""
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    sched.add(Request("a", [1], batchkit.SamplingParams()))
+    with pytest.raises(TypeError, match="priority"):
+        sched.add(Request("b", [1], batchkit.SamplingParams(), priority=cast(Any, "high")))
+    assert sched.get("b") is None
+    assert sched.abort("b") is False
+    assert sched.abort("a") is True

@@ -227,7 +227,8 @@ class Scheduler:
         """Queue a request.
 
         Raises:
-            TypeError: not a :class:`Request`, or its ``params`` not a :class:`SamplingParams`.
+            TypeError: not a :class:`Request`, its ``params`` not a :class:`SamplingParams`, or
+                its ``priority`` not an int.
             ValueError: a duplicate id or an empty prompt.
             KVCacheExhausted: the prompt can never be admitted (cache or tenant quota too small).
         """
@@ -236,6 +237,11 @@ class Scheduler:
         if not isinstance(request.params, SamplingParams):
             raise TypeError(
                 f"request {request.request_id!r}: params must be a batchkit.SamplingParams, got {request.params!r}"
+            )
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise TypeError(
+                f"request {request.request_id!r}: priority must be an int (lower is served first), "
+                f"got {request.priority!r}"
             )
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
