@@ -669,3 +669,17 @@ def test_scheduler_add_refuses_a_priority_that_is_not_an_int_and_queues_nothing(
     assert sched.get("b") is None
     assert sched.abort("b") is False
     assert sched.abort("a") is True
+
+
+@pytest.mark.parametrize("deadline", ["soon", math.nan])
+def test_scheduler_add_refuses_a_deadline_that_is_not_a_time(deadline: Any) -> None:
+    """Request.deadline is a time on the scheduler's clock: a string beside numeric deadlines
+    broke the deadline heap half-way through add() (and every schedule() after it)."""
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    sched.add(Request("a", [1], batchkit.SamplingParams(max_new_tokens=1), deadline=1e9))
+    with pytest.raises(TypeError, match="deadline"):
+        sched.add(Request("b", [1], batchkit.SamplingParams(), deadline=deadline))
+    assert sched.get("b") is None
+    step = sched.schedule()
+    assert [e.token for e in sched.update(step, [3])] == [3]
+    assert not sched.has_work()

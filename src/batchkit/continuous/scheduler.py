@@ -18,6 +18,8 @@ from __future__ import annotations
 import bisect
 import enum
 import heapq
+import math
+import numbers
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -228,7 +230,7 @@ class Scheduler:
 
         Raises:
             TypeError: not a :class:`Request`, its ``params`` not a :class:`SamplingParams`, or
-                its ``priority`` not an int.
+                its ``priority`` not an int, or its ``deadline`` not a number (or None).
             ValueError: a duplicate id or an empty prompt.
             KVCacheExhausted: the prompt can never be admitted (cache or tenant quota too small).
         """
@@ -242,6 +244,14 @@ class Scheduler:
             raise TypeError(
                 f"request {request.request_id!r}: priority must be an int (lower is served first), "
                 f"got {request.priority!r}"
+            )
+        deadline = request.deadline
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, numbers.Real) or math.isnan(deadline)
+        ):
+            raise TypeError(
+                f"request {request.request_id!r}: deadline must be a time on the scheduler's clock (a number) "
+                f"or None, got {deadline!r}"
             )
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
