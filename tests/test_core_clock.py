@@ -9,8 +9,8 @@ import pytest
 from batchkit.testing import MockClock
 
 
-@pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf])
-def test_advance_refuses_negative_and_non_finite_steps(seconds: float) -> None:
+@pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf, "1", None, True])
+def test_advance_refuses_negative_non_finite_and_non_numeric_steps(seconds: float) -> None:
     clock = MockClock(1.0)
     with pytest.raises(ValueError, match="seconds"):
         clock.advance(seconds)

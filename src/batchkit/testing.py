@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 
 __all__ = ["MockClock", "echo_batch"]
@@ -34,6 +35,8 @@ class MockClock:
 
     def advance(self, seconds: float) -> None:
         """Move time forward by ``seconds`` (a finite number >= 0) and wake whoever waits on it."""
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+            raise ValueError(f"seconds must be a number, got {seconds!r}")
         if not seconds >= 0:  # also NaN
             raise ValueError(f"seconds must be >= 0, got {seconds!r}: time does not run backwards")
         if not math.isfinite(seconds):
