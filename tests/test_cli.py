@@ -247,9 +247,11 @@ def _template(root: Path) -> Path:
     return root
 
 
-def _run(case: Case, template: Path) -> subprocess.CompletedProcess[str]:
+def _run(case: Case, template: Path, base_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run one case; `base_env` is a copy of the environment taken in pytest's own thread (copying
+    ``os.environ`` here, in a pool thread, races pytest setting PYTEST_CURRENT_TEST: KeyError)."""
     run_dir = shutil.copytree(template, template.parent / case.id)  # each case writes in its own folder
-    env = dict(os.environ)
+    env = dict(base_env)
     paths = [str(run_dir / "hide" / m) for m in case.missing]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -274,9 +276,11 @@ def results(
         for item in request.session.items
         if hasattr(item, "callspec") and isinstance(item.callspec.params.get("case"), Case)
     }
+    base_env = dict(os.environ)  # copied here, before any pool thread starts
+    base_env.pop("PYTEST_CURRENT_TEST", None)
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         order = sorted((c for c in CASES if c.id in selected), key=lambda c: not c.slow)
-        yield {c.id: pool.submit(_run, c, template) for c in order}
+        yield {c.id: pool.submit(_run, c, template, base_env) for c in order}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
