@@ -461,8 +461,10 @@ def test_a_prompt_too_long_is_counted_as_a_rejection(live: LiveServer) -> None:
         "POST", f"{live.url}/v1/completions", json=body, headers={"X-Batchkit-Tenant": "acme"}, timeout=WAIT_S
     ) as s:
         assert next(line for line in s.iter_lines() if line.startswith("data: "))
-        held = _metrics(live.url)[("batchkit_kv_tenant_blocks", (("pool", "chat"), ("tenant", "acme")))]
-        assert held > 0
+        # The series exists only while the tenant holds blocks (none, e.g., while its request is
+        # preempted), so look until it shows, with a deadline, while the request still streams.
+        tenant_key = ("batchkit_kv_tenant_blocks", (("pool", "chat"), ("tenant", "acme")))
+        _wait_until(lambda: _metrics(live.url).get(tenant_key, 0.0) > 0, "tenant acme's blocks in /metrics")
 
 
 # ----------------------------------------------------------------------------- loading and load failures
