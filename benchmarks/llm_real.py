@@ -123,7 +123,9 @@ def bare_loop(
         now = time.perf_counter() - t0
         while pending and at[pending[0]] <= now:
             i = pending.pop(0)
-            sent[i] = time.perf_counter()
+            # TTFT counts from the request's arrival, as for the other rows: the wait for the step
+            # running when it arrived is part of it.
+            sent[i] = t0 + at[i]
             loop.scheduler.add(Request(i, prompts[i], params(lm, args.max_new_tokens)))
         if not loop.scheduler.has_work():
             time.sleep(max(0.0, at[pending[0]] - now))
