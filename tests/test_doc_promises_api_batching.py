@@ -538,6 +538,34 @@ async def _async_priority_across_groups(fn: Callable[..., Any], group: Callable[
     await b.aclose(timeout=WAIT_S)
 
 
+def test_of_two_full_groups_the_one_with_the_better_priority_goes_first() -> None:
+    """Two groups fill up while the only batch slot is busy: when it frees, the group whose best
+    item has the lower priority goes first, whichever filled first."""
+    started, release = threading.Event(), threading.Event()
+    calls: list[list[tuple[str, int]]] = []
+
+    def fn(xs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        calls.append(list(xs))
+        if xs[0][0] == "busy":
+            started.set()
+            assert release.wait(WAIT_S)
+        return xs
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=2, max_wait_ms=60_000, group_by=lambda x: x[0])
+    try:
+        busy = [b.submit(("busy", i)) for i in range(2)]
+        assert started.wait(WAIT_S)
+        low = [b.submit(("low", i), priority=5) for i in range(2)]  # full first
+        high = [b.submit(("high", i), priority=-1) for i in range(2)]
+        release.set()
+        for f in busy + low + high:
+            f.result(timeout=WAIT_S)
+    finally:
+        release.set()
+        b.close(timeout=WAIT_S)
+    assert [c[0][0] for c in calls] == ["busy", "high", "low"]
+
+
 # ---------------------------------------------------------------------------- a settable limit
 
 

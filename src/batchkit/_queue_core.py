@@ -17,7 +17,7 @@ import heapq
 import math
 import numbers
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -413,6 +413,15 @@ class QueueCore(Generic[T]):
             if head is not None:
                 return head
         return None
+
+    def best_key(self, keys: Collection[Hashable], now: float) -> Hashable:
+        """Of the groups ``keys`` (each with waiting entries), the one whose best entry
+        :meth:`take` would serve first at ``now`` (best effective priority, FIFO within it)."""
+        for p in self._ordered_levels(now):
+            for e in self._levels[p]:
+                if e.state == WAITING and e.key in keys:
+                    return e.key
+        raise ValueError(f"no waiting entry in the groups {keys!r}")
 
     def loads(self) -> dict[Hashable, list[float]]:
         """``{key: [count, cost]}`` of the waiting entries per group. The core's own live dict

@@ -216,13 +216,17 @@ class BatchFormer(Generic[E]):
             return None, wake_at
         reason: FlushReason | None = None
         key: Hashable = ANY_KEY
+        full: dict[Hashable, FlushReason] = {}
         for k, (count, cost) in self._loads.items():
             if count >= self.max_batch_size:
-                reason, key = FlushReason.SIZE, k
-                break
-            if self.max_batch_cost is not None and cost >= self.max_batch_cost:
-                reason, key = FlushReason.COST, k
-                break
+                full[k] = FlushReason.SIZE
+            elif self.max_batch_cost is not None and cost >= self.max_batch_cost:
+                full[k] = FlushReason.COST
+        if full:
+            # Several groups full at once (every batch slot was busy): the one whose best item
+            # is served first goes, as when a batch is due by time.
+            key = next(iter(full)) if len(full) == 1 else q.best_key(full, now)
+            reason = full[key]
         if reason is None:
             oldest = q.oldest()
             assert oldest is not None  # depth > 0
