@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -65,6 +66,40 @@ def test_close_aborts_the_running_requests_frees_their_blocks_and_counts_them() 
     assert (s.running, s.waiting, s.swapped, s.aborted) == (0, 0, 0, 2)
     assert s.kv_usage == 0.0
     assert loop.allocator.statistics().num_seqs == 0
+
+
+def test_close_counts_requests_it_ends_before_the_engine_admitted_them_as_aborted() -> None:
+    """close() counts what is left as aborted, also the requests submitted while the engine was in
+    a step (not yet handed to the scheduler), and those of a caller engine that never ran."""
+    in_step, release = threading.Event(), threading.Event()
+
+    def gated(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+        in_step.set()
+        assert release.wait(WAIT)
+        return _zeros(batch, kv)
+
+    loop = batchkit.ContinuousDecodeLoop(gated, _cache(), max_num_seqs=4)
+    try:
+        futures = [loop.submit([1, 2], max_new_tokens=100)]
+        assert in_step.wait(WAIT)
+        futures += [loop.submit([3], max_new_tokens=100), loop.submit([4], max_new_tokens=100)]
+        loop.close(timeout=0)  # closing before the step ends: the two stay in the inbox
+    finally:
+        release.set()
+    loop.close(timeout=WAIT)
+    for fut in futures:
+        with pytest.raises(batchkit.BatcherClosed):
+            fut.result(WAIT)
+    s = loop.statistics().scheduler
+    assert (s.running, s.waiting, s.aborted) == (0, 0, 3)
+
+    idle = batchkit.ContinuousDecodeLoop(_zeros, _cache(), engine="caller")
+    waiting = [idle.submit([1], max_new_tokens=2), idle.submit([2], max_new_tokens=2)]
+    idle.close(timeout=WAIT)
+    for fut in waiting:
+        with pytest.raises(batchkit.BatcherClosed):
+            fut.result(WAIT)
+    assert idle.statistics().scheduler.aborted == 2
 
 
 @pytest.mark.parametrize(

@@ -478,6 +478,7 @@ class ContinuousDecodeLoop:
                     self._cond.wait()
                 if self._closing:
                     pending = list(self._streams.items()) + [(r.request_id, s) for r, s in self._inbox]
+                    unadmitted = [r for r, _ in self._inbox]
                     self._inbox.clear()
                     self._streams = {}
                     break
@@ -517,6 +518,7 @@ class ContinuousDecodeLoop:
         sched = self.scheduler
         for req in [*sched.running, *sched.swapped, *sched.waiting]:
             sched.abort(req.request_id)
+        self._abort_unadmitted(unadmitted)
         closed = BatcherClosed("the decode loop was closed")
         wake_all(w for rid, s in pending if (w := s.push(TokenEvent(rid, None, True, "abort", closed))) is not None)
 
@@ -768,6 +770,7 @@ class ContinuousDecodeLoop:
             if thread is None:
                 self._inbox = []
         if orphans:
+            self._abort_unadmitted([r for r, _ in orphans])
             closed = BatcherClosed("the decode loop was closed")
             wake_all(
                 w
@@ -776,6 +779,16 @@ class ContinuousDecodeLoop:
             )
         if thread is not None and thread is not threading.current_thread():
             self._stopped.wait(timeout)
+
+    def _abort_unadmitted(self, requests: list[Request]) -> None:
+        """Requests that close() ends before the scheduler ever saw them (still in the inbox)
+        are added and aborted there, so that statistics() counts them aborted like the rest."""
+        for req in requests:
+            try:
+                self.scheduler.add(req)
+            except Exception:  # noqa: BLE001 - refused at add: it never ran, nothing to count
+                continue
+            self.scheduler.abort(req.request_id)
 
     async def aclose(self) -> None:
         import anyio
