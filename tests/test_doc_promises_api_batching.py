@@ -566,6 +566,33 @@ def test_of_two_full_groups_the_one_with_the_better_priority_goes_first() -> Non
     assert [c[0][0] for c in calls] == ["busy", "high", "low"]
 
 
+def test_items_a_close_without_drain_ends_are_cancellations_of_the_queue_not_served() -> None:
+    """QueueStatistics: ``served`` and ``wait`` are the entries taken out to run; those that
+    ``close(drain=False)`` ends never ran, and count as ``cancellations``."""
+    started, release = threading.Event(), threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        started.set()
+        assert release.wait(WAIT_S)
+        return xs
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
+    try:
+        running = b.submit(0)
+        assert started.wait(WAIT_S)
+        waiting = [b.submit(i) for i in (1, 2, 3)]
+        b.close(drain=False, timeout=0)
+    finally:
+        release.set()
+    b.close(timeout=WAIT_S)
+    assert running.result(timeout=WAIT_S) == 0
+    for f in waiting:
+        with pytest.raises(batchkit.BatcherClosed):
+            f.result(timeout=WAIT_S)
+    q = b.queue.statistics()
+    assert (q.served, q.wait.count, q.cancellations, q.depth) == (1, 1, 3, 0)
+
+
 # ---------------------------------------------------------------------------- a settable limit
 
 

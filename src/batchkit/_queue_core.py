@@ -363,6 +363,18 @@ class QueueCore(Generic[T]):
             self._served += len(out)
         return out
 
+    def discard_all(self, now: float) -> list[QueueEntry[T]]:
+        """Remove and return every waiting entry, counted as cancellations, not as served (a
+        close without drain: none of them runs)."""
+        out = [e for dq in self._levels.values() for e in dq if e.state == WAITING]
+        for e in out:
+            e.state = CANCELLED
+        self._levels.clear()
+        if out:
+            self._release(out)
+            self._cancellations += len(out)
+        return out
+
     def expire(self, now: float) -> list[Drop]:
         """Remove every waiting entry whose deadline has passed by ``now``."""
         heap = self._deadlines
