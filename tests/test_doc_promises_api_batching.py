@@ -593,6 +593,69 @@ def test_items_a_close_without_drain_ends_are_cancellations_of_the_queue_not_ser
     assert (q.served, q.wait.count, q.cancellations, q.depth) == (1, 1, 3, 0)
 
 
+def test_close_without_drain_during_a_draining_close_fails_what_waits_at_once() -> None:
+    """A ``close()`` that drains waits for every item; a ``close(drain=False)`` called meanwhile
+    (say, a second Ctrl-C) fails the items still waiting with BatcherClosed at once, while the
+    running batch finishes."""
+    started, release = threading.Event(), threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        started.set()
+        assert release.wait(WAIT_S)
+        return xs
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
+    draining = threading.Thread(target=b.close, kwargs={"timeout": WAIT_S})
+    try:
+        running = b.submit(0)
+        assert started.wait(WAIT_S)
+        waiting = [b.submit(i) for i in (1, 2)]
+        draining.start()
+        deadline = time.monotonic() + WAIT_S
+        while not b.closed:  # the draining close() has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        b.close(drain=False, timeout=0)
+        for f in waiting:  # failed while the running batch still holds its slot
+            with pytest.raises(batchkit.BatcherClosed):
+                f.result(timeout=WAIT_S)
+    finally:
+        release.set()
+        draining.join(WAIT_S)
+    assert running.result(timeout=WAIT_S) == 0
+    assert not draining.is_alive()
+
+
+def test_aclose_without_drain_during_a_draining_aclose_fails_what_waits_at_once() -> None:
+    """The same on an AsyncBatcher: ``aclose(drain=False)`` during a draining ``aclose()``."""
+
+    async def main() -> None:
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def fn(xs: list[int]) -> list[int]:
+            started.set()
+            await release.wait()
+            return xs
+
+        b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0)
+        running = asyncio.create_task(b.submit(0))
+        await asyncio.wait_for(started.wait(), WAIT_S)
+        waiting = [asyncio.create_task(b.submit(i)) for i in (1, 2)]
+        await asyncio.sleep(0)  # both are queued
+        draining = asyncio.create_task(b.aclose(timeout=WAIT_S))
+        await asyncio.sleep(0)  # the draining aclose() has begun
+        hurry = asyncio.create_task(b.aclose(drain=False))  # waits for the running batch too
+        for t in waiting:
+            with pytest.raises(batchkit.BatcherClosed):
+                await asyncio.wait_for(t, WAIT_S)
+        assert not running.done()
+        release.set()
+        assert await asyncio.wait_for(running, WAIT_S) == 0
+        await asyncio.wait_for(asyncio.gather(draining, hurry), WAIT_S)
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------------------- a settable limit
 
 

@@ -529,17 +529,17 @@ class AsyncBatcher(BatcherShell[T, R]):
         offloaded call) and their callers fail with :class:`BatcherClosed`. Idempotent. Awaited in
         the batch function itself (or in a task it started), it closes and returns without
         waiting (a later ``aclose()`` from elsewhere waits)."""
+        if not drain:  # also while an earlier aclose() drains: what waits fails now
+            self._resolve_drops(
+                [
+                    (e, BatcherClosed(f"{self.name}: closed before this item ran"))
+                    for e in self.former.drain(self._now())
+                ],
+                count_as="cancelled",
+            )
         if not self._closing:
             self._closing = True
             self.former.close()
-            if not drain:
-                self._resolve_drops(
-                    [
-                        (e, BatcherClosed(f"{self.name}: closed before this item ran"))
-                        for e in self.former.drain(self._now())
-                    ],
-                    count_as="cancelled",
-                )
             for room in self._room:
                 if not room.done():
                     room.set_result(None)

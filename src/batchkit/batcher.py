@@ -797,7 +797,8 @@ class DynamicBatcher(BatcherShell[T, R]):
         function cannot be interrupted: its callers are answered when (if) it returns, and the
         items still waiting run after it. Calls of an async batch function are cancelled at the
         deadline, and their callers and those of the items still waiting fail with
-        :class:`BatcherClosed`. Idempotent: a second call returns at once.
+        :class:`BatcherClosed`. Idempotent; a ``close(drain=False)`` while an earlier ``close()``
+        drains fails the items still waiting at once.
 
         Called from the batch function itself (a worker thread, or the event loop of an ``async
         def``), it closes without waiting for the threads (one of them is the caller); a later
@@ -807,14 +808,14 @@ class DynamicBatcher(BatcherShell[T, R]):
             if self._closed:
                 return
             drops: list[Drop] = []
+            if not drain:  # also while an earlier close() drains: what waits fails now
+                drops = [
+                    (e, BatcherClosed(f"{self.name}: closed before this item ran"))
+                    for e in self.former.drain(self.clock.now())
+                ]
             if not self._closing:
                 self._closing = True
                 self.former.close()
-                if not drain:
-                    drops = [
-                        (e, BatcherClosed(f"{self.name}: closed before this item ran"))
-                        for e in self.former.drain(self.clock.now())
-                    ]
                 self._dispatcher_idle = False
                 self._cond.notify_all()
             dispatcher = self._dispatcher
