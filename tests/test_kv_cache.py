@@ -144,3 +144,14 @@ def test_without_torch_the_cache_names_the_extra(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'batchkit\[torch\]'"):
         PagedKVCache(1, 4, 2, 1, 2)
+
+
+@pytest.mark.parametrize("layer", [-1, 2, 7])
+def test_key_and_value_refuse_a_layer_outside_the_cache(layer: int) -> None:
+    """A negative or too large layer index is an IndexError, not another layer's pages."""
+    cache = PagedKVCache(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2)
+    with pytest.raises(IndexError, match="layer"):
+        cache.key(layer)
+    with pytest.raises(IndexError, match="layer"):
+        cache.value(layer)
+    assert cache.key(1).shape == (4, 2, 1, 2)

@@ -106,12 +106,22 @@ class PagedKVCache:
     # ------------------------------------------------------------------ views
 
     def key(self, layer: int) -> Tensor:
-        """Layer ``layer``'s K pages ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-        return self.kv[layer, 0]
+        """Layer ``layer``'s K pages ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+        Raises:
+            IndexError: ``layer`` is not in ``[0, num_layers)`` (a negative index would read
+                another layer's pages).
+        """
+        return self.kv[self._layer(layer), 0]
 
     def value(self, layer: int) -> Tensor:
-        """Layer ``layer``'s V pages."""
-        return self.kv[layer, 1]
+        """Layer ``layer``'s V pages (``IndexError`` as for :meth:`key`)."""
+        return self.kv[self._layer(layer), 1]
+
+    def _layer(self, layer: int) -> int:
+        if not 0 <= layer < self.kv.shape[0]:
+            raise IndexError(f"layer {layer!r} is out of range: the cache has {self.kv.shape[0]} layers (0 to n-1)")
+        return layer
 
     @property
     def nbytes(self) -> int:
