@@ -24,7 +24,7 @@ from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
 from ..metrics import LatencySummary, SampleWindow
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_ids
 from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
 from .step import StepBatch, check_logits
 
@@ -257,17 +257,7 @@ class ContinuousDecodeLoop:
 
     @extra_eos_ids.setter
     def extra_eos_ids(self, ids: Iterable[int]) -> None:
-        if isinstance(ids, int | str | bytes) or not isinstance(ids, Iterable):
-            raise TypeError(f"extra_eos_ids must be a sequence of token ids (ints), e.g. (2,), got {ids!r}")
-        out: list[int] = []
-        for t in ids:
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                out.append(operator.index(t))
-            except TypeError:
-                raise TypeError(f"extra_eos_ids must hold token ids (ints), got {t!r}") from None
-        self._extra_eos_ids = tuple(out)
+        self._extra_eos_ids = token_ids("extra_eos_ids", ids)
 
     # ------------------------------------------------------------------ submitting
 

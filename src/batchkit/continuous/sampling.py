@@ -63,9 +63,9 @@ class SamplingParams:
             if not _SEED_MIN <= seed <= _SEED_MAX:  # what torch.Generator.manual_seed takes
                 raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
             object.__setattr__(self, "seed", seed)
-        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", token_ids("stop_token_ids", self.stop_token_ids))
         if self.eos_token_id is not None:
-            object.__setattr__(self, "eos_token_id", _token_ids("eos_token_id", (self.eos_token_id,))[0])
+            object.__setattr__(self, "eos_token_id", token_ids("eos_token_id", (self.eos_token_id,))[0])
         if not isinstance(self.ignore_eos, bool):
             if not isinstance(self.ignore_eos, np.bool_):  # numpy's bool is taken as a bool
                 raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -104,7 +104,7 @@ def _index(x: object) -> int | None:
         return None
 
 
-def _token_ids(name: str, ids: Iterable[int] | int) -> tuple[int, ...]:
+def token_ids(name: str, ids: Iterable[int] | int) -> tuple[int, ...]:
     """``ids`` as a tuple of ints (numpy and 0-d tensor integers accepted).
 
     Raises:
