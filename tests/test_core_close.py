@@ -15,17 +15,22 @@ def test_close_from_the_batch_function_then_from_outside_joins_every_thread() ->
     ran_in: list[threading.Thread] = []
     inner: dict[str, object] = {}
     holder: dict[str, batchkit.DynamicBatcher[int, int]] = {}
+    both_submitted = threading.Event()
 
     def fn(xs: list[int]) -> list[int]:
         ran_in.append(threading.current_thread())
         if 0 in xs:
+            assert both_submitted.wait(WAIT)  # close only once the second item is queued
             holder["b"].close(timeout=WAIT)
             inner["closed"] = holder["b"].closed
         return xs
 
     b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
     holder["b"] = b
-    first, second = b.submit(0), b.submit(1)
+    try:
+        first, second = b.submit(0), b.submit(1)
+    finally:
+        both_submitted.set()
     assert first.result(WAIT) == 0
     assert second.result(WAIT) == 1  # waiting work still drains
     assert inner == {"closed": True}
