@@ -101,6 +101,25 @@ def test_a_deadline_that_is_not_a_number_is_a_value_error_naming_it() -> None:
     assert len(q) == 0
 
 
+def test_a_zero_deadline_has_passed_on_arrival_and_the_item_never_runs() -> None:
+    """api.md: ``deadline_ms=0`` has passed on arrival: DeadlineExceeded (or the fallback), and
+    the batch function never sees the item, even with a greedy batcher (``max_wait_ms=0``)."""
+    seen: list[object] = []
+
+    def fn(xs: list[object]) -> list[object]:
+        seen.extend(xs)
+        return xs
+
+    with batchkit.DynamicBatcher(fn, max_wait_ms=0) as b:
+        for _ in range(3):
+            with pytest.raises(batchkit.DeadlineExceeded):
+                b.submit(1, deadline_ms=0).result(timeout=WAIT_S)
+        assert b.submit(2, deadline_ms=0, fallback="late").result(timeout=WAIT_S) == "late"
+        assert b.submit(3).result(timeout=WAIT_S) == 3
+    assert seen == [3]
+    assert b.statistics().expired == 4
+
+
 @pytest.mark.parametrize("cost", [None, "3", math.inf, math.nan, -1])
 def test_a_size_fn_cost_that_is_not_a_finite_number_at_least_zero_fails_that_submit(cost: object) -> None:
     """api.md: a cost that is not a number >= 0 fails that submit. An infinite cost is refused

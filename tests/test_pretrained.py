@@ -272,6 +272,20 @@ def test_make_loop_stops_on_every_eos_id_of_the_generation_config(tiny_llama_dir
         loop.close()
 
 
+def test_make_loop_with_eos_token_id_none_stops_on_no_eos_id(tiny_llama_dir: Path) -> None:
+    """eos_token_id=None turns every EOS id off, the generation config's other ones too: a model
+    that always samples its second EOS id runs to max_new_tokens."""
+    lm = load_pretrained(tiny_llama_dir)
+    fake = dataclasses.replace(lm, model=cast(Any, _AlwaysToken(lm.model, 5)))
+    loop = fake.make_loop(num_blocks=16, block_size=4, eos_token_id=None)
+    try:
+        assert loop.extra_eos_ids == ()
+        assert loop.submit([1, 3], max_new_tokens=3).result(timeout=60) == [5, 5, 5]
+        assert loop.submit([1, 3], max_new_tokens=3, stop_token_ids=[5]).result(timeout=60) == [5]
+    finally:
+        loop.close()
+
+
 def test_load_encoder_given_a_file_says_to_pass_its_directory(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text("{}")

@@ -200,7 +200,8 @@ class PretrainedLM:
     def make_loop(self, num_blocks: int, block_size: int = 16, **kwargs: Any) -> ContinuousDecodeLoop:
         """A :class:`ContinuousDecodeLoop` over a fresh KV cache of ``num_blocks`` blocks, with the
         model's EOS ids (all of :attr:`stop_token_ids`: a request ends on any of them unless it
-        sets ``ignore_eos``) and a detokenizer (for stop strings) wired in. ``kwargs`` go to the loop."""
+        sets ``ignore_eos``) and a detokenizer (for stop strings) wired in. ``kwargs`` go to the loop;
+        ``eos_token_id=None`` turns every EOS id off, the other ones too."""
         kwargs.setdefault("eos_token_id", self.eos_token_id)
         kwargs.setdefault("detokenize", self.decode)
         # The cache's tensors are filled in a thread that ends (see in_fresh_thread): the caller's
@@ -208,8 +209,11 @@ class PretrainedLM:
         cache = in_fresh_thread(self.model.make_cache, num_blocks, block_size)
         loop = ContinuousDecodeLoop(self.model, cache, **kwargs)
         # Every EOS id of the generation config ends a request (unless it sets ignore_eos), not
-        # only the first: a chat model's end-of-turn id is often the second one.
-        loop.extra_eos_ids = tuple(t for t in self.stop_token_ids if t != loop.eos_token_id)
+        # only the first: a chat model's end-of-turn id is often the second one. A loop built with
+        # eos_token_id=None stops on none of them (the model's first EOS id is never None here:
+        # stop_token_ids is empty when it is).
+        if loop.eos_token_id is not None:
+            loop.extra_eos_ids = tuple(t for t in self.stop_token_ids if t != loop.eos_token_id)
         return loop
 
     def encode(self, text: str) -> list[int]:
