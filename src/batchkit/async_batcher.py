@@ -430,14 +430,15 @@ class AsyncBatcher(BatcherShell[T, R]):
         try:
             results = await self._call([e.item for e in entries])
         except asyncio.CancelledError as exc:
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python >= 3.11
+            if cancelling is not None and not cancelling():
+                # Raised by the batch function itself, nobody cancelled this batch: a failure of
+                # it, also while aclose() drains (its callers are still waiting).
+                self._fail(entries, exc)
+                return False
             if batch.abandoned or self._closing:
                 return False  # its callers were answered by whoever cancelled it
-            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python >= 3.11
-            if cancelling is None or cancelling():
-                raise
-            # Raised by the batch function itself, nobody cancelled this batch: a failure of it.
-            self._fail(entries, exc)
-            return False
+            raise
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
             if self._split_after(exc, len(entries)):
                 mid = len(entries) // 2

@@ -72,13 +72,15 @@ class _Request(QueueEntry[Any]):
     (or its caller gave up).
     """
 
-    __slots__ = ("done", "error", "fallback", "sink", "value")
+    __slots__ = ("done", "error", "fallback", "notified", "sink", "value")
 
     def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
         self.item = item
         self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
         self.fallback = fallback
         self.done = False
+        # A Future sink: set_running_or_notify_cancel() was called (it may be called only once).
+        self.notified = False
         self.value: Any = None
         self.error: BaseException | None = None
 
@@ -604,7 +606,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         fut: concurrent.futures.Future[R] = concurrent.futures.Future()
         req = _Request(item, fut, fallback)
         self._enqueue_sync(req, priority, deadline_ms, timeout)
-        fut.add_done_callback(lambda f: self._cancel(req) if f.cancelled() else None)
+        fut.add_done_callback(lambda f: self._future_cancelled(req) if f.cancelled() else None)
         return fut
 
     def __call__(
@@ -764,15 +766,31 @@ class DynamicBatcher(BatcherShell[T, R]):
     def _cancel(self, req: _Request) -> None:
         """The caller gave up: drop its item if still queued, else let its result be discarded."""
         with self._mutex:
-            if req.done:
+            self._cancel_locked(req)
+
+    def _cancel_locked(self, req: _Request) -> None:
+        if req.done:
+            return
+        if self._core.cancel(req):
+            req.done = True
+            self._cancelled += 1
+        elif req.state == TAKEN:
+            # Its batch runs (or is about to); the result will find no one waiting and is dropped.
+            req.done = True
+            self._cancelled += 1
+
+    def _future_cancelled(self, req: _Request) -> None:
+        """A submit's Future was cancelled: give the item up, and move the Future on to "cancelled
+        and notified", as an executor does, so that ``concurrent.futures.wait()`` and
+        ``as_completed()`` count it as done (they wait for that notification, which only
+        ``set_running_or_notify_cancel()`` sends). Unless a worker already called it, as it
+        does for each Future of a batch it starts."""
+        with self._mutex:
+            self._cancel_locked(req)
+            if req.notified:
                 return
-            if self._core.cancel(req):
-                req.done = True
-                self._cancelled += 1
-            elif req.state == TAKEN:
-                # Its batch runs (or is about to); the result will find no one waiting and is dropped.
-                req.done = True
-                self._cancelled += 1
+            req.notified = True
+        req.sink.set_running_or_notify_cancel()
 
     # ------------------------------------------------------------------ controls
 
@@ -978,17 +996,17 @@ class DynamicBatcher(BatcherShell[T, R]):
         batch.runner = threading.current_thread()
         reqs = batch.entries
         live: list[_Request] = []
-        for r in reqs:
-            sink = r.sink
-            if isinstance(sink, concurrent.futures.Future):
-                if sink.set_running_or_notify_cancel():
-                    live.append(r)
-                else:
-                    with self._mutex:
-                        if not r.done:
-                            r.done = True
-                            self._cancelled += 1
-            elif not r.done:
+        with self._mutex:  # against _future_cancelled: a Future is marked running or notified once
+            for r in reqs:
+                if r.done:
+                    continue  # its caller gave up
+                sink = r.sink
+                if isinstance(sink, concurrent.futures.Future):
+                    r.notified = True
+                    if not sink.set_running_or_notify_cancel():
+                        r.done = True  # cancelled just now; _future_cancelled finds it done
+                        self._cancelled += 1
+                        continue
                 live.append(r)
         if not live:
             with self._mutex:

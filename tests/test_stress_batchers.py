@@ -1,0 +1,704 @@
+"""Seeded, randomised stress of DynamicBatcher (@batched) and AsyncBatcher under mixed traffic.
+
+Many callers (threads with futures, a blocking caller, ``map``, asyncio tasks) submit items with
+random priorities, deadlines on a MockClock, fallbacks, group keys and costs; some are cancelled
+at random moments, before or after their batch starts; the batch function returns per-item
+errors, raises for some batches, and holds some batches until a caller lets them go; the queue is
+small, under every ``on_full`` policy; a close (drain or not) comes in the middle of the traffic.
+
+The promises checked (docs/concepts.md, docs/api.md): every call resolves exactly once, within a
+bound (its result, its error, its fallback or its cancellation); an item reaches the batch
+function at most once (``isolate_errors`` re-runs only the halves of a batch that raised) and
+never after it expired, was evicted or was failed by ``close(drain=False)``; every caller gets
+its own item back; batches respect ``max_batch_size``, ``max_batch_cost`` and ``group_by``; after
+close, ``pending == in_flight == 0`` and the counters add up: ``submitted == succeeded + failed +
+cancelled + expired + evicted``, the evicted items being the part of ``rejected`` that had been
+admitted (``rejected`` = refused submits + evicted items).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable, Coroutine, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import batchkit
+from batchkit.testing import MockClock
+
+WAIT = 20.0  # bound on every wait; a healthy run takes a fraction of a second per seed
+POLICIES = ("reject", "block", "drop_oldest", "shed_lowest_priority")
+EVICTING = ("drop_oldest", "shed_lowest_priority")
+
+
+# ---------------------------------------------------------------------------------------- items
+
+
+class Fallback:
+    """The fallback object of one item (identity tells whose it is)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class Item:
+    """One request. Compared by identity: the batch function returns the very object."""
+
+    __slots__ = ("cost", "deadline_ms", "fallback", "fate", "group", "hold", "n", "priority")
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self.n = n
+        self.priority = rng.choice([-1, 0, 0, 0, 1, 2])
+        self.deadline_ms: float | None = rng.choice([None, None, None, 0.0, 1.0, 5.0, 20.0, 100.0])
+        self.fallback: Fallback | None = Fallback(n) if self.deadline_ms is not None and rng.random() < 0.5 else None
+        self.fate = rng.choices(["ok", "item_error", "raise"], weights=[85, 8, 7])[0]
+        self.group = rng.randrange(3)
+        self.cost = rng.choice([0.0, 0.5, 1.0, 1.0, 2.0, 3.0, 9.0])
+        self.hold = rng.random() < 0.08  # its batch waits for a ticket from a caller
+
+    def kwargs(self, block_timeout: float | None) -> dict[str, Any]:
+        kw: dict[str, Any] = {"priority": self.priority}
+        if self.deadline_ms is not None:
+            kw["deadline_ms"] = self.deadline_ms
+        if self.fallback is not None:
+            kw["fallback"] = self.fallback
+        if block_timeout is not None:
+            kw["timeout"] = block_timeout
+        return kw
+
+    def __repr__(self) -> str:
+        return f"Item({self.n}, {self.fate}, p={self.priority}, dl={self.deadline_ms}, g={self.group})"
+
+
+class ItemError(Exception):
+    """Returned in an item's slot: fails only that caller."""
+
+    def __init__(self, item: Item) -> None:
+        super().__init__(f"item {item.n} failed")
+        self.item = item
+
+
+class Boom(Exception):
+    """Raised by the batch function for a batch holding a culprit (``fate == "raise"``)."""
+
+    def __init__(self, item: Item) -> None:
+        super().__init__(f"batch with item {item.n} raised")
+        self.item = item
+
+
+@dataclass
+class Config:
+    max_batch_size: int
+    max_wait_ms: float
+    max_queue: int
+    on_full: str
+    max_concurrent_batches: int
+    group_by: bool
+    cost_limit: float | None
+    isolate_errors: bool
+    fn_kind: str
+    drain: bool
+
+    def block_timeout(self, rng: random.Random) -> float | None:
+        """A ``"block"`` queue's submit always has a (wall-clock) bound on its wait for room."""
+        return rng.choice([0.0, 0.005, 0.02, 0.05]) if self.on_full == "block" else None
+
+
+def make_config(seed: int, rng: random.Random, fn_kinds: Sequence[str]) -> Config:
+    return Config(
+        max_batch_size=rng.choice([1, 2, 3, 4, 8]),
+        max_wait_ms=rng.choice([0.0, 2.0, 10.0]),
+        max_queue=rng.choice([4, 8, 16, 48]),
+        on_full=POLICIES[seed % 4],  # every policy, each drain mode, over the seeds
+        max_concurrent_batches=rng.choice([1, 2, 3]),
+        group_by=rng.random() < 0.5,
+        cost_limit=rng.choice([None, 2.5, 4.0]),
+        isolate_errors=rng.random() < 0.5,
+        fn_kind=rng.choice(list(fn_kinds)),
+        drain=(seed // 4) % 2 == 0,
+    )
+
+
+# ------------------------------------------------------------------------ the batch function
+
+
+class Ledger:
+    """What the batch function saw: how often each item ran in a batch that returned and in one
+    that raised, and any broken batch-shape promise."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.lock = threading.Lock()
+        self.returned: Counter[int] = Counter()
+        self.raised: Counter[int] = Counter()
+        self.violations: list[str] = []
+
+    def run(self, items: list[Item]) -> list[object]:
+        cfg = self.cfg
+        with self.lock:
+            if not items:
+                self.violations.append("an empty batch")
+            if len(items) > cfg.max_batch_size:
+                self.violations.append(f"a batch of {len(items)} > max_batch_size {cfg.max_batch_size}")
+            if len({id(it) for it in items}) != len(items):
+                self.violations.append(f"an item twice in one batch: {items}")
+            if cfg.group_by and len({it.group for it in items}) > 1:
+                self.violations.append(f"groups mixed in one batch: {items}")
+            if cfg.cost_limit is not None and len(items) > 1 and sum(it.cost for it in items) > cfg.cost_limit:
+                self.violations.append(f"a batch over max_batch_cost {cfg.cost_limit}: {items}")
+            culprits = [it for it in items if it.fate == "raise"]
+            for it in items:
+                (self.raised if culprits else self.returned)[it.n] += 1
+        if culprits:
+            raise Boom(culprits[0])
+        return [ItemError(it) if it.fate == "item_error" else it for it in items]
+
+
+# ---------------------------------------------------------------------------------- outcomes
+
+
+@dataclass
+class Outcome:
+    """How one call ended, as its caller saw it."""
+
+    item: Item
+    value: object = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    admitted: bool | None = None  # None: the caller cannot tell a refusal from an answer
+    cancelled_by_test: bool = False
+
+
+class Suspends:
+    """Await ``make()`` and note whether it suspended: a submit refused at admission raises before
+    its first suspension (on a queue that does not wait for room), an admitted one always waits."""
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        self._make = make
+        self.suspended = False
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro = self._make()
+        send: Any = None
+        throw: BaseException | None = None
+        while True:
+            try:
+                yielded = coro.send(send) if throw is None else coro.throw(throw)
+            except StopIteration as stop:
+                return stop.value
+            self.suspended = True
+            send, throw = None, None
+            try:
+                send = yield yielded
+            except BaseException as exc:
+                throw = exc
+
+
+@dataclass
+class Tally:
+    """The outcomes by category, and every broken promise found while sorting them."""
+
+    by: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+
+
+NEVER_RAN = ("expired", "evicted", "refused", "queue_full", "closed")
+
+
+def sort_outcomes(outcomes: Sequence[Outcome], cfg: Config, ledger: Ledger) -> Tally:
+    """Check each outcome against its item and the ledger; count them by category."""
+    t = Tally()
+    for o in outcomes:
+        it = o.item
+        cat = _category(o, cfg, ledger, t.violations)
+        t.by[cat] += 1
+        ran = ledger.returned[it.n] + ledger.raised[it.n]
+        if ledger.returned[it.n] > 1:
+            t.violations.append(f"{it} ran {ledger.returned[it.n]} times in batches that returned")
+        if not cfg.isolate_errors and ran > 1:
+            t.violations.append(f"{it} reached the batch function {ran} times without isolate_errors")
+        if cat in ("succeeded", "item_failed") and ledger.returned[it.n] != 1:
+            t.violations.append(f"{it} was answered by a batch ({cat}) but ran {ledger.returned[it.n]} times")
+        if cat in NEVER_RAN and ran:
+            t.violations.append(f"{it} ({cat}: {o.error!r}) reached the batch function")
+        if it.deadline_ms == 0 and ran:
+            t.violations.append(f"{it} had deadline_ms=0 yet ran")
+    return t
+
+
+def _category(o: Outcome, cfg: Config, ledger: Ledger, bad: list[str]) -> str:
+    it = o.item
+    if o.cancelled:
+        if not o.cancelled_by_test:
+            bad.append(f"{it}: cancelled, but nobody cancelled it")
+        return "cancelled"
+    e = o.error
+    if e is None:
+        if o.value is it:
+            if it.fate != "ok":
+                bad.append(f"{it}: a result for an item whose batch must fail it")
+            return "succeeded"
+        if it.fallback is not None and o.value is it.fallback:
+            return "expired"
+        bad.append(f"{it}: got {o.value!r}, not its own item or fallback")
+        return "wrong"
+    if isinstance(e, ItemError):
+        if e.item is not it or it.fate != "item_error":
+            bad.append(f"{it}: got {e!r}, another item's error")
+        return "item_failed"
+    if isinstance(e, Boom):
+        if cfg.isolate_errors and e.item is not it:
+            bad.append(f"{it}: isolate_errors, yet failed with {e!r} raised for another item")
+        if not ledger.raised[it.n]:
+            bad.append(f"{it}: failed with {e!r} but never ran in a batch that raised")
+        return "failed"
+    if isinstance(e, batchkit.DeadlineExceeded):
+        if it.deadline_ms is None or it.fallback is not None:
+            bad.append(f"{it}: DeadlineExceeded without a deadline, or despite a fallback")
+        return "expired"
+    if isinstance(e, batchkit.QueueFull):
+        if o.admitted is False:
+            return "refused"
+        if o.admitted is None:
+            return "queue_full"
+        if cfg.on_full not in EVICTING:
+            bad.append(f"{it}: evicted from a {cfg.on_full!r} queue")
+        return "evicted"
+    if isinstance(e, batchkit.BatcherClosed):
+        if o.admitted is False:
+            return "refused_closed"
+        if o.admitted and cfg.drain:
+            bad.append(f"{it}: admitted, then failed with {e!r} by a draining close")
+        return "closed"
+    bad.append(f"{it}: unexpected {e!r}")
+    return "unexpected"
+
+
+def outcome_of_future(item: Item, fut: concurrent.futures.Future[Any], cancelled_by_test: bool) -> Outcome:
+    o = Outcome(item, admitted=True, cancelled_by_test=cancelled_by_test)
+    if fut.cancelled():
+        o.cancelled = True
+    elif fut.exception() is not None:
+        o.error = fut.exception()
+    else:
+        o.value = fut.result()
+    return o
+
+
+# ------------------------------------------------------------------- DynamicBatcher, threads
+
+
+class Traffic:
+    """What the thread callers share: the clock, the tickets that release held batches, the
+    count of attempts that triggers the mid-traffic close, and a count-down of the callers
+    still submitting."""
+
+    def __init__(self, clock: MockClock, close_after: int, submitters: int) -> None:
+        self.clock = clock
+        self.tickets = threading.Semaphore(0)
+        self.lock = threading.Lock()
+        self.attempts = 0
+        self.close_after = close_after
+        self.close_now = threading.Event()
+        self.submitting = submitters
+        self.all_submitted = threading.Event()
+
+    def step(self, rng: random.Random) -> None:
+        """One caller's move between submits: count the attempt, maybe move time, maybe let a
+        held batch go."""
+        with self.lock:
+            self.attempts += 1
+            if self.attempts >= self.close_after:
+                self.close_now.set()
+        if rng.random() < 0.25:
+            self.clock.advance(rng.choice([0.0005, 0.002, 0.01, 0.05]))
+        if rng.random() < 0.2:
+            self.tickets.release()
+
+    def submitted(self) -> None:
+        with self.lock:
+            self.submitting -= 1
+            if self.submitting == 0:
+                self.all_submitted.set()
+
+
+def _wait_all(futs: Sequence[concurrent.futures.Future[Any]]) -> None:
+    _, not_done = concurrent.futures.wait(futs, timeout=WAIT)
+    assert not not_done, f"{len(not_done)} futures never resolved"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_up(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = make_config(seed, rng, ["sync", "sync", "async"])
+    clock = MockClock()
+    queue: batchkit.BoundedQueue[Any] = batchkit.BoundedQueue(cfg.max_queue, cfg.on_full, clock=clock)  # type: ignore[arg-type]
+    ledger = Ledger(cfg)
+    counter = iter(range(10**9))
+    future_callers, per_caller, async_tasks = 3, 80, 100
+    items_of = {k: [Item(next(counter), rng) for _ in range(per_caller)] for k in range(future_callers)}
+    blocking_items = [Item(next(counter), rng) for _ in range(15)]
+    map_items = [Item(next(counter), rng) for _ in range(30)]
+    for it in map_items:  # map passes no per-item options
+        it.priority, it.deadline_ms, it.fallback = 0, None, None
+    task_items = [Item(next(counter), rng) for _ in range(async_tasks)]
+    total = future_callers * per_caller + len(task_items)
+    traffic = Traffic(clock, close_after=int(total * rng.uniform(0.5, 0.9)), submitters=future_callers + 1)
+    tickets = traffic.tickets
+
+    def sync_fn(items: list[Item]) -> list[object]:
+        if any(it.hold for it in items) and not tickets.acquire(timeout=WAIT):
+            ledger.violations.append("a held batch was never let go")
+        return ledger.run(items)
+
+    async def async_fn(items: list[Item]) -> list[object]:
+        await asyncio.sleep(0)
+        return ledger.run(items)
+
+    fn: Any = sync_fn if cfg.fn_kind == "sync" else async_fn
+    f = batchkit.batched(
+        max_batch=cfg.max_batch_size,
+        max_wait_ms=cfg.max_wait_ms,
+        queue=queue,
+        max_concurrent_batches=cfg.max_concurrent_batches,
+        group_by=(lambda it: it.group) if cfg.group_by else None,
+        size_fn=(lambda it: it.cost) if cfg.cost_limit is not None else None,
+        max_batch_cost=cfg.cost_limit,
+        isolate_errors=cfg.isolate_errors,
+    )(fn)
+    b: batchkit.DynamicBatcher[Item, object] = f.batcher
+    outcomes: list[Outcome] = []
+    out_lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def record(os: list[Outcome]) -> None:
+        with out_lock:
+            outcomes.extend(os)
+
+    def guarded(body: Callable[..., None], *args: Any) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body(*args)
+            except BaseException as exc:  # a broken caller must fail the test, not vanish
+                errors.append(exc)
+
+        return run
+
+    def future_caller(k: int) -> None:
+        crng = random.Random(seed * 1000 + k)
+        mine: list[tuple[Item, concurrent.futures.Future[Any]]] = []
+        cancelled: set[int] = set()
+        done: list[Outcome] = []
+        try:
+            for it in items_of[k]:
+                traffic.step(crng)
+                try:
+                    mine.append((it, f.submit(it, **it.kwargs(cfg.block_timeout(crng)))))
+                except (batchkit.QueueFull, batchkit.BatcherClosed) as exc:
+                    done.append(Outcome(it, error=exc, admitted=False))
+                if mine and crng.random() < 0.15:
+                    victim_item, victim = crng.choice(mine)
+                    if victim.cancel():
+                        cancelled.add(victim_item.n)
+        finally:
+            traffic.submitted()
+        _wait_all([fut for _, fut in mine])
+        done += [outcome_of_future(it, fut, it.n in cancelled) for it, fut in mine]
+        record(done)
+
+    def blocking_caller() -> None:
+        crng = random.Random(seed * 1000 + 100)
+        done = []
+        for it in blocking_items:
+            o = Outcome(it)
+            try:
+                o.value = b(it, **it.kwargs(cfg.block_timeout(crng)))
+            except Exception as exc:
+                o.error = exc
+            done.append(o)
+        record(done)
+
+    def map_caller() -> None:
+        done = []
+        try:
+            for it, value in zip(map_items, f.map(map_items), strict=False):
+                done.append(Outcome(it, value=value))
+        except (ItemError, Boom, batchkit.QueueFull, batchkit.BatcherClosed):
+            pass  # an item's failure (or the close) ends the map; it cancels the items after it
+        record(done)
+
+    def asyncio_caller() -> None:
+        crng = random.Random(seed * 1000 + 200)
+
+        async def call(it: Item, kw: dict[str, Any], o: Outcome) -> None:
+            for _ in range(crng.randrange(30)):
+                await asyncio.sleep(0)
+            traffic.step(crng)
+            probe = Suspends(lambda: f.acall(it, **kw))
+            try:
+                o.value = await probe
+            except asyncio.CancelledError:
+                o.cancelled = True
+                raise
+            except Exception as exc:
+                o.error = exc
+            finally:
+                o.admitted = probe.suspended if cfg.on_full != "block" else None
+
+        async def main() -> None:
+            os = [Outcome(it) for it in task_items]
+            tasks = [
+                asyncio.ensure_future(call(it, it.kwargs(cfg.block_timeout(crng)), o))
+                for it, o in zip(task_items, os, strict=True)
+            ]
+            try:
+                for _ in range(len(tasks) // 3):
+                    for _ in range(crng.randrange(4)):
+                        await asyncio.sleep(0)
+                    i = crng.randrange(len(tasks))
+                    if tasks[i].cancel():
+                        os[i].cancelled_by_test = True
+            finally:
+                traffic.submitted()
+            _, pending = await asyncio.wait(tasks, timeout=WAIT)
+            assert not pending, f"{len(pending)} asyncio callers never resolved"
+            # A task cancelled before it ran never submitted: nothing to check for it.
+            record([o for o, t in zip(os, tasks, strict=True) if not (t.cancelled() and o.admitted is None)])
+
+        asyncio.run(main())
+
+    def closer() -> None:
+        assert traffic.close_now.wait(WAIT)
+        f.close(drain=cfg.drain)
+
+    threads = [threading.Thread(target=guarded(future_caller, k)) for k in range(future_callers)]
+    threads += [threading.Thread(target=guarded(fn_)) for fn_ in (blocking_caller, map_caller, asyncio_caller, closer)]
+    for t in threads:
+        t.start()
+    assert traffic.all_submitted.wait(WAIT), "the callers never finished submitting"
+    traffic.close_now.set()
+    tickets.release(10**6)  # every held batch may go now
+    for t in threads:
+        t.join(WAIT)
+    assert not [t for t in threads if t.is_alive()], "a caller or the close hung"
+    f.close()
+    assert not errors, errors
+
+    tally = sort_outcomes(outcomes, cfg, ledger)
+    assert not ledger.violations, ledger.violations[:5]
+    assert not tally.violations, tally.violations[:5]
+    s = b.statistics()
+    qs = queue.statistics()
+    by = tally.by
+    assert (s.pending, s.in_flight, s.running_batches, qs.depth) == (0, 0, 0, 0), (s, qs)
+    assert s.submitted == qs.arrivals, (s, qs)
+    assert qs.served + qs.cancellations + qs.expiries + qs.drops == qs.arrivals, qs
+    assert s.submitted == s.succeeded + s.failed + s.cancelled + s.expired + qs.drops, (s, qs)
+    assert s.rejected == qs.rejections + qs.drops, (s, qs)
+    assert s.expired == qs.expiries, (s, qs)
+    if cfg.on_full not in EVICTING:
+        assert qs.drops == 0, qs
+    # Each counter holds at least the callers that saw that outcome (a caller that gave up
+    # while its answer was on its way saw a cancellation instead).
+    assert s.succeeded >= by["succeeded"], (s, by)
+    assert s.failed >= by["failed"] + by["item_failed"], (s, by)
+    assert s.expired >= by["expired"], (s, by)
+    assert qs.drops >= by["evicted"], (qs, by)
+    assert qs.rejections >= by["refused"], (qs, by)
+    assert qs.rejections + qs.drops >= by["refused"] + by["evicted"] + by["queue_full"], (qs, by)
+    assert s.succeeded + s.failed + s.expired + s.cancelled + qs.drops >= sum(
+        by[c] for c in ("succeeded", "failed", "item_failed", "expired", "evicted", "cancelled")
+    )
+
+
+# ------------------------------------------------------------------- AsyncBatcher, one loop
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_up(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = make_config(seed, rng, ["async", "loop", "offload"])
+    clock = MockClock()
+    ledger = Ledger(cfg)
+    items = [Item(n, rng) for n in range(400)]
+    close_after = int(len(items) * rng.uniform(0.5, 0.9))
+    thread_tickets = threading.Semaphore(0)
+
+    async def main() -> tuple[list[Outcome], batchkit.BatcherStatistics]:
+        loop_tickets = asyncio.Semaphore(0)
+
+        async def async_fn(xs: list[Item]) -> list[object]:
+            if any(it.hold for it in xs):
+                await asyncio.wait_for(loop_tickets.acquire(), WAIT)
+            await asyncio.sleep(0)
+            return ledger.run(xs)
+
+        def plain_fn(xs: list[Item]) -> list[object]:
+            if cfg.fn_kind == "offload" and any(it.hold for it in xs) and not thread_tickets.acquire(timeout=WAIT):
+                ledger.violations.append("a held batch was never let go")
+            return ledger.run(xs)
+
+        fn: Any = async_fn if cfg.fn_kind == "async" else plain_fn
+        b: batchkit.AsyncBatcher[Item, object] = batchkit.AsyncBatcher(
+            fn,
+            max_batch_size=cfg.max_batch_size,
+            max_wait_ms=cfg.max_wait_ms,
+            max_queue=cfg.max_queue,
+            on_full=cfg.on_full,  # type: ignore[arg-type]
+            max_concurrent_batches=cfg.max_concurrent_batches,
+            group_by=(lambda it: it.group) if cfg.group_by else None,
+            size_fn=(lambda it: it.cost) if cfg.cost_limit is not None else None,
+            max_batch_cost=cfg.cost_limit,
+            isolate_errors=cfg.isolate_errors,
+            offload=cfg.fn_kind == "offload",
+            clock=clock,
+        )
+        attempts = 0
+        close_now = asyncio.Event()
+        crng = random.Random(seed * 1000 + 300)
+
+        def let_one_go() -> None:
+            loop_tickets.release()
+            thread_tickets.release()
+
+        async def call(it: Item, kw: dict[str, Any], o: Outcome) -> None:
+            nonlocal attempts
+            for _ in range(crng.randrange(40)):
+                await asyncio.sleep(0)
+            attempts += 1
+            if attempts >= close_after:
+                close_now.set()
+            if crng.random() < 0.25:
+                clock.advance(crng.choice([0.0005, 0.002, 0.01, 0.05]))
+            if crng.random() < 0.2:
+                let_one_go()
+            probe = Suspends(lambda: b.submit(it, **kw))
+            try:
+                o.value = await probe
+            except asyncio.CancelledError:
+                o.cancelled = True
+                raise
+            except Exception as exc:
+                o.error = exc
+            finally:
+                o.admitted = probe.suspended if cfg.on_full != "block" else None
+
+        async def closer() -> None:
+            await asyncio.wait_for(close_now.wait(), WAIT)
+            await b.aclose(drain=cfg.drain)
+
+        os = [Outcome(it) for it in items]
+        tasks = [
+            asyncio.ensure_future(call(it, it.kwargs(cfg.block_timeout(crng)), o))
+            for it, o in zip(items, os, strict=True)
+        ]
+        closing = asyncio.ensure_future(closer())
+        for _ in range(len(tasks) // 3):
+            for _ in range(crng.randrange(3)):
+                await asyncio.sleep(0)
+            i = crng.randrange(len(tasks))
+            if tasks[i].cancel():
+                os[i].cancelled_by_test = True
+        # Every caller has submitted (or waits for room, or was cancelled): close, let go.
+        for _ in range(10):
+            await asyncio.sleep(0)
+        close_now.set()
+        for _ in items:  # more tickets than batches: every held batch may go now
+            let_one_go()
+        _, pending = await asyncio.wait([*tasks, closing], timeout=WAIT)
+        assert not pending, f"{len(pending)} callers (or the close) never resolved"
+        assert closing.exception() is None, closing.exception()
+        await asyncio.wait_for(b.aclose(), WAIT)
+        keep = [o for o, t in zip(os, tasks, strict=True) if not (t.cancelled() and o.admitted is None)]
+        return keep, b.statistics()
+
+    outcomes, s = asyncio.run(main())
+    tally = sort_outcomes(outcomes, cfg, ledger)
+    assert not ledger.violations, ledger.violations[:5]
+    assert not tally.violations, tally.violations[:5]
+    by = tally.by
+    assert (s.pending, s.in_flight, s.running_batches) == (0, 0, 0), s
+    # Refusals are seen by their callers (a refused submit raises at once, and a "block" queue
+    # never evicts); rejected counts them and the evicted items.
+    refused = by["refused"] + (by["queue_full"] if cfg.on_full == "block" else 0)
+    evicted = s.rejected - refused
+    assert evicted >= by["evicted"], (s, by)
+    if cfg.on_full not in EVICTING:
+        assert evicted == 0, (s, by)
+    assert s.submitted == s.succeeded + s.failed + s.cancelled + s.expired + evicted, (s, by)
+    assert s.succeeded >= by["succeeded"], (s, by)
+    assert s.failed >= by["failed"] + by["item_failed"], (s, by)
+    assert s.expired >= by["expired"], (s, by)
+
+
+# ------------------------------------------------------------- regressions the stress found
+
+
+async def _close_then_raise_cancelled(xs: list[int]) -> list[int]:
+    await HOLDER["async"].aclose()  # from inside its own batch: closes and returns at once
+    raise asyncio.CancelledError("raised by the batch function, nobody cancelled it")
+
+
+def _close_then_raise_cancelled_sync(xs: list[int]) -> list[int]:
+    HOLDER["closing"].set()  # the loop closes the batcher while this call runs
+    assert HOLDER["closed"].wait(WAIT)
+    raise asyncio.CancelledError("raised by the batch function, nobody cancelled it")
+
+
+HOLDER: dict[str, Any] = {}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["async_def", "offload"])
+def test_a_batch_function_raising_cancelled_error_while_aclose_drains_still_answers_its_callers(
+    offload: bool,
+) -> None:
+    """A CancelledError that the batch function raises itself (nobody cancelled its batch) fails
+    that batch's callers, also while aclose() drains; they were left waiting forever."""
+    HOLDER["closing"], HOLDER["closed"] = threading.Event(), threading.Event()
+    fn: Any = _close_then_raise_cancelled_sync if offload else _close_then_raise_cancelled
+
+    async def main() -> tuple[bool, batchkit.BatcherStatistics]:
+        b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0, offload=offload)
+        HOLDER["async"] = b
+        call = asyncio.ensure_future(b.submit(1))
+        closing: asyncio.Future[None] | None = None
+        if offload:
+            await asyncio.wait_for(asyncio.to_thread(HOLDER["closing"].wait, WAIT), WAIT)
+            closing = asyncio.ensure_future(b.aclose())
+            await asyncio.sleep(0)  # the closing task's first step: it marks the batcher closed
+            assert b.closed
+            HOLDER["closed"].set()
+        done, _ = await asyncio.wait([call], timeout=WAIT)
+        if closing is not None:
+            await asyncio.wait_for(closing, WAIT)
+        await asyncio.wait_for(b.aclose(), WAIT)
+        return call in done, b.statistics()
+
+    answered, s = asyncio.run(main())
+    assert answered
+    assert (s.submitted, s.failed, s.pending, s.in_flight) == (1, 1, 0, 0)
+
+
+def test_a_cancelled_future_is_done_for_concurrent_futures_wait_and_as_completed() -> None:
+    """A submit's Future cancelled while its item waits counts as done for
+    ``concurrent.futures.wait()`` and ``as_completed()``, as an executor's Future does: they
+    wait for the cancellation to be notified (``set_running_or_notify_cancel``), which nothing
+    did, so a wait on a cancelled call never returned."""
+    clock = MockClock()
+    b = batchkit.DynamicBatcher(batchkit.testing.echo_batch, max_batch_size=8, max_wait_ms=10, clock=clock)
+    gone, kept = b.submit(1), b.submit(2)
+    assert gone.cancel()
+    done, not_done = concurrent.futures.wait([gone], timeout=0)  # no waiting: it is done already
+    assert (done, not_done) == ({gone}, set())
+    assert list(concurrent.futures.as_completed([gone], timeout=0)) == [gone]
+    clock.advance(1.0)
+    assert kept.result(WAIT) == 2
+    b.close()
+    s = b.statistics()
+    assert (s.submitted, s.succeeded, s.cancelled) == (2, 1, 1)
