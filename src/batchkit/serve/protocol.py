@@ -321,10 +321,10 @@ class IncrementalDetokenizer:
     def push(self, token: int) -> str:
         self.ids.append(token)
         text = self.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        self.text = text
         if self.stop:
+            # Looked for before the incomplete-character check: the loop matches stop strings on
+            # the same decoded text, so a token that completes one while it begins a multi-byte
+            # character (byte-level BPE: "f" + the first byte of "é") ends the request here.
             longest = max(len(s) for s in self.stop)
             start = max(0, self.sent - longest)
             hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
@@ -332,6 +332,10 @@ class IncrementalDetokenizer:
                 self.stopped = True
                 self.text = text[: min(hits)]
                 return self._take(len(self.text))
+        if text.endswith("\ufffd"):
+            return ""
+        self.text = text
+        if self.stop:
             return self._take(len(text) - self._held_back(text))
         return self._take(len(text))
 

