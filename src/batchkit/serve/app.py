@@ -590,16 +590,25 @@ class ModelServer:
             raise ApiError(400, f"{TENANT_HEADER} is longer than {MAX_TENANT_LENGTH} characters", code="invalid_header")
         return priority, tenant
 
-    def _limit(self, prompt_len: int, requested: int | None, prompt_param: str, limit_param: str) -> int:
-        """The request's output limit, checked against the model's context and the KV pool
-        (``prompt_param``: the field a prompt too long is blamed on, ``messages`` or ``prompt``;
-        ``limit_param``: the field the limit came from, ``max_tokens`` or ``max_completion_tokens``)."""
+    def _limit(
+        self, prompt_len: int, requested: int | None, prompt_param: str, limit_param: str, tenant: str | None = None
+    ) -> int:
+        """The request's output limit, checked against the model's context, the KV pool and the
+        tenant's KV quota: prompt + limit may fill each, not pass it (``prompt_param``: the field a
+        prompt too long is blamed on, ``messages`` or ``prompt``; ``limit_param``: the field the
+        limit came from, ``max_tokens`` or ``max_completion_tokens``).
+
+        A request of P prompt tokens and M new ones holds at most P + M - 1 tokens' KV (the last
+        token sampled is never fed back), so P + M up to the pool's (or the quota's) tokens fits:
+        refused here, it could never run; let through, it is never cut short for lack of blocks.
+        """
         lm = self.lm
         loop = self.loop
         assert lm is not None
         assert loop is not None
         alloc = loop.allocator
-        kv_tokens = (alloc.total_blocks - alloc.watermark_blocks) * alloc.block_size - 1
+        kv_tokens = (alloc.total_blocks - alloc.watermark_blocks) * alloc.block_size
+        quota = alloc.quota_of(tenant)
         room_ctx = lm.max_model_len - prompt_len
         room_kv = kv_tokens - prompt_len
         if room_ctx < 1:
@@ -618,8 +627,22 @@ class ModelServer:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
+        rooms = [room_ctx, room_kv]
+        if quota is not None:
+            quota_tokens = quota * alloc.block_size
+            room_quota = quota_tokens - prompt_len
+            if room_quota < 1:
+                self._reject("kv_exhausted")
+                raise ApiError(
+                    400,
+                    f"the prompt has {prompt_len} tokens but tenant {tenant!r}'s KV quota of {quota} blocks holds "
+                    f"{quota_tokens}; shorten the prompt",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
+            rooms.append(room_quota)
         if requested is None:
-            return max(1, min(self.default_max_tokens, room_ctx, room_kv))
+            return max(1, min(self.default_max_tokens, *rooms))
         if requested > room_ctx:
             self._reject("prompt_too_long")
             raise ApiError(
@@ -635,6 +658,16 @@ class ModelServer:
                 400,
                 f"the prompt ({prompt_len} tokens) plus {limit_param} ({requested}) needs more than the KV pool's "
                 f"{kv_tokens} tokens; lower {limit_param} or shorten the prompt",
+                param=limit_param,
+                code="context_length_exceeded",
+            )
+        if quota is not None and requested > rooms[-1]:
+            self._reject("kv_exhausted")
+            raise ApiError(
+                400,
+                f"the prompt ({prompt_len} tokens) plus {limit_param} ({requested}) needs more than tenant "
+                f"{tenant!r}'s KV quota of {quota} blocks ({quota * alloc.block_size} tokens); lower {limit_param} "
+                "or shorten the prompt",
                 param=limit_param,
                 code="context_length_exceeded",
             )
@@ -726,7 +759,7 @@ class ModelServer:
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
         prompt_param = "messages" if req.messages is not None else "prompt"
-        max_tokens = self._limit(len(prompt), req.max_tokens, prompt_param, req.max_tokens_param)
+        max_tokens = self._limit(len(prompt), req.max_tokens, prompt_param, req.max_tokens_param, tenant)
         stop_ids = () if req.ignore_eos else lm.stop_token_ids
         sampling: dict[str, Any] = {
             "max_new_tokens": max_tokens,
