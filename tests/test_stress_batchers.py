@@ -33,6 +33,7 @@ import batchkit
 from batchkit.testing import MockClock
 
 WAIT = 20.0  # bound on every wait; a healthy run takes a fraction of a second per seed
+CLOSE_TIMEOUT_S = 0.2  # how long a close waits for hung batches before it cancels them (nothing is timed)
 POLICIES = ("reject", "block", "drop_oldest", "shed_lowest_priority")
 EVICTING = ("drop_oldest", "shed_lowest_priority")
 
@@ -104,6 +105,7 @@ class Config:
     isolate_errors: bool
     fn_kind: str
     drain: bool
+    close_timeout: float | None = None  # set where held batches of an async def hang until close cancels them
 
     def block_timeout(self, rng: random.Random) -> float | None:
         """A ``"block"`` queue's submit always has a (wall-clock) bound on its wait for room."""
@@ -273,7 +275,7 @@ def _category(o: Outcome, cfg: Config, ledger: Ledger, bad: list[str]) -> str:
     if isinstance(e, batchkit.BatcherClosed):
         if o.admitted is False:
             return "refused_closed"
-        if o.admitted and cfg.drain:
+        if o.admitted and cfg.drain and cfg.close_timeout is None:
             bad.append(f"{it}: admitted, then failed with {e!r} by a draining close")
         return "closed"
     bad.append(f"{it}: unexpected {e!r}")
@@ -337,6 +339,7 @@ def _wait_all(futs: Sequence[concurrent.futures.Future[Any]]) -> None:
 def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_up(seed: int) -> None:
     rng = random.Random(seed)
     cfg = make_config(seed, rng, ["sync", "sync", "async"])
+    cfg.close_timeout = CLOSE_TIMEOUT_S if cfg.fn_kind == "async" else None
     clock = MockClock()
     queue: batchkit.BoundedQueue[Any] = batchkit.BoundedQueue(cfg.max_queue, cfg.on_full, clock=clock)  # type: ignore[arg-type]
     ledger = Ledger(cfg)
@@ -358,6 +361,8 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
         return ledger.run(items)
 
     async def async_fn(items: list[Item]) -> list[object]:
+        if any(it.hold for it in items):
+            await asyncio.sleep(WAIT * 6)  # hangs until close(timeout=...) cancels it
         await asyncio.sleep(0)
         return ledger.run(items)
 
@@ -374,6 +379,7 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
     )(fn)
     b: batchkit.DynamicBatcher[Item, object] = f.batcher
     outcomes: list[Outcome] = []
+    after_close: list[batchkit.BatcherStatistics] = []
     out_lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -475,7 +481,8 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
 
     def closer() -> None:
         assert traffic.close_now.wait(WAIT)
-        f.close(drain=cfg.drain)
+        f.close(drain=cfg.drain, timeout=cfg.close_timeout)
+        after_close.append(b.statistics())  # nothing waits or runs once close has returned
 
     threads = [threading.Thread(target=guarded(future_caller, k)) for k in range(future_callers)]
     threads += [threading.Thread(target=guarded(fn_)) for fn_ in (blocking_caller, map_caller, asyncio_caller, closer)]
@@ -489,6 +496,7 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
     assert not [t for t in threads if t.is_alive()], "a caller or the close hung"
     f.close()
     assert not errors, errors
+    assert [(a.pending, a.in_flight, a.running_batches) for a in after_close] == [(0, 0, 0)]
 
     tally = sort_outcomes(outcomes, cfg, ledger)
     assert not ledger.violations, ledger.violations[:5]
@@ -524,6 +532,7 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
 def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_up(seed: int) -> None:
     rng = random.Random(seed)
     cfg = make_config(seed, rng, ["async", "loop", "offload"])
+    cfg.close_timeout = CLOSE_TIMEOUT_S if cfg.fn_kind == "async" else None
     clock = MockClock()
     ledger = Ledger(cfg)
     items = [Item(n, rng) for n in range(400)]
@@ -531,11 +540,9 @@ def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_
     thread_tickets = threading.Semaphore(0)
 
     async def main() -> tuple[list[Outcome], batchkit.BatcherStatistics]:
-        loop_tickets = asyncio.Semaphore(0)
-
         async def async_fn(xs: list[Item]) -> list[object]:
             if any(it.hold for it in xs):
-                await asyncio.wait_for(loop_tickets.acquire(), WAIT)
+                await asyncio.sleep(WAIT * 6)  # hangs until aclose(timeout=...) cancels it
             await asyncio.sleep(0)
             return ledger.run(xs)
 
@@ -564,7 +571,6 @@ def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_
         crng = random.Random(seed * 1000 + 300)
 
         def let_one_go() -> None:
-            loop_tickets.release()
             thread_tickets.release()
 
         async def call(it: Item, kw: dict[str, Any], o: Outcome) -> None:
@@ -591,7 +597,9 @@ def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_
 
         async def closer() -> None:
             await asyncio.wait_for(close_now.wait(), WAIT)
-            await b.aclose(drain=cfg.drain)
+            await b.aclose(drain=cfg.drain, timeout=cfg.close_timeout)
+            s = b.statistics()  # nothing waits or runs once aclose has returned
+            assert (s.pending, s.in_flight, s.running_batches) == (0, 0, 0), s
 
         os = [Outcome(it) for it in items]
         tasks = [
@@ -702,3 +710,62 @@ def test_a_cancelled_future_is_done_for_concurrent_futures_wait_and_as_completed
     b.close()
     s = b.statistics()
     assert (s.submitted, s.succeeded, s.cancelled) == (2, 1, 1)
+
+
+def test_close_with_timeout_answers_a_stuck_async_batch_and_what_waits_before_it_returns() -> None:
+    """close(timeout=...) with a hung ``async def`` batch function: when it returns, the running
+    batch's caller has its BatcherClosed (failed), so has the item still waiting (cancelled), and
+    nothing is in flight. A worker answered them some time after close returned."""
+    started = threading.Event()
+    release = threading.Event()
+
+    async def hang(xs: list[int]) -> list[int]:
+        started.set()
+        await asyncio.sleep(WAIT * 6)  # cancelled by close at its deadline
+        return xs
+
+    b = batchkit.DynamicBatcher(hang, max_batch_size=1, max_wait_ms=0)
+    running = b.submit(0)
+    assert started.wait(WAIT)
+    waiting = b.submit(1)
+    closer = threading.current_thread()
+    # A worker that answers `running` is held here, as a slow thread would be.
+    running.add_done_callback(lambda _: None if threading.current_thread() is closer else release.wait(WAIT))
+    try:
+        b.close(timeout=0.2)
+        answered = (running.done(), waiting.done())
+        s = b.statistics()
+    finally:
+        release.set()
+    assert answered == (True, True)
+    assert (s.pending, s.in_flight, s.running_batches) == (0, 0, 0)
+    assert (s.submitted, s.succeeded, s.failed, s.cancelled) == (2, 0, 1, 1)
+    for fut in (running, waiting):
+        with pytest.raises(batchkit.BatcherClosed):
+            fut.result(0)
+
+
+def test_aclose_with_timeout_leaves_no_batch_in_flight() -> None:
+    """aclose(timeout=...) cancels a hung batch; when it returns, statistics() no longer count
+    that batch as running (it did until the cancelled task's next step)."""
+
+    async def main() -> batchkit.BatcherStatistics:
+        started = asyncio.Event()
+
+        async def hang(xs: list[int]) -> list[int]:
+            started.set()
+            await asyncio.sleep(WAIT * 6)
+            return xs
+
+        b = batchkit.AsyncBatcher(hang, max_batch_size=1, max_wait_ms=0)
+        call = asyncio.ensure_future(b.submit(0))
+        await asyncio.wait_for(started.wait(), WAIT)
+        await b.aclose(timeout=0.2)
+        s = b.statistics()
+        with pytest.raises(batchkit.BatcherClosed):
+            await asyncio.wait_for(call, WAIT)
+        return s
+
+    s = asyncio.run(main())
+    assert (s.pending, s.in_flight, s.running_batches) == (0, 0, 0)
+    assert (s.submitted, s.failed) == (1, 1)

@@ -565,6 +565,9 @@ class AsyncBatcher(BatcherShell[T, R]):
             for batch, task in list(self._tasks.items()):
                 self._fail(batch.entries, closed)
                 task.cancel()
+                # Its slot is free now: statistics() stop counting it in flight when aclose returns
+                # (the task ends at a later loop iteration, or never starts if it had not yet).
+                self.former.complete(batch)
             self._resolve_drops(
                 [(e, closed) for e in self.former.drain(self._now())],
                 count_as="cancelled",

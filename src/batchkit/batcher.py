@@ -848,8 +848,41 @@ class DynamicBatcher(BatcherShell[T, R]):
                 t.join(None if deadline is None else wait_limit(deadline - _monotonic()))
                 stuck = stuck or t.is_alive()
         if not inside:
+            if stuck and self._is_async:
+                self._abandon_at_close(timeout)
             self._stop_portal(cancel_running=stuck, timeout=timeout)
             self._closed = True
+
+    def _abandon_at_close(self, timeout: float | None) -> None:
+        """close(timeout=...) passed its deadline with calls of the ``async def`` batch function
+        still running: answer their callers (they fail) and those of the batches not started yet
+        and of the items still waiting (cancelled: they never ran) with :class:`BatcherClosed`
+        now, from close, before it returns, and free the batches' slots. The workers, when the
+        stopped portal ends their calls, find every caller answered."""
+        closed = BatcherClosed(
+            f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at the "
+            "deadline and was cancelled"
+        )
+        claimed: list[_Request] = []
+        with self._mutex:
+            now = self._now()
+            for b in list(self.former.running):
+                b.abandoned = True
+                self.former.complete(b)
+                mine = [r for r in b.entries if not r.done]
+                for r in mine:
+                    r.done = True
+                    r.error = closed
+                if b.runner is None:  # no worker started it (see _run_batch): none of it ran
+                    self._cancelled += len(mine)
+                else:
+                    self._count_answers(len(mine), len(mine), [now - r.arrival for r in mine], now)
+                claimed += mine
+            waiting = self.former.drain(now)
+            self._dispatcher_idle = False
+            self._cond.notify_all()  # the dispatcher sees the end
+        self._wake(claimed)
+        self._resolve_drops([(e, closed) for e in waiting], count_as="cancelled")
 
     def _called_from_inside(self, dispatcher: threading.Thread | None) -> bool:
         """Whether this thread is one close() must not wait for: the dispatcher, a worker, or the
@@ -993,10 +1026,12 @@ class DynamicBatcher(BatcherShell[T, R]):
             batch = nxt if nxt is not None else self._work.get()
 
     def _run_batch(self, batch: _Batch) -> None:
-        batch.runner = threading.current_thread()
         reqs = batch.entries
         live: list[_Request] = []
-        with self._mutex:  # against _future_cancelled: a Future is marked running or notified once
+        # Under the lock: against _future_cancelled (a Future is marked running or notified once),
+        # and so that _abandon_at_close knows whether this batch started.
+        with self._mutex:
+            batch.runner = threading.current_thread()
             for r in reqs:
                 if r.done:
                     continue  # its caller gave up
