@@ -327,6 +327,53 @@ def test_many_concurrent_streams_each_get_their_own_whole_answer(live: LiveServe
     _wait_until(lambda: _idle(live.url), "every stream's blocks to be freed")
 
 
+def test_streams_on_a_pool_too_small_for_them_all_are_preempted_and_clients_may_still_leave(
+    models: tuple[Any, Any],
+) -> None:
+    """Four streams whose answers need twice the KV pool: requests are preempted and resume
+    (`batchkit_decode_preemptions_total` moves); the two read to the end get every token and
+    `[DONE]`, the two whose clients leave midway are aborted, wherever they were, and in the end
+    no block, sequence or request is left."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=9, block_size=16, max_num_seqs=4, warmup=False)
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    barrier = threading.Barrier(4)
+    with LiveServer(app) as server:
+        url = f"{server.url}/v1/completions"
+
+        def stream(leave_after: int | None) -> list[str]:
+            barrier.wait(timeout=WAIT_S)
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=WAIT_S) as r:
+                assert r.status_code == 200, r.read()
+                events = []
+                for event in _events(r.iter_lines()):
+                    events.append(event)
+                    if leave_after is not None and len(events) == leave_after:
+                        break
+                return events
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(stream, [None, 20, None, 35]))
+        _wait_until(lambda: _idle(server.url), "every block to be freed")
+        m = _metrics(server.url)
+        assert m[("batchkit_decode_preemptions_total", (("loop", "chat"),))] > 0
+        assert m[("batchkit_decode_requests_swapped", (("loop", "chat"),))] == 0
+        assert m[("batchkit_kv_sequences", (("pool", "chat"),))] == 0
+        assert m[("batchkit_decode_requests_finished_total", (("loop", "chat"),))] == 2
+        assert m[("batchkit_decode_requests_aborted_total", (("loop", "chat"),))] == 2
+        for events in (results[0], results[2]):
+            assert events[-1] == "[DONE]"
+            last = json.loads(events[-2])
+            assert (last["usage"]["completion_tokens"], last["choices"][0]["finish_reason"]) == (60, "length")
+        _wait_until(
+            lambda: _metric(server.url, "batchkit_http_requests_total", route="completions", status="499") == 2,
+            "the two streams left to be counted 499",
+        )
+        assert _metric(server.url, "batchkit_http_requests_total", route="completions", status="200") == 2
+
+
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_include_usage_counts_what_the_plain_answer_counts(client: Any, route: str) -> None:
     """`stream_options.include_usage`'s final usage is the usage of the same greedy request not
