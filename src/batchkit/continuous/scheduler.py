@@ -345,17 +345,20 @@ class Scheduler:
             ),
         )
 
-    def _victim(self, exclude: set[int]) -> Request | None:
-        """The running request to preempt: worst priority, then most recent arrival."""
+    def _victim(self, exclude: set[int], *, tenant_of: Request | None = None) -> Request | None:
+        """The running request to preempt: worst priority, then most recent arrival (with
+        ``tenant_of``, only among the requests of that request's tenant)."""
         best: Request | None = None
         for r in self.running:
-            if id(r) in exclude:
+            if id(r) in exclude or (tenant_of is not None and r.tenant != tenant_of.tenant):
                 continue
             if best is None or (r.priority, r.order) > (best.priority, best.order):
                 best = r
         return best
 
-    def _preempt(self, req: Request, swap_out: list[tuple[int, int]], *, allow_swap: bool = True) -> None:
+    def _preempt(self, req: Request, swap_out: list[tuple[int, int]], *, allow_swap: bool = True) -> bool:
+        """Take ``req`` off the running list: swapped out (True; its copies added to
+        ``swap_out``) or back to the waiting queue, recomputed (False)."""
         self.running.remove(req)
         self._preemptions += 1
         req.num_preemptions += 1
@@ -367,11 +370,12 @@ class Scheduler:
             else:
                 req.status = RequestStatus.SWAPPED
                 self.swapped.append(req)
-                return
+                return True
         self.allocator.free(req.request_id)
         req.num_computed = 0
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=Request.sort_key)
+        return False
 
     def _fail(self, req: Request, error: BaseException) -> None:
         """End a request with an error; the caller has taken it off its list and freed its blocks."""
@@ -415,6 +419,7 @@ class Scheduler:
         scheduled: set[int] = set()
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
+        swapped_here: list[Request] = []  # swapped out by this step
         preempted = False
 
         # A max_num_seqs lowered while requests run (set_batch_limit, an AdaptiveTuner) holds
@@ -423,7 +428,8 @@ class Scheduler:
         while len(self.running) > self.max_num_seqs:
             victim = self._victim(set())
             assert victim is not None  # running is not empty
-            self._preempt(victim, swap_out)
+            if self._preempt(victim, swap_out):
+                swapped_here.append(victim)
             preempted = True
 
         # A better-priority waiting request may push out a worse running one, for a seat under
@@ -468,15 +474,29 @@ class Scheduler:
             n = min(len(req.tokens) - req.num_computed, budget)
             need = req.num_computed + n - a.num_tokens(req.request_id)
             if need > 0 and not a.can_append_slots([req.request_id], need):
-                victim = self._victim(scheduled | {id(req)}) or req
+                held = a.num_tokens(req.request_id)
+                quota = a.quota_of(req.tenant)
+                if quota is not None and a.blocks_needed(held + need) > quota:
+                    # Its tenant's quota can never hold it: preempting others would not help.
+                    self._outgrown(req)
+                    continue
+                # With room in the pool, what is short is the tenant's quota: only that tenant's
+                # own blocks can give it back, and only freed ones (a swapped-out sequence still
+                # counts against its quota), so the victim is one of its requests, recomputed.
+                short_of_quota = (
+                    quota is not None and a.blocks_needed(held + need) - a.blocks_needed(held) <= a.num_free_blocks
+                )
+                victim = self._victim(scheduled | {id(req)}, tenant_of=req if short_of_quota else None) or req
                 # Preempting a request that could never be admitted again would park it in the
                 # waiting queue for ever (and block the queue behind it): end it instead.
                 if victim is req and (
-                    (len(self.running) == 1 and not chosen) or self._never_fits(req, len(req.tokens)) is not None
+                    (not short_of_quota and len(self.running) == 1 and not chosen)
+                    or self._never_fits(req, len(req.tokens)) is not None
                 ):
                     self._outgrown(req)
                     continue
-                self._preempt(victim, swap_out)
+                if self._preempt(victim, swap_out, allow_swap=not short_of_quota):
+                    swapped_here.append(victim)
                 preempted = True
                 continue  # the list changed: look at position i again
             slots.append(self._reserve(req, n, need))
@@ -492,12 +512,38 @@ class Scheduler:
                 req = self.swapped[0]
                 if len(req.tokens) > 0 and a.num_free_blocks < a.blocks_needed(len(req.tokens)) + 1:
                     break
+                n = min(len(req.tokens) - req.num_computed, budget)
+                held = a.num_tokens(req.request_id)
+                need = req.num_computed + n - held
+                quota = a.quota_of(req.tenant)
+                if quota is not None and need > 0:
+                    # A swapped-out sequence keeps its blocks' share of its tenant's quota; the
+                    # blocks its next tokens take must fit the quota too.
+                    if a.blocks_needed(held + need) > quota:  # never: end it, as a running one
+                        self.swapped.pop(0)
+                        a.free(req.request_id)
+                        why = self._never_fits(req, len(req.tokens)) or f"request {req.request_id!r}"
+                        self._fail(
+                            req,
+                            KVCacheExhausted(
+                                f"{why}; it outgrew its tenant's quota while generating after "
+                                f"{len(req.output)} tokens. Lower max_new_tokens or raise the quota"
+                            ),
+                        )
+                        continue
+                    if not a.quotas.allows(req.tenant, a.blocks_needed(held + need) - a.blocks_needed(held)):
+                        # Its tenant's other requests hold the rest of the quota: give its share
+                        # back (recompute) rather than hold it while waiting for theirs.
+                        self.swapped.pop(0)
+                        a.free(req.request_id)
+                        req.num_computed = 0
+                        req.status = RequestStatus.WAITING
+                        bisect.insort(self.waiting, req, key=Request.sort_key)
+                        continue
                 swap_in.extend(a.swap_in(req.request_id))
                 self.swapped.pop(0)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                n = min(len(req.tokens) - req.num_computed, budget)
-                need = req.num_computed + n - a.num_tokens(req.request_id)
                 slots.append(self._reserve(req, n, need, with_ids=False))
                 chosen.append(req)
                 counts.append(n)
@@ -534,6 +580,19 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
 
+        if swap_out and not chosen:
+            # A step that runs no request carries no block moves: a runtime skips such a step
+            # (ContinuousDecodeLoop.step_once does), and the swapped-out K/V would never reach
+            # the CPU pool. This happens when the only request left running after a swap (for a
+            # lowered max_num_seqs) ends at once, outgrown: the requests swapped out here are
+            # recomputed instead.
+            for req in swapped_here:
+                self.swapped.remove(req)
+                a.free(req.request_id)
+                req.num_computed = 0
+                req.status = RequestStatus.WAITING
+                bisect.insort(self.waiting, req, key=Request.sort_key)
+            swap_out = []
         samples = tuple(r.num_computed + n == len(r.tokens) for r, n in zip(chosen, counts, strict=True))
         copies = tuple(a.take_copies())
         if chosen:
