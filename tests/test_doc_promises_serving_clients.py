@@ -476,6 +476,19 @@ def test_the_openai_client_gets_bad_request_for_an_unimplemented_field_streamed_
         assert (err.value.status_code, err.value.code, err.value.param) == (400, "unsupported_parameter", field)
 
 
+def test_logprobs_0_on_completions_asks_for_logprobs_and_is_refused(client: Any) -> None:
+    """On /v1/completions `logprobs` is a count, and 0 still asks for the sampled tokens' log
+    probabilities (OpenAI: "may return up to logprobs+1 elements"): not the neutral value, so
+    400 `unsupported_parameter` naming it, from the openai client too (0 passed as equal to
+    `false`, and the answer came without the logprobs asked for). A field's neutral value is
+    that value, not one equal to it in Python: `best_of: true` is refused as well."""
+    for field, value in (("logprobs", 0), ("best_of", True), ("echo", 0)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=CHAT, prompt="Hi", max_tokens=1, **{field: value})
+        assert (err.value.code, err.value.param) == ("unsupported_parameter", field)
+    assert client.completions.create(model=CHAT, prompt="Hi", max_tokens=1, logprobs=None).choices[0].logprobs is None
+
+
 def test_a_prompt_past_the_context_is_a_bad_request_streamed_or_not(client: Any, models: tuple[Any, Any]) -> None:
     """ "400 `context_length_exceeded`: prompt + `max_tokens` longer than the model's context, or
     than the whole KV pool": a prompt past it blames `messages` (or `prompt`), a limit that

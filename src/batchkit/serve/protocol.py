@@ -119,7 +119,10 @@ def _opt_model(body: Mapping[str, Any]) -> str | None:
 
 
 def _unsupported(body: Mapping[str, Any], name: str, neutral: Sequence[Any]) -> None:
-    if name in body and body[name] not in neutral:
+    # The neutral values themselves, not values equal to one in Python: 0 == False, True == 1,
+    # but completions' logprobs=0 asks for the sampled tokens' logprobs and best_of=true is no count.
+    value = body.get(name)
+    if name in body and not any(value == n and type(value) is type(n) for n in neutral):
         raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
 
 
@@ -142,13 +145,15 @@ class GenerationRequest:
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (errors name it)
 
 
-def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> dict[str, Any]:
+def _common(
+    body: Mapping[str, Any], max_tokens_names: Sequence[str], logprobs_neutral: Sequence[Any]
+) -> dict[str, Any]:
     n = _opt_int(body, "n", lo=1)
     if n not in (None, 1):
         raise ApiError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         _unsupported(body, name, (None, 0, 0.0))
-    _unsupported(body, "logprobs", (None, False))
+    _unsupported(body, "logprobs", logprobs_neutral)
     _unsupported(body, "top_logprobs", (None, 0))
     _unsupported(body, "logit_bias", (None, {}))
     # Tools and structured output: silently ignored, the model would answer in plain text.
@@ -237,7 +242,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         if m.get("content") is None and m["role"] != "assistant":  # as OpenAI: only an assistant's may be absent
             raise _invalid(f"messages[{i}].content", f"a {m['role']} message needs a 'content'")
         clean.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
-    return GenerationRequest(messages=clean, **_common(body, ("max_completion_tokens", "max_tokens")))
+    return GenerationRequest(messages=clean, **_common(body, ("max_completion_tokens", "max_tokens"), (None, False)))
 
 
 def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
@@ -260,7 +265,8 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
     else:
         raise _invalid("prompt", "'prompt' must be one non-empty string or one list of token ids (n=1)")
     # max_completion_tokens too, as on chat: the docs promise the same sampling fields on both routes.
-    return GenerationRequest(prompt=prompt, **_common(body, ("max_completion_tokens", "max_tokens")))
+    # logprobs is a count here: 0 still asks for the sampled tokens' logprobs, so only null is neutral.
+    return GenerationRequest(prompt=prompt, **_common(body, ("max_completion_tokens", "max_tokens"), (None,)))
 
 
 @dataclass(frozen=True)
