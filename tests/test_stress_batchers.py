@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import trio
 
 import batchkit
 from batchkit.testing import MockClock
@@ -106,6 +107,7 @@ class Config:
     fn_kind: str
     drain: bool
     close_timeout: float | None = None  # set where held batches of an async def hang until close cancels them
+    batch_timeout_s: float | None = None  # on the MockClock: a held batch times out as the callers move time
 
     def block_timeout(self, rng: random.Random) -> float | None:
         """A ``"block"`` queue's submit always has a (wall-clock) bound on its wait for room."""
@@ -260,6 +262,10 @@ def _category(o: Outcome, cfg: Config, ledger: Ledger, bad: list[str]) -> str:
         if not ledger.raised[it.n]:
             bad.append(f"{it}: failed with {e!r} but never ran in a batch that raised")
         return "failed"
+    if isinstance(e, batchkit.BatchTimeout):
+        if cfg.batch_timeout_s is None:
+            bad.append(f"{it}: BatchTimeout without batch_timeout_s")
+        return "timed_out"
     if isinstance(e, batchkit.DeadlineExceeded):
         if it.deadline_ms is None or it.fallback is not None:
             bad.append(f"{it}: DeadlineExceeded without a deadline, or despite a fallback")
@@ -340,19 +346,24 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
     rng = random.Random(seed)
     cfg = make_config(seed, rng, ["sync", "sync", "async"])
     cfg.close_timeout = CLOSE_TIMEOUT_S if cfg.fn_kind == "async" else None
+    cfg.batch_timeout_s = rng.choice([None, 0.02])
     clock = MockClock()
     queue: batchkit.BoundedQueue[Any] = batchkit.BoundedQueue(cfg.max_queue, cfg.on_full, clock=clock)  # type: ignore[arg-type]
     ledger = Ledger(cfg)
     counter = iter(range(10**9))
-    future_callers, per_caller, async_tasks = 3, 80, 100
+    future_callers, per_caller, async_tasks = 3, 80, 60
     items_of = {k: [Item(next(counter), rng) for _ in range(per_caller)] for k in range(future_callers)}
     blocking_items = [Item(next(counter), rng) for _ in range(15)]
     map_items = [Item(next(counter), rng) for _ in range(30)]
     for it in map_items:  # map passes no per-item options
         it.priority, it.deadline_ms, it.fallback = 0, None, None
-    task_items = [Item(next(counter), rng) for _ in range(async_tasks)]
-    total = future_callers * per_caller + len(task_items)
-    traffic = Traffic(clock, close_after=int(total * rng.uniform(0.5, 0.9)), submitters=future_callers + 1)
+    task_items = {
+        loop: [Item(next(counter), rng) for _ in range(async_tasks)] for loop in ("asyncio0", "asyncio1", "trio")
+    }
+    total = future_callers * per_caller + async_tasks * len(task_items)
+    traffic = Traffic(
+        clock, close_after=int(total * rng.uniform(0.5, 0.9)), submitters=future_callers + len(task_items)
+    )
     tickets = traffic.tickets
 
     def sync_fn(items: list[Item]) -> list[object]:
@@ -376,6 +387,7 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
         size_fn=(lambda it: it.cost) if cfg.cost_limit is not None else None,
         max_batch_cost=cfg.cost_limit,
         isolate_errors=cfg.isolate_errors,
+        batch_timeout_s=cfg.batch_timeout_s,
     )(fn)
     b: batchkit.DynamicBatcher[Item, object] = f.batcher
     outcomes: list[Outcome] = []
@@ -435,12 +447,13 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
         try:
             for it, value in zip(map_items, f.map(map_items), strict=False):
                 done.append(Outcome(it, value=value))
-        except (ItemError, Boom, batchkit.QueueFull, batchkit.BatcherClosed):
+        except (ItemError, Boom, batchkit.QueueFull, batchkit.BatcherClosed, batchkit.BatchTimeout):
             pass  # an item's failure (or the close) ends the map; it cancels the items after it
         record(done)
 
-    def asyncio_caller() -> None:
-        crng = random.Random(seed * 1000 + 200)
+    def asyncio_caller(j: int) -> None:
+        crng = random.Random(seed * 1000 + 200 + j)
+        items = task_items[f"asyncio{j}"]
 
         async def call(it: Item, kw: dict[str, Any], o: Outcome) -> None:
             for _ in range(crng.randrange(30)):
@@ -458,10 +471,10 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
                 o.admitted = probe.suspended if cfg.on_full != "block" else None
 
         async def main() -> None:
-            os = [Outcome(it) for it in task_items]
+            os = [Outcome(it) for it in items]
             tasks = [
                 asyncio.ensure_future(call(it, it.kwargs(cfg.block_timeout(crng)), o))
-                for it, o in zip(task_items, os, strict=True)
+                for it, o in zip(items, os, strict=True)
             ]
             try:
                 for _ in range(len(tasks) // 3):
@@ -479,13 +492,58 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
 
         asyncio.run(main())
 
+    def trio_caller() -> None:
+        crng = random.Random(seed * 1000 + 300)
+        items = task_items["trio"]
+
+        async def call(it: Item, kw: dict[str, Any], o: Outcome, scope: trio.CancelScope) -> None:
+            with scope:
+                for _ in range(crng.randrange(30)):
+                    await trio.sleep(0)
+                traffic.step(crng)
+                probe = Suspends(lambda: f.acall(it, **kw))
+                try:
+                    o.value = await probe
+                except trio.Cancelled:
+                    o.cancelled = True
+                    raise
+                except Exception as exc:
+                    o.error = exc
+                finally:
+                    o.admitted = probe.suspended if cfg.on_full != "block" else None
+
+        async def main() -> None:
+            os = [Outcome(it) for it in items]
+            scopes = [trio.CancelScope() for _ in items]
+            with trio.fail_after(WAIT):
+                async with trio.open_nursery() as nursery:
+                    for it, o, scope in zip(items, os, scopes, strict=True):
+                        nursery.start_soon(call, it, it.kwargs(cfg.block_timeout(crng)), o, scope)
+                    try:
+                        for _ in range(len(items) // 3):
+                            for _ in range(crng.randrange(4)):
+                                await trio.sleep(0)
+                            i = crng.randrange(len(items))
+                            scopes[i].cancel()
+                            os[i].cancelled_by_test = True
+                    finally:
+                        traffic.submitted()
+            # A call cancelled before it submitted has nothing to check.
+            record([o for o in os if not (o.cancelled_by_test and o.admitted is None)])
+
+        trio.run(main)
+
     def closer() -> None:
         assert traffic.close_now.wait(WAIT)
         f.close(drain=cfg.drain, timeout=cfg.close_timeout)
         after_close.append(b.statistics())  # nothing waits or runs once close has returned
 
-    threads = [threading.Thread(target=guarded(future_caller, k)) for k in range(future_callers)]
-    threads += [threading.Thread(target=guarded(fn_)) for fn_ in (blocking_caller, map_caller, asyncio_caller, closer)]
+    threads = [threading.Thread(target=guarded(future_caller, k), name=f"futures{k}") for k in range(future_callers)]
+    threads += [threading.Thread(target=guarded(asyncio_caller, j), name=f"asyncio{j}") for j in range(2)]
+    threads += [
+        threading.Thread(target=guarded(fn_), name=fn_.__name__)
+        for fn_ in (blocking_caller, map_caller, trio_caller, closer)
+    ]
     for t in threads:
         t.start()
     assert traffic.all_submitted.wait(WAIT), "the callers never finished submitting"
@@ -493,7 +551,8 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
     tickets.release(10**6)  # every held batch may go now
     for t in threads:
         t.join(WAIT)
-    assert not [t for t in threads if t.is_alive()], "a caller or the close hung"
+    hung = [t.name for t in threads if t.is_alive()]
+    assert not hung, f"{hung} hung"
     f.close()
     assert not errors, errors
     assert [(a.pending, a.in_flight, a.running_batches) for a in after_close] == [(0, 0, 0)]
@@ -533,6 +592,7 @@ def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_
     rng = random.Random(seed)
     cfg = make_config(seed, rng, ["async", "loop", "offload"])
     cfg.close_timeout = CLOSE_TIMEOUT_S if cfg.fn_kind == "async" else None
+    cfg.batch_timeout_s = rng.choice([None, 0.02]) if cfg.fn_kind != "loop" else None  # "loop" refuses it
     clock = MockClock()
     ledger = Ledger(cfg)
     items = [Item(n, rng) for n in range(400)]
@@ -564,6 +624,7 @@ def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_
             max_batch_cost=cfg.cost_limit,
             isolate_errors=cfg.isolate_errors,
             offload=cfg.fn_kind == "offload",
+            batch_timeout_s=cfg.batch_timeout_s,
             clock=clock,
         )
         attempts = 0
@@ -769,3 +830,72 @@ def test_aclose_with_timeout_leaves_no_batch_in_flight() -> None:
     s = asyncio.run(main())
     assert (s.pending, s.in_flight, s.running_batches) == (0, 0, 0)
     assert (s.submitted, s.failed) == (1, 1)
+
+
+def test_batch_timeout_cancels_the_call_of_an_async_batch_function_and_close_does_not_wait_for_it() -> None:
+    """With ``batch_timeout_s``, a timed-out call of an ``async def`` batch function is cancelled
+    (its callers have BatchTimeout), and close(timeout=...) returns. The call went on running on
+    the batcher's event loop, and close waited for it to end, whatever its timeout."""
+    clock = MockClock()
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def hang(xs: list[int]) -> list[int]:
+        started.set()
+        try:
+            await asyncio.sleep(WAIT)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return xs
+
+    b = batchkit.DynamicBatcher(hang, max_batch_size=1, max_wait_ms=0, batch_timeout_s=0.05, clock=clock)
+    try:
+        fut = b.submit(0)
+        assert started.wait(WAIT)
+        clock.advance(1.0)  # past batch_timeout_s
+        with pytest.raises(batchkit.BatchTimeout):
+            fut.result(WAIT)
+        assert cancelled.wait(WAIT)
+    finally:
+        b.close(timeout=WAIT)
+    s = b.statistics()
+    assert (s.submitted, s.failed, s.pending, s.in_flight) == (1, 1, 0, 0)
+
+
+def test_a_batch_that_timed_out_is_not_split_and_retried_when_its_call_fails_later() -> None:
+    """``isolate_errors`` retries the halves of a failing batch to answer its callers; a batch
+    whose callers already have their BatchTimeout is not retried when its call fails after the
+    timeout (its halves ran again, for nobody)."""
+    clock = MockClock()
+    started, release = threading.Event(), threading.Event()
+    calls: list[list[int]] = []
+
+    def fn(xs: list[int]) -> list[int]:
+        calls.append(list(xs))
+        if len(calls) == 1:
+            started.set()
+            assert release.wait(WAIT)
+            raise RuntimeError("failed after its batch timed out")
+        return xs
+
+    b = batchkit.DynamicBatcher(
+        fn,
+        max_batch_size=2,
+        max_wait_ms=10,
+        isolate_errors=True,
+        batch_timeout_s=0.05,
+        clock=clock,
+        name="late-failure",
+    )
+    futs = [b.submit(0), b.submit(1)]  # one batch, by size
+    assert started.wait(WAIT)
+    clock.advance(1.0)  # past batch_timeout_s
+    for fut in futs:
+        with pytest.raises(batchkit.BatchTimeout):
+            fut.result(WAIT)
+    release.set()
+    b.close()
+    for t in threading.enumerate():  # the timed-out batch's worker, which close does not join
+        if t.name == "batchkit-worker-late-failure":
+            t.join(WAIT)
+    assert calls == [[0, 1]]

@@ -985,6 +985,9 @@ class DynamicBatcher(BatcherShell[T, R]):
                         None,
                         BatchTimeout(f"{self.name}: batch function ran past batch_timeout_s={self.batch_timeout_s}"),
                     )
+                    call = b.call
+                    if call is not None:  # an async def's call: cancel it (a plain one cannot be)
+                        call.cancel()
                 if batch is not None:
                     self._work.put(batch)
         except BaseException:  # pragma: no cover - a bug here must not hang callers silently
@@ -1058,7 +1061,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         # meets the breaker in the state that failure put it in.
         self._wake(held)
 
-    def _call(self, items: list[Any]) -> Any:
+    def _call(self, batch: _Batch, items: list[Any]) -> Any:
         if not self._is_async:
             return self.fn(items)
         portal = self._portal
@@ -1072,7 +1075,10 @@ class DynamicBatcher(BatcherShell[T, R]):
                     self._portal_thread = self._portal.call(threading.current_thread)
                 portal = self._portal
         try:
-            result = portal.call(_guarded, self.fn, items)
+            call = batch.call = portal.start_task_soon(_guarded, self.fn, items)
+            if batch.abandoned:  # timed out before its call was known: the dispatcher could not cancel it
+                call.cancel()
+            result = call.result()
         except (concurrent.futures.CancelledError, RuntimeError):
             stopped = self._portal_stopped
             if stopped is not None:  # close() stopped the portal under this call
@@ -1097,8 +1103,10 @@ class DynamicBatcher(BatcherShell[T, R]):
             return False
         items = [r.item for r in reqs]
         try:
-            results = self._call(items)
+            results = self._call(batch, items)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
+            if batch.abandoned:
+                return False  # timed out: its callers have their BatchTimeout; no halves to retry
             if self._split_after(exc, len(reqs)):
                 mid = len(reqs) // 2
                 first = self._call_and_deliver(batch, reqs[:mid], None)

@@ -64,10 +64,11 @@ class BatchInfo:
 
 class FormedBatch(Generic[E]):
     """A sealed batch: its entries, how it was formed, when it started, and whether it was
-    abandoned (ran past ``batch_timeout_s``). ``runner`` is the driver's own slot (the batcher
-    keeps the worker thread that runs it there)."""
+    abandoned (ran past ``batch_timeout_s``). ``runner`` and ``call`` are the driver's own slots
+    (the batcher keeps there the worker thread that runs the batch, and the handle that cancels
+    the call of an ``async def`` batch function running now)."""
 
-    __slots__ = ("abandoned", "entries", "info", "runner", "started")
+    __slots__ = ("abandoned", "call", "entries", "info", "runner", "started")
 
     def __init__(self, entries: list[E], info: BatchInfo, started: float) -> None:
         self.entries = entries
@@ -75,6 +76,7 @@ class FormedBatch(Generic[E]):
         self.started = started
         self.abandoned = False
         self.runner: Any = None
+        self.call: Any = None
 
     def __repr__(self) -> str:
         return f"<FormedBatch size={self.info.size} reason={self.info.reason!r} started={self.started:.6f}>"
