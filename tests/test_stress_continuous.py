@@ -400,17 +400,18 @@ def test_random_traffic_keeps_every_promise(
 # --------------------------------------------------------------------------- close() mid-traffic
 
 
-def test_close_while_requests_run_ends_each_once_and_frees_everything() -> None:
+@pytest.mark.parametrize(("seed", "mode", "close_after"), [(11, "swap", 40), (12, "recompute", 25), (13, "swap", 60)])
+def test_close_while_requests_run_ends_each_once_and_frees_everything(seed: int, mode: str, close_after: int) -> None:
     """submit() traffic with shared prefixes, priorities, cancellations and deadlines on a
-    cache that forces preemption (swap): close() from the caller's thread while the engine
-    steps. Every future resolves once (its full greedy output, DeadlineExceeded, BatcherClosed or
+    cache that forces preemption: close() from the caller's thread while the engine steps.
+    Every future resolves once (its full greedy output, DeadlineExceeded, BatcherClosed or
     cancelled), every block comes back, and finished + aborted counts every request."""
     clock = MockClock()
     stepped = threading.Event()
 
     def after(calls: int) -> None:
         clock.advance(1.0)
-        if calls == 40:
+        if calls == close_after:
             stepped.set()
 
     step_fn = ReadbackStep(after=after)
@@ -421,11 +422,11 @@ def test_close_while_requests_run_ends_each_once_and_frees_everything() -> None:
         max_num_seqs=6,
         max_num_batched_tokens=16,
         enable_prefix_caching=True,
-        preemption_mode="swap",
-        num_cpu_blocks=24,
+        preemption_mode=mode,
+        num_cpu_blocks=24 if mode == "swap" else 0,
         watermark=0.0,
     )
-    rng = random.Random(11)
+    rng = random.Random(seed)
     prefix = [rng.randrange(4, VOCAB) for _ in range(8)]
     futures = []
     for i in range(40):
@@ -653,3 +654,28 @@ def test_a_swapped_request_short_of_quota_waits_recomputed_while_its_tenant_runs
         assert (ends[rid].finish_reason, out[rid]) == ("length", greedy_reference(prompt, params[rid])), rid
     s = loop.allocator.statistics()
     assert (s.used_blocks, s.num_seqs, s.cpu_free_blocks, s.tenant_usage) == (0, 0, s.cpu_total_blocks, {})
+
+
+def test_a_better_priority_request_preempts_nobody_when_that_would_not_let_it_in() -> None:
+    """A waiting request of better priority than a running one, but too big for the room that
+    preempting every worse request would free (an equal-priority request holds the blocks),
+    preempts nobody: the worse request keeps running. It was preempted for nothing, then waited
+    behind the request it had made way for."""
+    a = PagedKVAllocator(17, block_size=4)  # 16 blocks
+    sched = Scheduler(a, max_num_batched_tokens=256)
+    sched.add(Request("big", list(range(1, 45)), SamplingParams(max_new_tokens=8)))  # 11 blocks
+    sched.add(Request("low", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=30), priority=1))  # 2 blocks
+    _step_all(sched)
+    sched.add(Request("head", list(range(1, 37)), SamplingParams(max_new_tokens=4)))  # 9 blocks: 3 free + 2
+    _step_all(sched)
+    statuses = {rid: r.status for rid in ("big", "low", "head") if (r := sched.get(rid)) is not None}
+    assert statuses == {"big": RequestStatus.RUNNING, "low": RequestStatus.RUNNING, "head": RequestStatus.WAITING}
+    assert sched.statistics().preemptions == 0
+    ended: dict[Hashable, TokenEvent] = {}
+    for _ in range(100):
+        if not sched.has_work():
+            break
+        _, events = _step_all(sched)
+        ended.update((ev.request_id, ev) for ev in events if ev.finished)
+    assert {rid: ev.finish_reason for rid, ev in ended.items()} == {"big": "length", "low": "length", "head": "length"}
+    assert a.statistics().used_blocks == 0

@@ -20,6 +20,7 @@ import enum
 import heapq
 import math
 import numbers
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -356,6 +357,16 @@ class Scheduler:
                 best = r
         return best
 
+    def _room_without(self, requests: list[Request]) -> int:
+        """Blocks admission could hand out if these running requests gave theirs back: the
+        blocks no other sequence shares with them."""
+        a = self.allocator
+        held: Counter[int] = Counter()
+        for r in requests:
+            held.update(a.block_table(r.request_id).tolist())
+        freed = sum(1 for block, n in held.items() if a.ref_count(block) == n)
+        return a.num_free_blocks + freed - a.watermark_blocks
+
     def _preempt(self, req: Request, swap_out: list[tuple[int, int]], *, allow_swap: bool = True) -> bool:
         """Take ``req`` off the running list: swapped out (True; its copies added to
         ``swap_out``) or back to the waiting queue, recomputed (False)."""
@@ -435,12 +446,19 @@ class Scheduler:
         # A better-priority waiting request may push out a worse running one, for a seat under
         # max_num_seqs or for KV room. Only when that lets it in: not past its tenant's quota
         # (other tenants' blocks would not help), not while swapped requests wait to come back
-        # first (step 3 admits nothing then), not if it can never fit. Victims are recomputed,
-        # not swapped, so that they do not block admission in turn.
+        # first (step 3 admits nothing then), not if it can never fit, not if preempting every
+        # worse request would still leave too little room (the better ones hold the blocks).
+        # Victims are recomputed, not swapped, so that they do not block admission in turn.
         if self.waiting and self.running and not self.swapped:
             head = self.waiting[0]
             total = len(head.tokens)
-            if a.within_quota(total, head.tenant) and self._never_fits(head, total) is None:
+            worse = [r for r in self.running if r.priority > head.priority]
+            if (
+                worse
+                and a.within_quota(total, head.tenant)
+                and self._never_fits(head, total) is None
+                and self._room_without(worse) >= a.blocks_needed(total)
+            ):
                 if len(self.running) >= self.max_num_seqs:
                     worst = self._victim(set())
                     if worst is not None and worst.priority > head.priority:
