@@ -588,7 +588,8 @@ def test_a_request_past_its_tenants_quota_is_refused_before_its_stream_starts(mo
 
 def test_a_batch_of_embedding_inputs_keeps_its_order(client: Any) -> None:
     """`input`, a list of strings: `data[i]` (with `index` i) is the vector of `input[i]`, as each
-    input embedded alone gives it, and `usage.prompt_tokens` counts the tokens of all of them."""
+    input embedded alone gives it, and `usage.prompt_tokens` counts the tokens of all of them;
+    with more inputs than one batch, too."""
     inputs = ["the cat sat on the mat", "quantum chromodynamics", "hello", "a recipe for bread", "hello", "zebra"]
     batch = client.embeddings.create(model=EMBED, input=inputs)
     alone = [client.embeddings.create(model=EMBED, input=text) for text in inputs]
@@ -599,9 +600,40 @@ def test_a_batch_of_embedding_inputs_keeps_its_order(client: Any) -> None:
         others = [math.dist(d.embedding, a.data[0].embedding) for a in alone if a.data[0].embedding is not own]
         assert min(others) > 1e-2 or inputs.count(inputs[i]) > 1
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    # more inputs than one batch of the embedding batcher (32): the order holds across batches
+    many = [f"sentence number {i} about {'cats' if i % 2 else 'ships'}" for i in range(80)]
+    forward = client.embeddings.create(model=EMBED, input=many)
+    backward = client.embeddings.create(model=EMBED, input=many[::-1])
+    assert [d.index for d in forward.data] == list(range(80))
+    for i, d in enumerate(forward.data):
+        assert math.dist(d.embedding, backward.data[79 - i].embedding) < 1e-4, i
+        assert math.dist(d.embedding, forward.data[i ^ 1].embedding) > 1e-2, i
 
 
 # ----------------------------------------------------------------------------- batchkit serve: shutdown
+
+
+def test_a_stream_whose_client_leaves_during_the_grace_ends_the_wait(models: tuple[Any, Any]) -> None:
+    """The shutdown gives requests in flight `shutdown_grace_s` "to finish": one whose client
+    leaves meanwhile is aborted like any other, and the shutdown goes on at once instead of
+    waiting out the grace (here 600 s)."""
+    from batchkit.serve import create_app
+
+    lm, _ = models
+    app = create_app(lm, num_blocks=64, warmup=False, shutdown_grace_s=600)
+    body = {"model": CHAT, "prompt": "Count:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=WAIT_S) as r:
+            events = _events(r.iter_lines())
+            next(events)
+            stopping = pool.submit(app.state.batchkit.shutdown_from_thread)
+            _wait_until(lambda: httpx.get(f"{server.url}/ready", timeout=30).status_code == 503, "/ready to say 503")
+            assert json.loads(next(events))["choices"][0]["finish_reason"] is None
+            assert not stopping.done()
+        stopping.result(timeout=WAIT_S)
+        m = _metrics(server.url)
+        assert m[("batchkit_http_requests_total", (("route", "completions"), ("status", "499")))] == 1
+        assert m[("batchkit_kv_blocks", (("pool", "chat"), ("state", "used")))] == 0
 
 
 def _free_port() -> int:
