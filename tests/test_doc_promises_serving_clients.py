@@ -215,6 +215,35 @@ def test_the_async_openai_client_leaving_streams_and_plain_requests_aborts_them(
     assert _metric(live.url, "batchkit_decode_requests_aborted_total", loop="chat") == aborted + 2
 
 
+def test_the_async_openai_client_gets_the_sync_answer_from_many_tasks_at_once(live: LiveServer, client: Any) -> None:
+    """Ten `AsyncOpenAI` tasks at once (more than the four seats), half of them streamed: each gets
+    the greedy answer and usage the sync client gets alone."""
+    kwargs: dict[str, Any] = {"model": CHAT, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    alone = client.chat.completions.create(**kwargs)
+
+    async def main() -> list[tuple[str, Any]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0
+        ) as aclient:
+
+            async def plain() -> tuple[str, Any]:
+                r = await aclient.chat.completions.create(**kwargs)
+                return r.choices[0].message.content or "", r.usage
+
+            async def streamed() -> tuple[str, Any]:
+                stream = await aclient.chat.completions.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
+                chunks = [c async for c in stream]
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+
+            return await asyncio.gather(*(plain() if i % 2 else streamed() for i in range(10)))
+
+    for text, usage in asyncio.run(main()):
+        assert text == alone.choices[0].message.content
+        assert usage.model_dump() == alone.usage.model_dump()
+
+
 def test_a_client_leaving_while_its_request_waits_for_a_seat_aborts_it(models: tuple[Any, Any]) -> None:
     """A streamed request still waiting for admission (one seat, taken) whose client leaves is
     aborted too: the waiting queue empties, it counts 499, and the running request goes on."""
@@ -646,15 +675,20 @@ def test_ctrl_c_lets_streams_run_on_and_a_second_one_ends_them_with_an_error_eve
     """ "Shutdown (Ctrl-C or SIGTERM)": after SIGINT, streams in flight keep receiving text while
     `/health` stays 200, `/ready` says 503 `stopping` and a new request gets 503 `shutting_down`
     with `Retry-After`; a second SIGINT ends the grace: a stream's last event is the
-    `shutting_down` error, then `data: [DONE]` (the openai client raises it as an APIError), and
-    `batchkit serve` exits with status 0."""
+    `shutting_down` error, then `data: [DONE]` (the openai client raises it as an APIError), a
+    request still waiting for a seat gets a JSON 503 `shutting_down`, and `batchkit serve` exits
+    with status 0."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "stderr.txt"
     command = [sys.executable, "-m", "batchkit", "serve", "--model", CHAT, "--port", str(port)]
-    command += ["--num-blocks", "128", "--shutdown-grace-s", "600", "--log-level", "warning"]
+    command += ["--num-blocks", "128", "--max-num-seqs", "2", "--shutdown-grace-s", "600", "--log-level", "warning"]
     body = {"model": CHAT, "prompt": "Count:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
-    with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc:
+    with (
+        log.open("w") as err,
+        subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
         try:
 
             def ready() -> bool:
@@ -676,6 +710,11 @@ def test_ctrl_c_lets_streams_run_on_and_a_second_one_ends_them_with_an_error_eve
                 )
                 chunks = iter(chat)
                 assert next(chunks).choices[0].delta.role == "assistant"
+                queued = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=WAIT_S)
+                _wait_until(
+                    lambda: _metric(url, "batchkit_decode_requests_waiting", loop="chat") == 1,
+                    "a third request to wait for one of the two seats",
+                )
                 proc.send_signal(signal.SIGINT)
                 _wait_until(lambda: httpx.get(f"{url}/ready", timeout=30).status_code == 503, "/ready to say 503")
                 assert httpx.get(f"{url}/ready", timeout=30).json() == {"status": "stopping"}
@@ -695,6 +734,9 @@ def test_ctrl_c_lets_streams_run_on_and_a_second_one_ends_them_with_an_error_eve
             assert json.loads(rest[-2])["error"]["code"] == "shutting_down", rest[-2]
             assert all("error" not in json.loads(e) for e in rest[:-2])
             assert ended.value.code == "shutting_down"
+            r = queued.result(timeout=WAIT_S)
+            assert r.headers["content-type"].startswith("application/json")
+            assert (r.status_code, r.json()["error"]["code"]) == (503, "shutting_down")
             assert proc.wait(timeout=WAIT_S) == 0
         finally:
             if proc.poll() is None:
