@@ -639,6 +639,39 @@ def test_a_batch_of_embedding_inputs_keeps_its_order(client: Any) -> None:
         assert math.dist(d.embedding, forward.data[i ^ 1].embedding) > 1e-2, i
 
 
+def test_a_client_leaving_an_embedding_request_cancels_what_has_not_run(live: LiveServer) -> None:
+    """ "A client that disconnects aborts its request at once": for 2048 inputs to embed, the
+    inputs not yet embedded when the connection closes are cancelled, not run; the request is
+    counted 499."""
+
+    def batcher(name: str, **labels: str) -> float:
+        return _metric(live.url, name, batcher="embeddings", **labels)
+
+    def outcomes() -> dict[str, float]:
+        return {o: batcher("batchkit_batcher_items_total", outcome=o) for o in ("succeeded", "failed", "cancelled")}
+
+    before, batches = outcomes(), batcher("batchkit_batcher_batches_total")
+    left = _metric(live.url, "batchkit_http_requests_total", route="embeddings", status="499")
+    body = json.dumps({"model": EMBED, "input": [f"text number {i} " * 20 for i in range(2048)]}).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        head = f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        _wait_until(lambda: batcher("batchkit_batcher_batches_total") > batches, "a first batch to run")
+    _wait_until(
+        lambda: _metric(live.url, "batchkit_http_requests_total", route="embeddings", status="499") == left + 1,
+        "the request to be counted 499",
+    )
+    _wait_until(
+        lambda: batcher("batchkit_batcher_queue_depth") == 0 and batcher("batchkit_batcher_in_flight") == 0,
+        "the batcher to be idle",
+    )
+    after = outcomes()
+    ended = {o: after[o] - before[o] for o in after}
+    assert sum(ended.values()) == 2048, ended
+    assert ended["cancelled"] > 1024, ended
+
+
 # ----------------------------------------------------------------------------- batchkit serve: shutdown
 
 
