@@ -679,3 +679,35 @@ def test_a_better_priority_request_preempts_nobody_when_that_would_not_let_it_in
         ended.update((ev.request_id, ev) for ev in events if ev.finished)
     assert {rid: ev.finish_reason for rid, ev in ended.items()} == {"big": "length", "low": "length", "head": "length"}
     assert a.statistics().used_blocks == 0
+
+
+def test_a_request_swapped_out_at_a_block_boundary_comes_back_when_it_fits_alone() -> None:
+    """A request swapped out holding all the blocks but its preemptor's, at a block boundary:
+    its next token needs the whole pool. Once the preemptor finishes it comes back (the swap-in
+    asked for one block more than the pool holds, so it stayed swapped out for ever and the
+    requests behind it were never admitted)."""
+    step_fn = ReadbackStep()
+    loop = make_loop(step_fn, 4, preemption_mode="swap", num_cpu_blocks=8, watermark=0.0)  # 3 blocks
+    prompts = {"first": [4, 5, 6], "second": [7, 8, 9, 10, 11, 12, 13], "later": [14, 15]}
+    params = {rid: SamplingParams(max_new_tokens=3) for rid in prompts}
+    loop.scheduler.add(Request("first", prompts["first"], params["first"]))
+    loop.scheduler.add(Request("second", prompts["second"], params["second"], priority=1))
+    loop.scheduler.add(Request("later", prompts["later"], params["later"], priority=2))
+    out: dict[Hashable, list[int]] = {}
+    ends: dict[Hashable, TokenEvent] = {}
+    for _ in range(100):
+        if not loop.scheduler.has_work():
+            break
+        _, events = loop.step_once()
+        for ev in events:
+            if ev.token is not None:
+                out.setdefault(ev.request_id, []).append(ev.token)
+            if ev.finished:
+                ends[ev.request_id] = ev
+    assert not loop.scheduler.has_work(), f"stuck: {loop.scheduler.statistics()}"
+    assert not step_fn.problems, step_fn.problems[:3]
+    swaps = loop.allocator.statistics()
+    assert (swaps.swaps_out, swaps.swaps_in) == (1, 1), "the case is meant to swap 'second' out and in"
+    for rid, prompt in prompts.items():
+        assert (ends[rid].finish_reason, out[rid]) == ("length", greedy_reference(prompt, params[rid])), rid
+    assert loop.allocator.statistics().used_blocks == 0

@@ -528,11 +528,14 @@ class Scheduler:
         if not preempted:
             while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.swapped[0]
-                if len(req.tokens) > 0 and a.num_free_blocks < a.blocks_needed(len(req.tokens)) + 1:
-                    break
                 n = min(len(req.tokens) - req.num_computed, budget)
                 held = a.num_tokens(req.request_id)
                 need = req.num_computed + n - held
+                # Room for its blocks and this step's tokens, and a block to grow into while
+                # others run (with nothing running, what it needs is enough: it held no more
+                # than the pool less its preemptor's blocks, so it always fits alone).
+                if a.num_free_blocks < a.blocks_needed(held + max(need, 0)) + (1 if self.running else 0):
+                    break
                 quota = a.quota_of(req.tenant)
                 if quota is not None and need > 0:
                     # A swapped-out sequence keeps its blocks' share of its tenant's quota; the
