@@ -481,8 +481,10 @@ def test_a_stop_string_completed_by_a_token_ending_mid_character_is_not_sent() -
     string with a U+FFFD."""
     from batchkit.serve.protocol import IncrementalDetokenizer
 
-    texts = {(1,): "The ca", (1, 2): "The caf\ufffd", (1, 2, 3): "The café"}
-    tail = IncrementalDetokenizer(lambda ids: texts[tuple(ids)], ["caf"])
+    pieces = {1: b"The ca", 2: b"f\xc3", 3: b"\xa9"}  # byte-level tokens: 2 and 3 split "é"
+    tail = IncrementalDetokenizer(
+        lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace"), ["caf"]
+    )
     sent = tail.push(1) + tail.push(2)
     assert tail.stopped
     assert sent + tail.finish() == "The "

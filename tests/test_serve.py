@@ -1196,6 +1196,51 @@ def test_text_that_may_begin_a_stop_string_is_held_back_then_released() -> None:
     assert not d.stopped
 
 
+def _byte_level(pieces: dict[int, bytes], windows: list[int]) -> Any:
+    def decode(ids: Any) -> str:
+        windows.append(len(ids))
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    return decode
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("stop", [(), ("é a",), ("zz", "\u00e9\u00e9")])
+def test_streamed_pieces_join_to_the_whole_decode_and_each_push_decodes_a_short_window(
+    seed: int, stop: tuple[str, ...]
+) -> None:
+    """Byte-level tokens that split multi-byte characters: the pieces pushed and finished join to
+    the decode of the whole output (up to a stop string), and no push decodes more than a few
+    tokens, however long the output (a whole-output decode per token costs O(n^2) in all)."""
+    import random
+
+    from batchkit.serve.protocol import IncrementalDetokenizer
+
+    pieces = {0: b"a", 1: b" ", 2: b"\xc3", 3: b"\xa9", 4: b"z", 5: b"\xc3\xa9", 6: b""}
+    rng = random.Random(seed)
+    ids = [rng.choice([0, 1, 4, 5, 6, 2]) for _ in range(600)]
+    ids = [t for i in ids for t in ((2, 3) if i == 2 else (i,))]  # an é split over two tokens
+    windows: list[int] = []
+    d = IncrementalDetokenizer(_byte_level(pieces, windows), stop)
+    out = []
+    for t in ids:
+        out.append(d.push(t))
+        if d.stopped:
+            break
+    out.append(d.finish())
+    whole = b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+    hits = [i for i in (whole.find(s) for s in stop) if i >= 0]
+    assert "".join(out) == (whole[: min(hits)] if hits else whole)
+    assert d.stopped == bool(hits)
+    # A window spans the tokens of the last final text and those after it, each at most a run of
+    # tokens that decode to nothing and a split character (two tokens): never the whole output.
+    run = longest = 0
+    for t in ids:
+        run = run + 1 if t == 6 else 0
+        longest = max(longest, run)
+    assert max(windows) <= 2 * (longest + 2) < 30
+
+
 def test_a_stop_string_ends_the_text_before_it() -> None:
     """The stop string and what follows it are never sent; stopped is set at the token that completes it."""
     d = _detok(("o w",))
