@@ -111,9 +111,9 @@ class ReadbackStep:
 
 
 def make_loop(
-    step: ReadbackStep, num_blocks: int, *, clock: MockClock | None = None, **kw: Any
+    step: ReadbackStep, num_blocks: int, *, clock: MockClock | None = None, block_size: int = BS, **kw: Any
 ) -> ContinuousDecodeLoop:
-    kv = PagedKVCache(1, num_blocks, BS, 1, 2)
+    kv = PagedKVCache(1, num_blocks, block_size, 1, 2)
     kv.key(0).fill_(-1.0)  # never written: reads back as id -2, position -2
     kv.value(0).fill_(-1.0)
     loop = ContinuousDecodeLoop(step, kv, clock=clock or MockClock(), **kw)
@@ -223,7 +223,12 @@ class Outcome:
 
 
 def run_traffic(
-    specs: list[Spec], *, reference: bool = False, limits: dict[int, int] | None = None, **loop_kw: Any
+    specs: list[Spec],
+    *,
+    reference: bool = False,
+    limits: dict[int, int] | None = None,
+    block_size: int = BS,
+    **loop_kw: Any,
 ) -> Outcome:
     """Drive the loop with step_once(): arrivals, aborts and deadlines at their steps, batch
     limits (``set_batch_limit``, as an AdaptiveTuner sets them) from ``limits``' steps on, the
@@ -232,9 +237,9 @@ def run_traffic(
     step_fn = ReadbackStep()
     if reference:  # room for everything, nothing in the way
         loop_kw = {"max_num_seqs": len(specs), "max_num_batched_tokens": 4096}
-        loop = make_loop(step_fn, 512, clock=clock, **loop_kw)
+        loop = make_loop(step_fn, 2048 // block_size, clock=clock, block_size=block_size, **loop_kw)
     else:
-        loop = make_loop(step_fn, clock=clock, **loop_kw)
+        loop = make_loop(step_fn, clock=clock, block_size=block_size, **loop_kw)
     sched = loop.scheduler
     budget = sched.max_num_batched_tokens
     arrivals: dict[int, list[Spec]] = {}
@@ -296,23 +301,29 @@ def run_traffic(
 QUOTAS = {"a": 6, "b": 0.5}
 
 CASES = [
-    # seed, preemption mode, prefix caching, num_blocks, num_cpu_blocks, budget, max_num_seqs, watermark, quotas
-    (1, "recompute", True, 14, 0, 16, 6, 0.0, None),
-    (2, "swap", True, 14, 24, 16, 6, 0.0, None),
-    (3, "recompute", True, 12, 0, 8, 8, 0.1, None),
-    (4, "swap", True, 12, 6, 12, 8, 0.0, None),  # a CPU pool too small at times: recompute instead
-    (5, "swap", True, 16, 40, 24, 4, 0.0, None),
-    (6, "recompute", False, 13, 0, 16, 6, 0.0, None),
-    (7, "swap", False, 13, 20, 16, 6, 0.0, None),
-    (8, "recompute", True, 10, 0, 32, 3, 0.0, None),
-    (9, "swap", True, 10, 16, 32, 5, 0.1, None),
-    (10, "swap", True, 18, 30, 6, 8, 0.0, None),
-    (11, "recompute", True, 16, 0, 16, 6, 0.0, QUOTAS),
-    (12, "swap", True, 16, 24, 16, 6, 0.0, QUOTAS),
+    # seed, preemption mode, prefix caching, num_blocks, num_cpu_blocks, budget, max_num_seqs, watermark, quotas,
+    # block_size
+    (1, "recompute", True, 14, 0, 16, 6, 0.0, None, 4),
+    (2, "swap", True, 14, 24, 16, 6, 0.0, None, 4),
+    (3, "recompute", True, 12, 0, 8, 8, 0.1, None, 4),
+    (4, "swap", True, 12, 6, 12, 8, 0.0, None, 4),  # a CPU pool too small at times: recompute instead
+    (5, "swap", True, 16, 40, 24, 4, 0.0, None, 4),
+    (6, "recompute", False, 13, 0, 16, 6, 0.0, None, 4),
+    (7, "swap", False, 13, 20, 16, 6, 0.0, None, 4),
+    (8, "recompute", True, 10, 0, 32, 3, 0.0, None, 4),
+    (9, "swap", True, 10, 16, 32, 5, 0.1, None, 4),
+    (10, "swap", True, 18, 30, 6, 8, 0.0, None, 4),
+    (11, "recompute", True, 16, 0, 16, 6, 0.0, QUOTAS, 4),
+    (12, "swap", True, 16, 24, 16, 6, 0.0, QUOTAS, 4),
+    (9007, "swap", False, 4, 8, 32, 4, 0.1, None, 8),  # 3 blocks of 8: a swapped request needs them all
+    (14, "swap", True, 30, 16, 8, 6, 0.0, None, 2),
+    (15, "recompute", True, 28, 0, 12, 5, 0.1, QUOTAS, 2),
 ]
 
 
-@pytest.mark.parametrize(("seed", "mode", "prefix", "blocks", "cpu", "budget", "seqs", "watermark", "quotas"), CASES)
+@pytest.mark.parametrize(
+    ("seed", "mode", "prefix", "blocks", "cpu", "budget", "seqs", "watermark", "quotas", "bs"), CASES
+)
 def test_random_traffic_keeps_every_promise(
     seed: int,
     mode: str,
@@ -323,6 +334,7 @@ def test_random_traffic_keeps_every_promise(
     seqs: int,
     watermark: float,
     quotas: dict[Hashable, int | float] | None,
+    bs: int,
 ) -> None:
     """Every request ends exactly once; no block leaks, reference counts match the block tables
     at every step; every step reads back exactly its sequences' tokens; a request that ran to
@@ -330,7 +342,7 @@ def test_random_traffic_keeps_every_promise(
     neighbours change no token, greedy or seeded); one cut short generated a prefix of it; and
     the scheduler's counters add up."""
     specs = make_traffic(seed)
-    ref = run_traffic(specs, reference=True)
+    ref = run_traffic(specs, reference=True, block_size=bs)
     assert ref.loop.scheduler.statistics().preemptions == 0
     assert not ref.refused
     for s in specs:
@@ -343,6 +355,7 @@ def test_random_traffic_keeps_every_promise(
     out = run_traffic(
         specs,
         limits=limits,
+        block_size=bs,
         num_blocks=blocks,
         preemption_mode=mode,
         num_cpu_blocks=cpu,
