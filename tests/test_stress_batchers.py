@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import random
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine, Generator, Sequence
@@ -299,6 +300,25 @@ def outcome_of_future(item: Item, fut: concurrent.futures.Future[Any], cancelled
     return o
 
 
+def assert_batch_counts_add_up(s: batchkit.BatcherStatistics) -> None:
+    """Every batch has one size and one flush reason; the mean is over them."""
+    assert sum(s.flush_reasons.values()) == s.batches, s
+    assert sum(s.batch_size_histogram.values()) == s.batches, s
+    items = sum(size * n for size, n in s.batch_size_histogram.items())
+    assert s.mean_batch_size == pytest.approx(items / s.batches if s.batches else 0.0), s
+
+
+def tweak(
+    rng: random.Random, b: batchkit.DynamicBatcher[Item, object] | batchkit.AsyncBatcher[Item, object], cfg: Config
+) -> None:
+    """Now and then a caller flushes, or changes the batch size (within the configured one)."""
+    r = rng.random()
+    if r < 0.04:
+        b.flush()
+    elif r < 0.07:
+        b.max_batch_size = rng.randint(1, cfg.max_batch_size)
+
+
 # ------------------------------------------------------------------- DynamicBatcher, threads
 
 
@@ -348,7 +368,12 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
     cfg.close_timeout = CLOSE_TIMEOUT_S if cfg.fn_kind == "async" else None
     cfg.batch_timeout_s = rng.choice([None, 0.02])
     clock = MockClock()
-    queue: batchkit.BoundedQueue[Any] = batchkit.BoundedQueue(cfg.max_queue, cfg.on_full, clock=clock)  # type: ignore[arg-type]
+    queue: batchkit.BoundedQueue[Any] = batchkit.BoundedQueue(
+        cfg.max_queue,
+        cfg.on_full,  # type: ignore[arg-type]
+        aging_s=rng.choice([None, None, 0.005]),
+        clock=clock,
+    )
     ledger = Ledger(cfg)
     counter = iter(range(10**9))
     future_callers, per_caller, async_tasks = 3, 80, 60
@@ -416,6 +441,7 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
         try:
             for it in items_of[k]:
                 traffic.step(crng)
+                tweak(crng, b, cfg)
                 try:
                     mine.append((it, f.submit(it, **it.kwargs(cfg.block_timeout(crng)))))
                 except (batchkit.QueueFull, batchkit.BatcherClosed) as exc:
@@ -459,6 +485,7 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
             for _ in range(crng.randrange(30)):
                 await asyncio.sleep(0)
             traffic.step(crng)
+            tweak(crng, b, cfg)
             probe = Suspends(lambda: f.acall(it, **kw))
             try:
                 o.value = await probe
@@ -501,6 +528,7 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
                 for _ in range(crng.randrange(30)):
                     await trio.sleep(0)
                 traffic.step(crng)
+                tweak(crng, b, cfg)
                 probe = Suspends(lambda: f.acall(it, **kw))
                 try:
                     o.value = await probe
@@ -569,6 +597,8 @@ def test_dynamic_batcher_under_mixed_traffic_answers_everyone_once_and_counts_ad
     assert s.submitted == s.succeeded + s.failed + s.cancelled + s.expired + qs.drops, (s, qs)
     assert s.rejected == qs.rejections + qs.drops, (s, qs)
     assert s.expired == qs.expiries, (s, qs)
+    assert_batch_counts_add_up(s)
+    assert sum(size * n for size, n in s.batch_size_histogram.items()) == qs.served, (s, qs)
     if cfg.on_full not in EVICTING:
         assert qs.drops == 0, qs
     # Each counter holds at least the callers that saw that outcome (a caller that gave up
@@ -645,6 +675,7 @@ def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_
                 clock.advance(crng.choice([0.0005, 0.002, 0.01, 0.05]))
             if crng.random() < 0.2:
                 let_one_go()
+            tweak(crng, b, cfg)
             probe = Suspends(lambda: b.submit(it, **kw))
             try:
                 o.value = await probe
@@ -688,6 +719,7 @@ def test_async_batcher_under_mixed_traffic_answers_everyone_once_and_counts_add_
         return keep, b.statistics()
 
     outcomes, s = asyncio.run(main())
+    assert_batch_counts_add_up(s)
     tally = sort_outcomes(outcomes, cfg, ledger)
     assert not ledger.violations, ledger.violations[:5]
     assert not tally.violations, tally.violations[:5]
@@ -899,3 +931,57 @@ def test_a_batch_that_timed_out_is_not_split_and_retried_when_its_call_fails_lat
         if t.name == "batchkit-worker-late-failure":
             t.join(WAIT)
     assert calls == [[0, 1]]
+
+
+class _ParkingClock:
+    """A clock that parks the batcher's dispatcher in ``now()`` once, when armed: the dispatcher
+    calls it holding the batcher's lock, first thing each time it looks at the queue."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.armed = False
+        self.parked = threading.Event()
+        self.go = threading.Event()
+
+    def now(self) -> float:
+        if self.armed and threading.current_thread().name.startswith("batchkit-dispatch"):
+            self.armed = False
+            self.parked.set()
+            assert self.go.wait(WAIT)
+        return self.t
+
+
+def test_a_batch_that_times_out_just_after_its_call_returned_leaves_no_worker_behind() -> None:
+    """A batch can time out after its call returned and before its worker frees its slot: the
+    worker was replaced yet carried on serving, one worker more than close() stops, so one of
+    them waited for work forever (and close() with it)."""
+    clock = _ParkingClock()
+    registered = threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        assert registered.wait(WAIT)
+        return xs
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, batch_timeout_s=100, clock=clock, name="late")
+    switch = sys.getswitchinterval()
+
+    def answered(_: object) -> None:  # in the worker, after the call returned, before it frees the slot
+        clock.t = 1000.0  # past batch_timeout_s
+        clock.armed = True
+        b.flush()  # the dispatcher looks again and parks, holding the lock
+        assert clock.parked.wait(WAIT)
+        sys.setswitchinterval(1000)  # this worker keeps running until it waits for the lock
+        clock.go.set()
+
+    try:
+        fut = b.submit(0)
+        fut.add_done_callback(answered)
+        registered.set()
+        assert fut.result(WAIT) == 0
+        b.close(timeout=WAIT)
+    finally:
+        sys.setswitchinterval(switch)
+    workers = [t for t in threading.enumerate() if t.name == "batchkit-worker-late"]
+    for t in workers:
+        t.join(WAIT / 4)
+    assert not [t for t in workers if t.is_alive()]

@@ -1013,9 +1013,12 @@ class DynamicBatcher(BatcherShell[T, R]):
         batch = self._work.get()
         while batch is not None:
             self._run_batch(batch)
-            if batch.abandoned:
-                return  # a replacement worker took this one's place
             with self._mutex:
+                # Under the lock that times batches out: a batch that timed out after its call
+                # returned has had this worker replaced (and dropped from the workers close joins
+                # and stops); a worker that carried on would be one too many for the stop.
+                if batch.abandoned:
+                    return  # a replacement worker took this one's place
                 self.former.complete(batch)
                 # Keep the model busy: if the next batch is already due, run it from here rather
                 # than handing it through the dispatcher thread (two thread switches saved).
