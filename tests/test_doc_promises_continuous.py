@@ -151,3 +151,25 @@ def test_set_batch_limit_holds_from_the_next_step_on_and_loses_nothing(mode: str
     for i in range(8):
         assert outputs[i] == [(i + 1 + k) % 50 for k in range(1, 7)]
     loop.close()
+
+
+def test_a_cancelled_submit_future_counts_as_done_for_wait_and_as_completed() -> None:
+    """api.md: cancelling a ``submit`` future aborts the request; the future is then done for
+    ``concurrent.futures.wait()`` and ``as_completed()`` too (it stayed "not done" for them: they
+    hung), and the loop's other requests carry on."""
+    import concurrent.futures
+
+    model = _tiny_llama()
+    loop = ContinuousDecodeLoop(model, model.make_cache(64, 16), max_num_seqs=4)
+    try:
+        doomed = loop.submit([1, 2, 3], max_new_tokens=500, ignore_eos=True)
+        kept = loop.submit([4, 5], max_new_tokens=3, ignore_eos=True)
+        assert doomed.cancel()
+        done, not_done = concurrent.futures.wait([doomed], timeout=30)
+        assert done == {doomed}
+        assert not not_done
+        assert list(concurrent.futures.as_completed([doomed], timeout=30)) == [doomed]
+        assert len(kept.result(timeout=60)) == 3
+    finally:
+        loop.close()
+    assert loop.statistics().scheduler.aborted == 1

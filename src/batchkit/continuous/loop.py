@@ -393,8 +393,14 @@ class ContinuousDecodeLoop:
         stream = _Stream()
         stream.future = fut
         rid, _ = self._submit(prompt_ids, self._params(sampling), priority, tenant, stream, deadline_s)
-        fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
+        fut.add_done_callback(lambda f: self._future_cancelled(f, rid) if f.cancelled() else None)
         return fut
+
+    def _future_cancelled(self, fut: concurrent.futures.Future[list[int]], rid: Hashable) -> None:
+        # A cancelled future counts as done for concurrent.futures.wait() and as_completed() only
+        # once notified; no one else calls set_running_or_notify_cancel() on these futures.
+        fut.set_running_or_notify_cancel()
+        self.abort(rid)
 
     async def agenerate_all(self, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:
         """Await a request's complete output (async twin of :meth:`submit`)."""
