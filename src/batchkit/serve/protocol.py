@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..continuous.sampling import DecodedText, find_stop
+
 __all__ = [
     "ApiError",
     "EmbeddingRequest",
@@ -313,49 +315,37 @@ class IncrementalDetokenizer:
 
     Text is emitted only when it is final: not while the decoded text ends in an incomplete
     UTF-8 sequence (U+FFFD), and not while its end could be the start of a stop string. A stop
-    string ends the text before it (it is not part of the output), as OpenAI does.
-
-    Each push decodes a short window of the latest tokens, not the whole output: the window starts
-    at the token where the previous final text began (so a leading space or a byte sequence reads
-    the same as in the whole text), and the text it adds beyond that token's own text is new. The
-    cost per token stays constant however long the output grows.
+    string ends the text before it (it is not part of the output), as OpenAI does. Each push
+    decodes a short window of the latest tokens, not the whole output (see
+    :class:`~batchkit.continuous.sampling.DecodedText`), as the loop's own stop check does.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
         self.decode = decode
         self.stop = tuple(stop)
         self.ids: list[int] = []
-        self.text = ""  # the final text so far
+        self._decoded = DecodedText(decode)
+        self.text = ""  # what may be sent: the final text, or the text before a stop string
         self.sent = 0
         self.stopped = False
-        self._prefix = 0  # the window starts here: the tokens of the last text made final
-        self._read = 0  # tokens before this one are in self.text
-
-    def _pending(self) -> str:
-        """The text the tokens after ``_read`` add (it may end in an incomplete character)."""
-        window = self.ids[self._prefix :]
-        before = self.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        text = self.decode(window)
-        return text[len(before) :] if len(text) > len(before) else ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        pending = self._pending()
+        pending = self._decoded.pending(self.ids)
         if self.stop:
             # Looked for before the incomplete-character check: the loop matches stop strings on
             # the same decoded text, so a token that completes one while it begins a multi-byte
             # character (byte-level BPE: "f" + the first byte of "é") ends the request here.
-            text = self.text + pending
-            start = max(0, self.sent - max(len(s) for s in self.stop))
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
+            text = self._decoded.text + pending
+            hit = find_stop(text, self.stop, max(0, self.sent - max(len(s) for s in self.stop)))
+            if hit >= 0:
                 self.stopped = True
-                self.text = text[: min(hits)]
-                return self._take(len(self.text))
+                self.text = text[:hit]
+                return self._take(hit)
         if not pending or pending.endswith("\ufffd"):
             return ""  # nothing final yet: the next token decodes this window again
-        self.text += pending
-        self._prefix, self._read = self._read, len(self.ids)
+        self._decoded.commit(pending, len(self.ids))
+        self.text = self._decoded.text
         if self.stop:
             return self._take(len(self.text) - self._held_back(self.text))
         return self._take(len(self.text))
@@ -371,9 +361,9 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """What is left to send once the request has ended (including a trailing U+FFFD the model
         really produced; before the end it may still complete a character)."""
-        if not self.stopped and len(self.ids) > self._read:
-            self.text += self._pending()
-            self._prefix = self._read = len(self.ids)
+        if not self.stopped:
+            self._decoded.commit(self._decoded.pending(self.ids), len(self.ids))
+            self.text = self._decoded.text
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
