@@ -173,3 +173,24 @@ def test_a_cancelled_submit_future_counts_as_done_for_wait_and_as_completed() ->
     finally:
         loop.close()
     assert loop.statistics().scheduler.aborted == 1
+
+
+def test_close_of_a_loop_driven_by_step_once_aborts_what_is_left_and_frees_its_blocks() -> None:
+    """api.md: close() aborts what is left, freeing its blocks and counting it aborted; also on a
+    loop that only step_once() drove (requests added with scheduler.add kept running, held
+    their blocks, and step_once() went on stepping them after close)."""
+    from batchkit.continuous import Request, SamplingParams
+
+    model = _tiny_llama()
+    loop = ContinuousDecodeLoop(model, model.make_cache(64, 4), max_num_seqs=2)
+    for i in range(4):  # two run, two wait
+        loop.scheduler.add(Request(i, [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=50, ignore_eos=True)))
+    for _ in range(3):
+        loop.step_once()
+    assert loop.statistics().scheduler.kv_usage > 0
+    loop.close()
+    stats = loop.statistics().scheduler
+    assert (stats.running, stats.waiting, stats.swapped, stats.aborted) == (0, 0, 0, 4)
+    assert stats.kv_usage == 0
+    with pytest.raises(BatcherClosed):
+        loop.step_once()

@@ -528,10 +528,14 @@ class ContinuousDecodeLoop:
         Raises:
             RuntimeError: another thread runs the engine (``generate()`` / ``submit()`` started
                 it): two threads stepping one scheduler would corrupt it.
+            BatcherClosed: after :meth:`close` of a loop no engine thread ran (close aborted
+                what was left).
         """
         import torch
 
         engine = self._thread
+        if engine is None and self._closing:
+            raise BatcherClosed("the decode loop was closed: step_once() has nothing left to run")
         if engine is not None and engine is not threading.current_thread() and engine.is_alive():
             raise RuntimeError(
                 f"the engine runs in thread {engine.name!r}; step_once() drives a loop whose generate()/"
@@ -765,6 +769,12 @@ class ContinuousDecodeLoop:
             orphans = [] if thread is not None else self._inbox
             if thread is None:
                 self._inbox = []
+        if thread is None:
+            # Nor will anyone step the scheduler again: requests added with scheduler.add() and
+            # driven by step_once() are aborted too, their blocks back in the pool.
+            sched = self.scheduler
+            for req in [*sched.running, *sched.swapped, *sched.waiting]:
+                sched.abort(req.request_id)
         if orphans:
             self._abort_unadmitted([r for r, _ in orphans])
             closed = BatcherClosed("the decode loop was closed")
