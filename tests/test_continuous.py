@@ -896,3 +896,33 @@ def test_a_prefill_that_stops_one_token_short_is_not_reserved_twice() -> None:
     # Ten tokens were computed (the last sampled one never is): five full blocks, real content.
     assert a.allocate("same", [10, 11, 12, 13, 14, 20, 21, 22, 23, 24, 99]) == 10
     assert a.allocate("shifted", [10, 11, 12, 13, 14, 14, 20, 21, 22, 23, 99]) == 4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stop_strings_read_a_short_window_of_the_output_and_match_where_the_whole_text_does(seed: int) -> None:
+    """The scheduler's stop check decodes a few of the latest tokens per step, not the whole
+    output (O(n^2) per request): a stop string is still found at the first token whose whole
+    decoded output holds it, also when that token splits a multi-byte character."""
+    pieces = {0: b"a", 1: b" ", 2: b"\xc3", 3: b"\xa9", 4: b"z", 5: b"\xc3\xa9", 6: b""}
+    windows: list[int] = []
+
+    def detokenize(ids: Sequence[int]) -> str:
+        windows.append(len(ids))
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    rng = random.Random(seed)
+    script = [rng.choice([0, 1, 4, 5, 6]) for _ in range(400)] + [4, 2, 3, 4]  # ends "zéz"
+    stop = ("z\u00e9z",)
+    whole = [detokenize(script[: n + 1]) for n in range(len(script))]
+    want = next(n + 1 for n, text in enumerate(whole) if stop[0] in text)
+    windows.clear()
+    sched = Scheduler(PagedKVAllocator(num_blocks=256, block_size=4), detokenize=detokenize)
+    sched.add(Request("r", [1], SamplingParams(max_new_tokens=len(script), stop=stop)))
+    events: list[Any] = []
+    while sched.has_work():
+        step = sched.schedule()
+        req = step.requests[0]
+        events += sched.update(step, [script[len(req.output)]])
+    assert [e.token for e in events if e.token is not None] == script[:want]
+    assert events[-1].finish_reason == "stop"
+    assert max(windows) < 20

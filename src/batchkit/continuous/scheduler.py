@@ -31,7 +31,7 @@ from .._clock import Clock, MonotonicClock
 from .._errors import DeadlineExceeded, KVCacheExhausted
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary, SampleWindow
-from .sampling import SamplingParams
+from .sampling import DecodedText, SamplingParams, find_stop
 
 __all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "SchedulerStatistics", "TokenEvent"]
 
@@ -63,6 +63,7 @@ class Request:
         "prompt_len",
         "request_id",
         "status",
+        "stop_text",
         "t_first_scheduled",
         "t_last_token",
         "tenant",
@@ -97,6 +98,7 @@ class Request:
         self.t_last_token: float | None = None
         self.num_preemptions = 0
         self.generator: Any = None
+        self.stop_text: DecodedText | None = None  # the output's text, for stop strings
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.order)
@@ -707,9 +709,17 @@ class Scheduler:
         if p.eos_token_id is not None and token == p.eos_token_id and not p.ignore_eos:
             return "eos"
         if p.stop and self.detokenize is not None:
-            text = self.detokenize(req.output)
-            if any(s in text for s in p.stop):
+            # A short window of the latest tokens is decoded, not the whole output (O(n^2) per
+            # request); batchkit serve reads the text the same way, so both find the same stops.
+            decoded = req.stop_text
+            if decoded is None:
+                decoded = req.stop_text = DecodedText(self.detokenize)
+            pending = decoded.pending(req.output)
+            start = max(0, len(decoded.text) - max(len(s) for s in p.stop))
+            if find_stop(decoded.text + pending, p.stop, start) >= 0:
                 return "stop"
+            if pending and not pending.endswith("\ufffd"):
+                decoded.commit(pending, len(req.output))
         if len(req.output) >= p.max_new_tokens:
             return "length"
         return None
