@@ -739,3 +739,34 @@ def test_run_with_model_generates_each_records_answer(tmp_path: Path) -> None:
     (line,) = out.read_text().splitlines()
     assert json.loads(line)["id"] == 1
     assert "Paris" in json.loads(line)["output"]
+
+
+def test_ctrl_c_during_a_commit_waits_for_the_commit_to_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands inside JobStore.commit (here: as its first write starts) is raised
+    once the commit is recorded in the journal, so an interrupted job never leaves output lines
+    that its rerun cuts off and does again."""
+    from batchkit.jobs.store import JobStore
+
+    out = tmp_path / "out.jsonl"
+    store, done = JobStore.open(out, tmp_path / "out.dead.jsonl", source="in.jsonl", id_field="id")
+    assert not done.ids
+    real_write = os.write
+    interrupted: list[bool] = []
+
+    def write(fd: int, data: Any) -> int:
+        if not interrupted:
+            interrupted.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.commit(b'{"id": 1, "output": 2}\n', b"")
+    finally:
+        monkeypatch.undo()
+        store.close()
+    assert interrupted
+    store, done = JobStore.open(out, tmp_path / "out.dead.jsonl", source="in.jsonl", id_field="id")
+    store.close()
+    assert done.ids == {1}

@@ -19,9 +19,12 @@ and rebuilds the set of finished ids from the files themselves, so that the job 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import stat
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +41,32 @@ except ImportError:  # pragma: no cover - Windows
 
 JOURNAL_VERSION = 1
 _sync = getattr(os, "fdatasync", os.fsync)  # file lengths are data: fdatasync flushes them too
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back until the block ends, then act on them as their handlers
+    would have: Ctrl-C (or a SIGTERM the job turned into a clean stop) lands between two commits,
+    never inside one. Only the main thread can hold signals; elsewhere this does nothing (the
+    signals then reach the main thread, not this one)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous: dict[int, Any] = {}
+    for held in (signal.SIGINT, signal.SIGTERM):
+        previous[held] = signal.signal(held, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in dict.fromkeys(caught):  # each once, in the order they came
+            handler = previous[number]
+            if callable(handler):
+                handler(number, None)  # default_int_handler raises KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), number)
 
 
 def journal_path_for(output: Path) -> Path:
@@ -348,7 +377,13 @@ class JobStore:
     def commit(self, out: bytes, dead: bytes) -> None:
         """Append whole lines to the output and the dead-letter file, durably, then record the new
         lengths in the journal. After a crash inside this call, the restart cuts both files back
-        to the previous commit, so these lines count as never written."""
+        to the previous commit, so these lines count as never written. Ctrl-C and SIGTERM wait
+        for the commit to finish (in the main thread), so an interrupted job leaves no line
+        that its rerun does not count as done."""
+        with _signals_deferred():
+            self._commit(out, dead)
+
+    def _commit(self, out: bytes, dead: bytes) -> None:
         if out:
             _write_all(self._out_fd, out)
             _sync(self._out_fd)
