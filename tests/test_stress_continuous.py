@@ -480,6 +480,23 @@ def test_close_while_requests_run_ends_each_once_and_frees_everything(seed: int,
 # --------------------------------------------------------------------------- tenants at their quota
 
 
+def drive(loop: ContinuousDecodeLoop, max_steps: int) -> tuple[dict[Hashable, list[int]], dict[Hashable, TokenEvent]]:
+    """Step ``loop`` until it has no work (at most ``max_steps``): each request's tokens, and the
+    event that ended it."""
+    out: dict[Hashable, list[int]] = {}
+    ends: dict[Hashable, TokenEvent] = {}
+    for _ in range(max_steps):
+        if not loop.scheduler.has_work():
+            break
+        _, events = loop.step_once()
+        for ev in events:
+            if ev.token is not None:
+                out.setdefault(ev.request_id, []).append(ev.token)
+            if ev.finished:
+                ends[ev.request_id] = ev
+    return out, ends
+
+
 def _step_all(sched: Scheduler, token: int = 7) -> tuple[Any, list[TokenEvent]]:
     """One schedule/update round of a sans-I/O scheduler, every sampling request drawing ``token``."""
     step = sched.schedule()
@@ -547,17 +564,7 @@ def test_a_tenant_at_its_quota_leaves_other_tenants_kv_intact(mode: str) -> None
     t_params, u_params = SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=12)
     loop.scheduler.add(Request("t", t_prompt, t_params, tenant="t"))
     loop.scheduler.add(Request("u", u_prompt, u_params, priority=1, tenant="u"))
-    out: dict[Hashable, list[int]] = {}
-    ends: dict[Hashable, TokenEvent] = {}
-    for _ in range(100):
-        if not loop.scheduler.has_work():
-            break
-        _, events = loop.step_once()
-        for ev in events:
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
-            if ev.finished:
-                ends[ev.request_id] = ev
+    out, ends = drive(loop, max_steps=100)
     assert not step_fn.problems, step_fn.problems[:3]
     assert isinstance(ends["t"].error, KVCacheExhausted)
     assert out["t"] == greedy_reference(t_prompt, t_params)[: len(out["t"])]
@@ -577,17 +584,7 @@ def test_a_swapped_request_over_its_tenants_quota_is_ended_not_raised_from_sched
     u_params, s_params = SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=10)
     loop.scheduler.add(Request("u", u_prompt, u_params, tenant="u"))
     loop.scheduler.add(Request("s", s_prompt, s_params, priority=1, tenant="t"))
-    out: dict[Hashable, list[int]] = {}
-    ends: dict[Hashable, TokenEvent] = {}
-    for _ in range(50):
-        if not loop.scheduler.has_work():
-            break
-        _, events = loop.step_once()
-        for ev in events:
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
-            if ev.finished:
-                ends[ev.request_id] = ev
+    out, ends = drive(loop, max_steps=50)
     assert loop.allocator.statistics().swaps_out == 1, "the case is meant to swap 's' out"
     assert not step_fn.problems, step_fn.problems[:3]
     assert (ends["u"].finish_reason, out["u"]) == ("length", greedy_reference(u_prompt, u_params))
@@ -649,17 +646,7 @@ def test_a_swapped_request_short_of_quota_waits_recomputed_while_its_tenant_runs
     loop.scheduler.add(Request("t1", prompts["t1"], params["t1"], tenant="t"))
     loop.scheduler.add(Request("u", prompts["u"], params["u"], priority=1, tenant="u"))
     loop.scheduler.add(Request("s", prompts["s"], params["s"], priority=2, tenant="t"))
-    out: dict[Hashable, list[int]] = {}
-    ends: dict[Hashable, TokenEvent] = {}
-    for _ in range(100):
-        if not loop.scheduler.has_work():
-            break
-        _, events = loop.step_once()
-        for ev in events:
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
-            if ev.finished:
-                ends[ev.request_id] = ev
+    out, ends = drive(loop, max_steps=100)
     assert not step_fn.problems, step_fn.problems[:3]
     swaps = loop.allocator.statistics()
     assert (swaps.swaps_out, swaps.swaps_in) == (1, 0), "'s' is swapped out, then recomputed"
@@ -706,17 +693,7 @@ def test_a_request_swapped_out_at_a_block_boundary_comes_back_when_it_fits_alone
     loop.scheduler.add(Request("first", prompts["first"], params["first"]))
     loop.scheduler.add(Request("second", prompts["second"], params["second"], priority=1))
     loop.scheduler.add(Request("later", prompts["later"], params["later"], priority=2))
-    out: dict[Hashable, list[int]] = {}
-    ends: dict[Hashable, TokenEvent] = {}
-    for _ in range(100):
-        if not loop.scheduler.has_work():
-            break
-        _, events = loop.step_once()
-        for ev in events:
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
-            if ev.finished:
-                ends[ev.request_id] = ev
+    out, ends = drive(loop, max_steps=100)
     assert not loop.scheduler.has_work(), f"stuck: {loop.scheduler.statistics()}"
     assert not step_fn.problems, step_fn.problems[:3]
     swaps = loop.allocator.statistics()
