@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import batchkit
+from _support import wait_until
 from batchkit import (
     AdaptiveBatchController,
     AdaptiveTuner,
@@ -151,6 +152,53 @@ def test_circuit_breaker_in_a_batcher_fails_fast_then_recovers() -> None:
         assert b.submit(7).result(WAIT) == 7
         assert br.state == "closed"
         assert b.statistics().rejected == 1
+
+
+def _failing_batcher_with_waiting_items(
+    clock: MockClock,
+) -> tuple[DynamicBatcher[int, int], CircuitBreaker, list[concurrent.futures.Future[int]]]:
+    """A batcher whose first batch (item 0) fails and opens its circuit while items 1-4 wait."""
+    gate = threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        assert gate.wait(WAIT)
+        raise RuntimeError("backend down")
+
+    br = CircuitBreaker(failure_threshold=1, reset_timeout_s=30, clock=clock)
+    b = DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, circuit_breaker=br, clock=clock)
+    futs = [b.submit(i) for i in range(5)]
+    gate.set()
+    with pytest.raises(RuntimeError, match="backend down"):
+        futs[0].result(WAIT)
+    wait_until(lambda: br.state == "open", "the circuit to open", timeout=WAIT)
+    return b, br, futs
+
+
+def test_close_fails_what_waits_behind_an_open_circuit_at_once() -> None:
+    """close() (drain) does not wait out reset_timeout_s for a probe per batch: the items still
+    waiting behind an open circuit fail with CircuitOpen, counted as cancelled (they never ran)."""
+    clock = MockClock()  # never advanced: the circuit stays open, and no probe would ever go
+    b, _, futs = _failing_batcher_with_waiting_items(clock)
+    assert not any(f.done() for f in futs[1:])
+    b.close(timeout=WAIT)
+    assert all(f.done() for f in futs), "close() left callers waiting behind the open circuit"
+    for f in futs[1:]:
+        assert isinstance(f.exception(), CircuitOpen)
+    st = b.statistics()
+    assert (st.submitted, st.failed, st.cancelled, st.pending) == (5, 1, 4, 0)
+
+
+def test_close_still_runs_the_probe_of_a_half_open_circuit() -> None:
+    """A circuit whose cool-down has passed lets close()'s drain send its probe batch; when the
+    probe fails, the items still waiting fail fast."""
+    clock = MockClock()
+    b, br, futs = _failing_batcher_with_waiting_items(clock)
+    clock.advance(30)
+    assert br.state == "half_open"
+    b.close(timeout=WAIT)
+    errors = [type(f.exception(WAIT)).__name__ for f in futs]
+    assert errors == ["RuntimeError", "RuntimeError", "CircuitOpen", "CircuitOpen", "CircuitOpen"]
+    assert b.statistics().batches == 2
 
 
 def test_controller_grows_the_batch_under_backlog_in_a_batcher() -> None:

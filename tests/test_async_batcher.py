@@ -388,6 +388,30 @@ def test_an_open_circuit_fails_submits_fast() -> None:
     run(main)
 
 
+def test_aclose_fails_what_waits_behind_an_open_circuit_at_once() -> None:
+    """aclose() (drain) does not wait out reset_timeout_s for a probe: the items still waiting
+    behind an open circuit fail with CircuitOpen, counted as cancelled (they never ran)."""
+
+    def broken(xs: list[int]) -> list[int]:
+        raise RuntimeError("down")
+
+    async def main() -> None:
+        breaker = CircuitBreaker(failure_threshold=1, reset_timeout_s=60, clock=MockClock())
+        b = AsyncBatcher(broken, max_batch_size=1, max_wait_ms=0, circuit_breaker=breaker)
+        calls = [asyncio.ensure_future(b.submit(i)) for i in range(5)]
+        await settle()
+        assert calls[0].done()
+        assert breaker.state == "open"
+        assert not any(c.done() for c in calls[1:])
+        await b.aclose()
+        errors = [type(e).__name__ for e in await asyncio.gather(*calls, return_exceptions=True)]
+        assert errors == ["RuntimeError", "CircuitOpen", "CircuitOpen", "CircuitOpen", "CircuitOpen"]
+        st = b.statistics()
+        assert (st.submitted, st.failed, st.cancelled, st.pending) == (5, 1, 4, 0)
+
+    run(main)
+
+
 def test_concurrent_batches_overlap_up_to_max_concurrent_batches() -> None:
     """With max_concurrent_batches=2 two async batches run at once; a third waits for a slot."""
 

@@ -525,7 +525,8 @@ class AsyncBatcher(BatcherShell[T, R]):
 
     async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item
-        runs; without, waiting items fail with :class:`BatcherClosed`. Waits at most
+        runs (behind an open circuit breaker: fails with :class:`CircuitOpen`, see
+        :meth:`BatchFormer.expire`); without, waiting items fail with :class:`BatcherClosed`. Waits at most
         ``timeout`` seconds; batches still running then are cancelled (an ``async def`` or
         offloaded call) and their callers fail with :class:`BatcherClosed`. Idempotent. Awaited in
         the batch function itself (or in a task it started), it closes and returns without

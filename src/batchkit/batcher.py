@@ -399,7 +399,7 @@ class BatcherShell(Generic[T, R]):
 
     def _count_drop(self, exc: BaseException, count_as: str) -> None:
         """Count one caller answered without running (guard held)."""
-        if count_as == "cancelled":
+        if count_as == "cancelled" or isinstance(exc, CircuitOpen):  # CircuitOpen: failed at close, unrun
             self._cancelled += 1
         elif isinstance(exc, QueueFull):
             self._rejected += 1
@@ -808,7 +808,8 @@ class DynamicBatcher(BatcherShell[T, R]):
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item is
-        dispatched; without, waiting items fail with :class:`BatcherClosed`. Joins all threads,
+        dispatched (behind an open circuit breaker: fails with :class:`CircuitOpen`, see
+        :meth:`BatchFormer.expire`); without, waiting items fail with :class:`BatcherClosed`. Joins all threads,
         waiting at most ``timeout`` seconds in all (one deadline, however many threads).
 
         If the deadline passes with batches still running, close returns anyway. A sync batch

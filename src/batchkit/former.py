@@ -24,6 +24,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ._errors import CircuitOpen
 from ._queue_core import ANY_KEY, Drop, QueueCore, QueueEntry, check_number
 from .adaptive import AdaptiveBatchController, CircuitBreaker
 
@@ -188,8 +189,23 @@ class BatchFormer(Generic[E]):
         return drops, replan
 
     def expire(self, now: float) -> list[Drop]:
-        """Remove the waiting entries whose deadline has passed (their owners get the error)."""
-        return self.queue.expire(now)
+        """Remove the waiting entries whose deadline has passed (their owners get the error).
+
+        While closing with the circuit breaker open, every waiting entry goes too, with
+        :class:`CircuitOpen`: a drain does not wait out ``reset_timeout_s`` for a probe (and
+        another after each failing one), which would hold a shutdown for as many cool-downs as
+        there are batches waiting. A half-open circuit's probe still runs; if it fails, what
+        still waits goes then.
+        """
+        drops = self.queue.expire(now)
+        breaker = self.circuit_breaker
+        if self.closing and breaker is not None and self.queue.depth and breaker.state == "open":
+            error = CircuitOpen(
+                f"closed while the circuit breaker was open ({breaker.failure_threshold} or more consecutive batch "
+                "failures); the items still waiting failed fast instead of waiting for its probe"
+            )
+            drops += [(e, error) for e in self.queue.discard_all(now)]
+        return drops
 
     # ------------------------------------------------------------------ the decision
 
