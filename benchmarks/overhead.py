@@ -6,8 +6,10 @@ Measures requests/s and microseconds per request for:
   - the same callers through a bare, minimal asyncio batcher (a baseline with none of batchkit's
     guarantees: no bound, no deadlines, no thread safety), run side by side in the same process;
   - 64 threads calling the blocking ``batcher(x)``.
-Beside wall-clock rates it prints the process's CPU time per request (all threads) and its
-voluntary context switches per 1,000 requests: what the thread hand-offs of DynamicBatcher cost.
+Beside wall-clock rates it prints the process's CPU time per request (all threads), the part of
+it spent in the main thread (the callers' event loop, in the asyncio and trio rows: their resumes
+and submits; the rest is batchkit's dispatcher and worker threads), and its voluntary context
+switches per 1,000 requests: what the thread hand-offs of DynamicBatcher cost.
 
 Run:  python benchmarks/overhead.py [--requests 20000] [--repeats 3]
 """
@@ -143,6 +145,7 @@ def main() -> None:
     n = args.requests
     rows: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    main_cpu: dict[str, list[float]] = {}
     switches: dict[str, list[float]] = {}
     configs: list[tuple[str, Callable[[], float]]] = [
         ("bare asyncio batcher, 512 tasks (baseline)", lambda: bench_bare_asyncio(n, 512)),
@@ -153,19 +156,23 @@ def main() -> None:
     ]
     for _ in range(args.repeats):  # interleaved, so that machine noise hits every row alike
         for name, run in configs:
-            c0, sw0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+            c0, m0, sw0 = time.process_time(), time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
             rows.setdefault(name, []).append(run())
             # every thread of the process, setup and teardown included
             cpu.setdefault(name, []).append((time.process_time() - c0) / n)
+            main_cpu.setdefault(name, []).append((time.thread_time() - m0) / n)
             switches.setdefault(name, []).append((resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sw0) / n)
     base = statistics.median(rows[configs[0][0]])
     print(f"no-op batch function, {n} requests per run, median of {args.repeats} runs\n")
-    print(f"{'configuration':48} {'req/s':>10} {'us/req':>8} {'vs bare':>8} {'cpu us/req':>11} {'switches/1k':>12}")
+    print(
+        f"{'configuration':48} {'req/s':>10} {'us/req':>8} {'vs bare':>8} {'cpu us/req':>11} "
+        f"{'main thread':>12} {'switches/1k':>12}"
+    )
     for name, rates in rows.items():
         r = statistics.median(rates)
         print(
             f"{name:48} {r:10,.0f} {1e6 / r:8.2f} {r / base:8.2f} {1e6 * statistics.median(cpu[name]):11.2f} "
-            f"{1e3 * statistics.median(switches[name]):12.1f}"
+            f"{1e6 * statistics.median(main_cpu[name]):12.2f} {1e3 * statistics.median(switches[name]):12.1f}"
         )
 
 
