@@ -201,6 +201,78 @@ def test_close_still_runs_the_probe_of_a_half_open_circuit() -> None:
     assert b.statistics().batches == 2
 
 
+def test_close_waits_for_a_running_batch_that_may_close_the_circuit() -> None:
+    """With two batch slots, one batch fails and opens the circuit while the other still runs:
+    a close() then waits for that one, whose success closes the circuit, and the items waiting
+    run instead of failing with CircuitOpen."""
+    started, release, queued = threading.Event(), threading.Event(), threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        if xs == [0]:
+            assert started.wait(WAIT)  # batch [1] is running
+            assert queued.wait(WAIT)  # and every item is in (an open circuit refuses submits)
+            raise RuntimeError("one bad batch")
+        if xs == [1]:
+            started.set()
+            assert release.wait(WAIT)
+        return xs
+
+    br = CircuitBreaker(failure_threshold=1, reset_timeout_s=30, clock=MockClock())
+    b = DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=2, circuit_breaker=br)
+    futs = [b.submit(i) for i in range(6)]
+    queued.set()
+    with pytest.raises(RuntimeError, match="one bad batch"):
+        futs[0].result(WAIT)
+    wait_until(lambda: br.state == "open", "the circuit to open", timeout=WAIT)
+    closer = threading.Thread(target=b.close, kwargs={"timeout": WAIT})
+    closer.start()
+    wait_until(lambda: b.closed, "close() to begin", timeout=WAIT)
+    release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    assert [f.result(0) for f in futs[1:]] == [1, 2, 3, 4, 5]
+    assert br.state == "closed"
+
+
+def test_a_probe_of_another_batcher_sharing_the_breaker_does_not_strand_a_closing_one() -> None:
+    """Two batchers share a breaker (as the instances of a @batched method do). B holds the
+    half-open probe while A's items wait and A closes; when B's probe fails, A's items fail fast
+    and A.close() returns, instead of A sleeping with no wake-up for good."""
+    probing, release = threading.Event(), threading.Event()
+
+    def fb(xs: list[str]) -> list[str]:
+        if xs == ["probe"]:
+            probing.set()
+            assert release.wait(WAIT)
+        raise RuntimeError("B down")
+
+    br = CircuitBreaker(failure_threshold=1, reset_timeout_s=0.5)
+    a = DynamicBatcher(lambda xs: xs, max_batch_size=1, max_wait_ms=0, circuit_breaker=br, name="A")
+    b = DynamicBatcher(fb, max_batch_size=1, max_wait_ms=0, circuit_breaker=br, name="B")
+    try:
+        with pytest.raises(RuntimeError, match="B down"):
+            b.submit("first").result(WAIT)
+        wait_until(lambda: br.state == "half_open", "the cool-down", timeout=WAIT, every=0.01)
+        probe = b.submit("probe")
+        assert probing.wait(WAIT)
+        futs = [a.submit(i) for i in range(3)]
+        assert a.statistics().pending == 3  # the probe is out: A may not dispatch
+        closer = threading.Thread(target=a.close, kwargs={"timeout": WAIT})
+        closer.start()
+        wait_until(lambda: a.closed, "close() to begin", timeout=WAIT)
+        release.set()
+        with pytest.raises(RuntimeError, match="B down"):
+            probe.result(WAIT)
+        closer.join(WAIT)
+        assert not closer.is_alive(), "A.close() never returned"
+        assert all(f.done() for f in futs)
+        for i, f in enumerate(futs):  # failed fast; or, on a slow machine, A's own later probe ran them
+            assert isinstance(f.exception(), CircuitOpen) or f.result() == i
+    finally:
+        release.set()
+        b.close(timeout=WAIT)
+
+
 def test_controller_grows_the_batch_under_backlog_in_a_batcher() -> None:
     """Plugged into a batcher, the controller raises max_batch_size while a backlog remains."""
     c = AdaptiveBatchController(target_queue=0, max_batch=16, initial=1, clock=MockClock())

@@ -105,7 +105,8 @@ class BatcherStatistics:
     ``pending``: items waiting in the queue; ``in_flight``: items in the batches running now
     (``running_batches`` of them); ``submitted``: items admitted; ``succeeded`` / ``failed``:
     callers a batch answered with a result / an exception; ``cancelled``: callers that gave up,
-    and items ``close(drain=False)`` failed before they ran; ``expired``: items whose
+    and items ``close()`` failed before they ran (``drain=False``, or an open circuit breaker);
+    ``expired``: items whose
     deadline passed (answered with ``DeadlineExceeded`` or their fallback); ``rejected``: submits
     refused (``QueueFull``, ``CircuitOpen``) plus items evicted from a full queue.
     """

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=QueueEntry[Any])
 
 _NO_DROPS: Sequence[Drop] = ()
+#: Seconds between looks at a half-open circuit breaker whose probe another batch holds.
+_PROBE_POLL_S = 0.05
 
 
 class FlushReason(str, enum.Enum):
@@ -191,15 +193,17 @@ class BatchFormer(Generic[E]):
     def expire(self, now: float) -> list[Drop]:
         """Remove the waiting entries whose deadline has passed (their owners get the error).
 
-        While closing with the circuit breaker open, every waiting entry goes too, with
-        :class:`CircuitOpen`: a drain does not wait out ``reset_timeout_s`` for a probe (and
-        another after each failing one), which would hold a shutdown for as many cool-downs as
-        there are batches waiting. A half-open circuit's probe still runs; if it fails, what
-        still waits goes then.
+        While closing with the circuit breaker open and no batch of this former running, every
+        waiting entry goes too, with :class:`CircuitOpen`: a drain does not wait out
+        ``reset_timeout_s`` for a probe (and another after each failing one), which would hold a
+        shutdown for as many cool-downs as there are batches waiting. A running batch may still
+        close the circuit by succeeding, so the entries wait for it (the driver calls this again
+        after each batch completes); a half-open circuit's probe still runs, and if it fails,
+        what still waits goes then.
         """
         drops = self.queue.expire(now)
         breaker = self.circuit_breaker
-        if self.closing and breaker is not None and self.queue.depth and breaker.state == "open":
+        if self.closing and breaker is not None and self.queue.depth and not self.running and breaker.state == "open":
             error = CircuitOpen(
                 f"closed while the circuit breaker was open ({breaker.failure_threshold} or more consecutive batch "
                 "failures); the items still waiting failed fast instead of waiting for its probe"
@@ -227,9 +231,11 @@ class BatchFormer(Generic[E]):
             return None, wake_at
         breaker = self.circuit_breaker
         if breaker is not None and breaker.state != "closed" and not breaker.allow_dispatch():
-            if breaker.state == "open":  # look again when it turns half-open
-                reopen = breaker.half_open_at
-                wake_at = reopen if wake_at is None else min(wake_at, reopen)
+            # Open: look again when it turns half-open. Half-open with the probe out, maybe from
+            # another batcher sharing the breaker (every instance's batcher of a @batched method
+            # shares its options): nothing here learns how that probe ends, so look again soon.
+            reopen = breaker.half_open_at if breaker.state == "open" else now + _PROBE_POLL_S
+            wake_at = reopen if wake_at is None else min(wake_at, reopen)
             self.wake_at = wake_at
             return None, wake_at
         reason: FlushReason | None = None
