@@ -113,6 +113,34 @@ def test_circuit_breaker_opens_probes_and_closes() -> None:
     assert br.state == "closed"
 
 
+def test_a_state_read_racing_the_probe_does_not_let_a_second_probe_through() -> None:
+    """A health check reads ``state`` (which turns a cooled-down circuit half-open) from its own
+    thread. If the dispatcher takes the probe between that read's check and its update, the
+    probe stays taken: the next allow_dispatch() is refused."""
+    clock = MockClock()
+    interleave: list[Callable[[], None]] = []
+
+    class RacingClock:
+        """Runs the dispatcher's move inside the health check's read of the time."""
+
+        def now(self) -> float:
+            if interleave:
+                interleave.pop()()
+            return clock.now()
+
+    br = CircuitBreaker(failure_threshold=1, reset_timeout_s=5, clock=RacingClock())
+    br.record(False)
+    clock.advance(5)
+    probes: list[bool] = []
+    interleave.append(lambda: probes.append(br.allow_dispatch()))
+    assert br.state == "half_open"  # the health check's read, with the dispatcher's move inside
+    assert probes == [True]
+    assert not br.allow_dispatch(), "a second probe went out"
+    br.record(False)
+    clock.advance(5)
+    assert br.allow_dispatch(), "the next opening has its own probe"
+
+
 def test_out_of_memory_splits_the_batch_and_lowers_the_ceiling() -> None:
     """A batch function that runs out of memory above 2 items still answers everyone."""
 

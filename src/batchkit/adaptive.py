@@ -265,7 +265,10 @@ class CircuitBreaker:
         self._state = "closed"
         self._failures = 0
         self._opened_at = 0.0
-        self._probe_out = False
+        # The _opened_at of the opening whose probe went out: a probe belongs to one opening, so
+        # a _refresh racing from another thread (a health check reading ``state``) cannot hand
+        # out a second one by resetting a flag.
+        self._probe_for: float | None = None
         self.opens = 0
 
     @property
@@ -278,7 +281,6 @@ class CircuitBreaker:
     def _refresh(self) -> None:
         if self._state == "open" and self.clock.now() - self._opened_at >= self.reset_timeout_s:
             self._state = "half_open"
-            self._probe_out = False
 
     def check(self) -> None:
         """Raise :class:`CircuitOpen` if new work must fail fast now."""
@@ -295,8 +297,8 @@ class CircuitBreaker:
         self._refresh()
         if self._state == "closed":
             return True
-        if self._state == "half_open" and not self._probe_out:
-            self._probe_out = True
+        if self._state == "half_open" and self._probe_for != self._opened_at:
+            self._probe_for = self._opened_at
             return True
         return False
 
@@ -308,7 +310,7 @@ class CircuitBreaker:
     def release_probe(self) -> None:
         """A batch allowed by :meth:`allow_dispatch` did not run (its callers all gave up): in
         half-open, let the next batch be the probe. Neither a success nor a failure."""
-        self._probe_out = False
+        self._probe_for = None
 
     def record(self, success: bool) -> None:
         """Report a dispatched batch's outcome: a success is a batch whose function returned one
