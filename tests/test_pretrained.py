@@ -137,6 +137,54 @@ def test_a_directory_without_config_or_gguf_is_refused(tmp_path: Path) -> None:
         load_pretrained(tmp_path)
 
 
+def _counting_conversions(monkeypatch: pytest.MonkeyPatch, hf_dir: Path) -> list[Path]:
+    """Replace the GGUF conversion by a copy of ``hf_dir``; the list records each conversion's source."""
+    import shutil
+
+    from batchkit.models import pretrained
+
+    converted: list[Path] = []
+
+    def convert(gguf: Path, target: Path) -> None:
+        converted.append(gguf)
+        shutil.copytree(hf_dir, target)
+
+    monkeypatch.setattr(pretrained, "_convert_gguf", convert)
+    return converted
+
+
+def test_copies_of_one_gguf_file_share_one_cached_conversion(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversion cache is keyed by the file's content: the same GGUF file at two paths (two
+    environments holding one model package) is converted once and both loads read that entry."""
+    converted = _counting_conversions(monkeypatch, tiny_llama_dir)
+    content = bytes(range(256)) * 64
+    copies = [tmp_path / "env-a" / "model.gguf", tmp_path / "env-b" / "renamed.gguf"]
+    for copy in copies:
+        copy.parent.mkdir()
+        copy.write_bytes(content)
+    cache = tmp_path / "cache"
+    first, second = (load_pretrained(copy, cache_dir=cache) for copy in copies)
+    assert converted == copies[:1]
+    assert first.path == second.path
+    assert list((cache / "models").iterdir()) == [first.path]
+
+
+def test_a_gguf_file_whose_content_changed_is_converted_again(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file rewritten in place at the same path and size is a new cache entry, not the old one."""
+    converted = _counting_conversions(monkeypatch, tiny_llama_dir)
+    gguf, cache = tmp_path / "model.gguf", tmp_path / "cache"
+    gguf.write_bytes(b"a" * 4096)
+    before = load_pretrained(gguf, cache_dir=cache)
+    gguf.write_bytes(b"b" * 4096)
+    after = load_pretrained(gguf, cache_dir=cache)
+    assert converted == [gguf, gguf]
+    assert before.path != after.path
+
+
 # ----------------------------------------------------------------------------- the real models
 
 
