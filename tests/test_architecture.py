@@ -4,7 +4,9 @@ private attributes, and no module imports from a floor above its own."""
 from __future__ import annotations
 
 import ast
+import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,15 +73,18 @@ FLOORS: dict[str, int] = {
 }
 
 
+def _dotted(path: Path) -> str:
+    """A module's dotted name relative to batchkit ("" for the package's ``__init__.py``), from
+    its path relative to the package (a folder stands for its ``__init__.py``)."""
+    parts = list(path.with_suffix("").parts) if path.suffix else list(path.parts)
+    if parts and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
 def _modules() -> list[tuple[str, Path]]:
     """Every module of the package as (dotted name relative to batchkit, path)."""
-    out = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out.append((".".join(parts), path))
-    return out
+    return [(_dotted(path.relative_to(PACKAGE)), path) for path in sorted(PACKAGE.rglob("*.py"))]
 
 
 def _is_package(name: str) -> bool:
@@ -272,3 +277,127 @@ def test_scripts_import_public_names_that_exist(path: Path) -> None:
         if name is not None and not hasattr(mod, name) and not _exists(".".join([*module.split(".")[1:], name])):
             bad.append(f"{module} import {name}: no such name")
     assert not bad, f"{path.name}: {bad}"
+
+
+# The "Layout and floors" table of docs/architecture.md, read as data: each row's floor, module
+# (a file, or a folder ending in "/") and the backticked names of its "owns" cell.
+ARCHITECTURE_MD = PACKAGE.parent.parent / "docs" / "architecture.md"
+ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`([^`]+)`\s*\|(.*)\|[^|]*\|\s*$")
+CODE_NAME = re.compile(r"@?([A-Za-z_]\w*)(?:\(.*\))?")
+
+
+@dataclass(frozen=True)
+class FloorRow:
+    floor: int
+    module: str  # as the table spells it: "kv/planner.py", "jobs/", "__init__.py"
+    owns: tuple[str, ...]  # the backticked words of the "owns" cell
+
+    @property
+    def dotted(self) -> str:
+        return _dotted(Path(self.module))
+
+    @property
+    def files(self) -> list[Path]:
+        """The files the row covers: its own file, or a folder's __init__.py and the files its
+        "owns" cell names."""
+        if not self.module.endswith("/"):
+            return [PACKAGE / self.module]
+        folder = PACKAGE / self.module
+        return [folder / "__init__.py", *(folder / w for w in self.owns if re.fullmatch(r"[\w.]+\.(py|cu)", w))]
+
+
+def _floor_table() -> list[FloorRow]:
+    rows = []
+    for line in ARCHITECTURE_MD.read_text(encoding="utf-8").splitlines():
+        if m := ROW.match(line):
+            rows.append(FloorRow(int(m.group(1)), m.group(2), tuple(re.findall(r"`([^`]+)`", m.group(3)))))
+    return rows
+
+
+def _defined_names(path: Path) -> set[str]:
+    """What a module defines or imports: functions, classes, methods, assigned names, attributes."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _module_file(dotted: str) -> Path:
+    rel = PACKAGE / dotted.replace(".", "/")
+    return rel / "__init__.py" if _is_package(dotted) else rel.with_suffix(".py")
+
+
+def _known_names(row: FloorRow) -> set[str]:
+    """What a row's files define, and what the batchkit modules they import from define (a row
+    may name what it drives: ``AsyncBatcher`` drives ``BatchFormer``)."""
+    own = [p for p in row.files if p.suffix == ".py" and p.exists()]
+    used = []
+    for path in own:
+        module = _dotted(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            target = _resolve(module, path.name == "__init__.py", node) if isinstance(node, ast.ImportFrom) else None
+            if target and _exists(target):
+                used.append(_module_file(target))
+    return set().union(*(_defined_names(p) for p in [*own, *used]))
+
+
+def _is_defined(row: FloorRow, word: str, names: set[str]) -> bool:
+    """Whether a backticked word of a row's "owns" cell names something that exists (words that
+    are not code names, such as ``batchkit run`` or ``paged_kv.cu``, pass)."""
+    if word.startswith("batchkit."):
+        return _exists(word.removeprefix("batchkit."))
+    m = CODE_NAME.fullmatch(word)
+    if m is None or m.group(1) == "batchkit" or m.group(1) in names:
+        return True
+    return _exists(f"{row.dotted}.{m.group(1)}".lstrip("."))  # a submodule (``mlp`` of ``demo/``)
+
+
+def test_the_floor_table_is_read_whole() -> None:
+    """Every row of the floor table parses (a row this file cannot read is checked by nothing)."""
+    text = ARCHITECTURE_MD.read_text(encoding="utf-8").split("## Layout and floors", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| floor", "| ---"))]
+    assert len(_floor_table()) == len(table) > 40
+
+
+def test_every_module_the_floor_table_names_exists() -> None:
+    """Each module of the floor table, and each file a folder's row names, is in the package."""
+    missing = [str(p.relative_to(PACKAGE)) for row in _floor_table() for p in row.files if not p.exists()]
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+
+
+def test_every_module_is_in_the_floor_table() -> None:
+    """Each file of the package is a row of the floor table, or is named in its folder's row."""
+    covered = {p for row in _floor_table() for p in row.files}
+    files = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.cu")]
+    unlisted = sorted(str(p.relative_to(PACKAGE)) for p in files if p not in covered)
+    assert not unlisted, f"add these modules to docs/architecture.md's floor table: {unlisted}"
+
+
+def test_the_floor_table_gives_the_floors_this_file_enforces() -> None:
+    """A row's floor is the floor FLOORS holds the module to."""
+    wrong = [
+        f"{row.module}: {row.floor} vs {_floor(row.dotted)}"
+        for row in _floor_table()
+        if row.floor != _floor(row.dotted)
+    ]
+    assert not wrong, f"docs/architecture.md and FLOORS disagree: {wrong}"
+
+
+def test_the_names_the_floor_table_gives_are_defined_in_their_modules() -> None:
+    """Each code name of a row's "owns" cell (``plan``, ``BlockPool``, ``one_line(exc)``) is
+    defined or imported by that row's files, and each ``batchkit.x.y`` it names is a module."""
+    undefined = [
+        f"{row.module}: {word}"
+        for row in _floor_table()
+        for names in [_known_names(row)]
+        for word in row.owns
+        if not _is_defined(row, word, names)
+    ]
+    assert not undefined, f"docs/architecture.md names what its module does not define: {undefined}"
