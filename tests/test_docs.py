@@ -1,7 +1,9 @@
 """The documentation is executable: what README.md and docs/ show runs as written.
 
 - Every fenced ``python`` block runs, in order, one namespace per page (async blocks with
-  top-level ``await`` run under anyio, on asyncio and on trio). A block is exempt only behind a
+  top-level ``await`` run under anyio, on asyncio and on trio). README.md's blocks are whole
+  programs: each runs alone, in a namespace of its own, compiled as a file is (no top-level
+  ``await``), so that each one pasted into a file runs as written. A block is exempt only behind a
   visible ``<!-- not-run: reason -->`` comment on the line before it, and is still compiled.
   A block behind ``<!-- file: path -->`` is also written to ``path`` in the folder the page's
   commands run in (for example the module a ``batchkit bench`` line loads).
@@ -48,6 +50,8 @@ CLI_TIMEOUT = 120
 FENCE = re.compile(r"^```([\w-]*)\s*$")
 MARKER = re.compile(r"^<!--\s*([\w-]+)\s*:\s*(.*?)\s*-->\s*$")
 KNOWN_MARKERS = {"not-run", "file", "output"}
+# Pages whose python blocks are each a whole program (what a reader pastes into a file).
+WHOLE_PROGRAM_PAGES = {ROOT / "README.md"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def python_pages() -> list[Any]:
         blocks = [b for b in read_blocks(page) if b.lang == "python"]
         if not blocks:
             continue
-        is_async = any(_compile(b).co_flags & inspect.CO_COROUTINE for b in blocks)
+        is_async = page not in WHOLE_PROGRAM_PAGES and any(_compile(b).co_flags & inspect.CO_COROUTINE for b in blocks)
         for backend in ("asyncio", "trio") if is_async else ("asyncio",):
             params.append(pytest.param(page, backend, id=f"{page.name}-{backend}"))
     return params
@@ -122,7 +126,8 @@ def python_pages() -> list[Any]:
 def _compile(block: Block) -> Any:
     # Pad with blank lines so that a traceback names the page's own line numbers.
     source = "\n" * block.line + block.text
-    return compile(source, str(block.page), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    flags = 0 if block.page in WHOLE_PROGRAM_PAGES else ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    return compile(source, str(block.page), "exec", flags=flags, dont_inherit=True)
 
 
 def run_python_block(block: Block, namespace: dict[str, Any], backend: str) -> None:
@@ -142,7 +147,8 @@ def run_python_block(block: Block, namespace: dict[str, Any], backend: str) -> N
 def test_python_snippets_run_as_written(
     page: Path, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every python block of the page runs, in order, in one namespace, and leaves no thread behind."""
+    """Every python block of the page runs, in order, in one namespace (on a whole-program page,
+    each alone in its own), and leaves no thread behind."""
     text = page.read_text(encoding="utf-8")
     if "torch" in text or "batchkit.models" in text:
         pytest.importorskip("torch")
@@ -157,6 +163,8 @@ def test_python_snippets_run_as_written(
             continue
         if "file" in block.markers:
             _write_file(tmp_path, block)
+        if page in WHOLE_PROGRAM_PAGES:
+            namespace = {"__name__": "__main__"}
         run_python_block(block, namespace, backend)
     _assert_no_thread_left(threads_before, page)
 
