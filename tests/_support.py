@@ -69,3 +69,23 @@ class LiveServer:
     def state(self) -> Any:
         """The app's :class:`batchkit.serve.app` state (its loop, batcher and models)."""
         return self.app.state.batchkit
+
+
+#: The options of the batchers (both shells) in the circuit-breaker tests that use DUE_BY_REASON.
+DUE_BY_REASON_OPTIONS: dict[str, Any] = {
+    "max_batch_size": 4,
+    "max_wait_ms": 5,
+    "size_fn": lambda x: x / 4,
+    "max_batch_cost": 3,
+}
+
+# What makes one batch due for each flush reason once the circuit is half-open, for a batcher with
+# DUE_BY_REASON_OPTIONS: the items to submit, and what then makes them due (None: the items
+# themselves). Shared by the breaker tests of both shells.
+DUE_BY_REASON: dict[str, tuple[list[int], str | None]] = {
+    "size": ([1, 1, 1, 1], None),
+    "cost": ([12], None),
+    "timeout": ([1], "advance"),
+    "flush": ([1], "flush"),
+    "close": ([1], "close"),
+}

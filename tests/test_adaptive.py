@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import batchkit
-from _support import wait_until
+from _support import DUE_BY_REASON, DUE_BY_REASON_OPTIONS, wait_until
 from batchkit import (
     AdaptiveBatchController,
     AdaptiveTuner,
@@ -475,3 +475,53 @@ def test_slow_batches_do_not_shrink_the_batch_under_a_backlog() -> None:
     d = ctl.update(queue_depth=100)  # a backlog: grow for throughput instead
     assert d.reason == "queue_up"
     assert ctl.batch_size == 8
+
+
+class _Flaky:
+    """A batch function that raises while ``down`` is set; ``batches`` records what ran."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.batches: list[list[int]] = []
+
+    def __call__(self, xs: list[int]) -> list[int]:
+        self.batches.append(list(xs))
+        if self.down:
+            raise RuntimeError("backend down")
+        return [x * 10 for x in xs]
+
+
+@pytest.mark.parametrize("reason", sorted(DUE_BY_REASON))
+def test_a_threaded_batcher_recovers_when_its_probe_batch_is_due_for_any_reason(reason: str) -> None:
+    """``max_wait_ms > 0``: once the cool-down passed, the first batch due (by size, cost,
+    max_wait_ms, flush() or close()) is the probe, and its success closes the circuit. A look
+    at the queue before that batch was due (the dispatcher woken by the arrival) takes no probe,
+    so later calls, and close(), no longer hang."""
+    clock = MockClock()
+    fn = _Flaky()
+    br = CircuitBreaker(failure_threshold=5, reset_timeout_s=1.0, clock=clock)
+    b: DynamicBatcher[int, int] = DynamicBatcher(fn, circuit_breaker=br, clock=clock, **DUE_BY_REASON_OPTIONS)
+    for _ in range(5):
+        f = b.submit(1)
+        clock.advance(0.005)
+        with pytest.raises(RuntimeError, match="backend down"):
+            f.result(WAIT)
+    assert br.state == "open"
+    fn.down = False
+    clock.advance(1.5)
+    items, then = DUE_BY_REASON[reason]
+    arrived = clock.now()
+    futs = [b.submit(x) for x in items]
+    if then is not None:  # the dispatcher has looked once, before the batch is due
+        wait_until(lambda: b.former.wake_at == arrived + 0.005, "the dispatcher to look", timeout=WAIT)
+    if then == "advance":
+        clock.advance(0.005)
+    elif then == "flush":
+        b.flush()
+    elif then == "close":
+        b.close(timeout=WAIT)
+    assert [f.result(WAIT) for f in futs] == [x * 10 for x in items]
+    assert br.state == "closed"
+    b.close(timeout=WAIT)
+    assert b.recent_batches()[-1].reason == reason
+    assert fn.batches[-1] == items

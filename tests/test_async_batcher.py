@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from _support import DUE_BY_REASON, DUE_BY_REASON_OPTIONS
 from batchkit import (
     AsyncBatcher,
     BatcherClosed,
@@ -501,3 +502,46 @@ def test_submit_outside_an_asyncio_loop_says_what_to_use_instead() -> None:
     b = AsyncBatcher(lambda xs: xs)
     with pytest.raises(RuntimeError, match="DynamicBatcher"):
         trio.run(b.submit, 1)
+
+
+@pytest.mark.parametrize("reason", sorted(DUE_BY_REASON))
+def test_a_half_open_circuit_recovers_when_its_probe_batch_is_due_for_any_reason(reason: str) -> None:
+    """``max_wait_ms > 0``: once the cool-down passed, the first batch due (by size, cost,
+    max_wait_ms, flush() or aclose()) is the probe, and its success closes the circuit; the
+    pump's look at an item still within ``max_wait_ms`` takes no probe."""
+    down = True
+
+    def flaky(xs: list[int]) -> list[int]:
+        if down:
+            raise RuntimeError("backend down")
+        return [x * 10 for x in xs]
+
+    async def main() -> None:
+        nonlocal down
+        clock = MockClock()
+        breaker = CircuitBreaker(failure_threshold=5, reset_timeout_s=1.0, clock=clock)
+        b: AsyncBatcher[int, int] = AsyncBatcher(flaky, circuit_breaker=breaker, clock=clock, **DUE_BY_REASON_OPTIONS)
+        for _ in range(5):
+            call = asyncio.ensure_future(b.submit(1))
+            await settle()
+            clock.advance(0.005)
+            with pytest.raises(RuntimeError, match="backend down"):
+                await call
+        assert breaker.state == "open"
+        down = False
+        clock.advance(1.5)
+        items, then = DUE_BY_REASON[reason]
+        calls = [asyncio.ensure_future(b.submit(x)) for x in items]
+        await settle()  # the pump has looked once, before the batch is due
+        if then == "advance":
+            clock.advance(0.005)
+        elif then == "flush":
+            b.flush()
+        elif then == "close":
+            await b.aclose()
+        assert await asyncio.gather(*calls) == [x * 10 for x in items]
+        assert breaker.state == "closed"
+        await b.aclose()
+        assert b.recent_batches()[-1].reason == reason
+
+    run(main)

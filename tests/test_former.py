@@ -254,3 +254,58 @@ def test_bad_settings_are_refused_with_the_argument_named(kwargs: dict[str, Any]
     """Each setting out of range raises ValueError naming it."""
     with pytest.raises(ValueError, match=message):
         former(**kwargs)
+
+
+def _half_open_former(**kwargs: Any) -> tuple[BatchFormer[Entry], CircuitBreaker]:
+    """A former whose breaker opened at 0.0 and turned half-open at 1.0."""
+    breaker = CircuitBreaker(failure_threshold=1, reset_timeout_s=1.0, clock=MockClock())
+    breaker.record(False, 0.0)
+    return former(circuit_breaker=breaker, **kwargs), breaker
+
+
+@pytest.mark.parametrize("reason", FLUSH_REASONS)
+def test_a_half_open_circuit_probes_with_the_first_batch_due_for_every_reason(reason: str) -> None:
+    """After the cool-down, the probe goes with the first batch that is due, whatever made it
+    due; asking before it is due (an item still within ``max_wait_ms``) takes no probe, so the
+    circuit cannot be left half-open with a probe that never ran. The probe's success closes it."""
+    f, breaker = _half_open_former(max_batch_size=4, max_wait_ms=5, max_batch_cost=3)
+    add(f, 1.0, "a")
+    assert f.next_batch(1.0) == (None, 1.005)  # not due yet: no probe taken
+    if reason == "size":
+        for item in "bcd":
+            add(f, 1.001, item, cost=0.5)
+        now = 1.001
+    elif reason == "cost":
+        add(f, 1.001, "b", cost=2)
+        now = 1.001
+    elif reason == "flush":
+        f.flush()
+        now = 1.001
+    elif reason == "close":
+        f.close()
+        now = 1.001
+    else:
+        assert f.next_batch(1.004)[0] is None
+        now = 1.005
+    probe, _ = f.next_batch(now)
+    assert probe is not None, "the due batch was held back: the probe was taken by an earlier look"
+    assert probe.info.reason == reason
+    f.record(probe, probe.info.size, 0.01, True, now + 0.01)
+    f.complete(probe)
+    assert breaker.state_at(now + 0.01) == "closed"
+
+
+def test_a_half_open_circuit_whose_probe_is_out_holds_the_next_due_batch() -> None:
+    """While the probe batch runs, another batch that is due waits for its outcome, looking
+    again every 50 ms (the probe may belong to another batcher sharing the breaker)."""
+    f, _ = _half_open_former(max_batch_size=1, max_wait_ms=0, max_concurrent_batches=2)
+    add(f, 1.0, "a")
+    probe, _ = f.next_batch(1.0)
+    assert probe is not None
+    add(f, 1.0, "b")
+    assert f.next_batch(1.0) == (None, 1.05)
+    f.record(probe, 1, 0.01, True, 1.01)
+    f.complete(probe)
+    batch, _ = f.next_batch(1.01)
+    assert batch is not None
+    assert batch.entries[0].item == "b"

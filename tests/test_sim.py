@@ -153,3 +153,29 @@ def test_simulation_agrees_with_a_real_run_within_ten_percent() -> None:
     simulated = sim.simulate(COST, sim.ClosedLoop(concurrency=16, duration_s=30), max_batch_size=8, max_wait_ms=5)
     assert real_throughput == pytest.approx(simulated.throughput, rel=0.10)
     assert real_batch == pytest.approx(simulated.mean_batch_size, rel=0.10)
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 32], ids=["batches-by-size", "batches-by-timeout"])
+def test_a_circuit_breaker_opens_in_an_outage_and_recovers_after_it(max_batch_size: int) -> None:
+    """An outage (every batch that starts before 1 s fails) opens the breaker, whose probes fail
+    until the outage ends; the first probe after it closes the circuit, and from then on every
+    arrival is served, whether batches go by size or wait ``max_wait_ms`` for company."""
+    breaker = batchkit.CircuitBreaker(failure_threshold=5, reset_timeout_s=0.25)
+    arrivals = [i / 100 for i in range(300)]  # every 10 ms for 3 s
+    r = sim.simulate(
+        sim.linear_cost(fixed_ms=1, per_item_ms=0),
+        arrivals,
+        max_batch_size=max_batch_size,
+        max_wait_ms=5,
+        circuit_breaker=breaker,
+        fails=lambda t: t < 1.0,
+        phases=[(1.5, 3.0)],
+    )
+    assert breaker.opens >= 2  # opened by the outage, and again by a probe that failed in it
+    assert r.failed >= 5
+    assert r.rejected > 0
+    assert r.completed + r.failed + r.rejected == r.arrivals == 300
+    after = r.phases[0]
+    assert after.completed == after.arrivals == 150
+    assert breaker.state_at(r.duration) == "closed"
+    assert {size for _, size in r.batch_sizes} == {1}  # each arrival alone: by size, or after max_wait_ms

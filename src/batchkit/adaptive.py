@@ -17,6 +17,7 @@ sleep or start threads, except :meth:`AdaptiveTuner.start`, which runs ``step()`
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import numbers
@@ -37,6 +38,7 @@ __all__ = [
     "AdaptiveBatchController",
     "AdaptiveTuner",
     "BatchSizePolicy",
+    "BreakerState",
     "CircuitBreaker",
     "Decision",
     "TunableTarget",
@@ -241,12 +243,45 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or type(exc).__name__ in ("OutOfMemoryError", "OutOfMemory")
 
 
+class BreakerState(str, enum.Enum):
+    """A :class:`CircuitBreaker`'s state; compares equal to its value (``BreakerState.OPEN == "open"``)."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_CLOSED, _OPEN, _HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
+
+#: The breaker's state machine: (state, event) -> next state. Events: a batch ``succeeded``; a
+#: batch ``failed`` with fewer consecutive failures than the threshold; one ``tripped`` it (the
+#: threshold reached, or any failure of a half-open probe); the cool-down ``elapsed``. Entering
+#: ``OPEN`` (from any state, again from ``OPEN`` too) restarts the cool-down.
+_TRANSITIONS: dict[tuple[BreakerState, str], BreakerState] = {
+    (_CLOSED, "succeeded"): _CLOSED,
+    (_CLOSED, "failed"): _CLOSED,
+    (_CLOSED, "tripped"): _OPEN,
+    (_OPEN, "succeeded"): _CLOSED,  # a batch dispatched before it opened came back fine
+    (_OPEN, "tripped"): _OPEN,
+    (_OPEN, "elapsed"): _HALF_OPEN,
+    (_HALF_OPEN, "succeeded"): _CLOSED,
+    (_HALF_OPEN, "tripped"): _OPEN,
+}
+
+
 class CircuitBreaker:
     """Fail fast after repeated failures; probe again after a cool-down.
 
     closed -> (``failure_threshold`` consecutive failures) -> open: :meth:`check` raises
     :class:`CircuitOpen` -> (``reset_timeout_s`` later) -> half-open: one probe may run ->
-    success closes, failure opens again.
+    success closes, failure opens again (the transitions are one table, ``_TRANSITIONS``).
+
+    Like the batch former, the breaker is told the time: every method that depends on it takes
+    ``now`` (seconds on the driver's clock), and reads ``clock`` only when ``now`` is omitted
+    (the ``state`` property, for a health check reading it from another thread).
 
     Raises:
         ValueError: ``failure_threshold`` is not an int >= 1, or ``reset_timeout_s`` is not a
@@ -262,42 +297,56 @@ class CircuitBreaker:
         self.failure_threshold = int(failure_threshold)
         self.reset_timeout_s = float(reset_timeout_s)
         self.clock: Clock = clock if clock is not None else MonotonicClock()
-        self._state = "closed"
+        self._state = _CLOSED
         self._failures = 0
         self._opened_at = 0.0
         # The _opened_at of the opening whose probe went out: a probe belongs to one opening, so
-        # a _refresh racing from another thread (a health check reading ``state``) cannot hand
-        # out a second one by resetting a flag.
+        # a state read racing from another thread cannot hand out a second one by resetting a flag.
         self._probe_for: float | None = None
         self.opens = 0
 
-    @property
-    def state(self) -> str:
-        """``"closed"``, ``"open"`` or ``"half_open"`` now: an open circuit whose
-        ``reset_timeout_s`` has passed reads ``"half_open"`` (its probe may go)."""
-        self._refresh()
+    def _now(self, now: float | None) -> float:
+        return self.clock.now() if now is None else now
+
+    def _fire(self, event: str, now: float) -> None:
+        new = _TRANSITIONS[(self._state, event)]
+        if new is _OPEN:
+            if self._state is not _OPEN:
+                self.opens += 1
+            self._opened_at = now
+        self._state = new
+
+    def state_at(self, now: float) -> BreakerState:
+        """The state at ``now``: an open circuit whose ``reset_timeout_s`` has passed is
+        half-open (its probe may go)."""
+        if self._state is _OPEN and now - self._opened_at >= self.reset_timeout_s:
+            self._fire("elapsed", now)
         return self._state
 
-    def _refresh(self) -> None:
-        if self._state == "open" and self.clock.now() - self._opened_at >= self.reset_timeout_s:
-            self._state = "half_open"
+    @property
+    def state(self) -> BreakerState:
+        """:meth:`state_at` the breaker's ``clock`` reads now (``"closed"``, ``"open"`` or
+        ``"half_open"``)."""
+        return self.state_at(self.clock.now())
 
-    def check(self) -> None:
-        """Raise :class:`CircuitOpen` if new work must fail fast now."""
-        self._refresh()
-        if self._state == "open":
-            left = self.reset_timeout_s - (self.clock.now() - self._opened_at)
+    def check(self, now: float | None = None) -> None:
+        """Raise :class:`CircuitOpen` if new work must fail fast at ``now`` (default: ``clock``)."""
+        now = self._now(now)
+        if self.state_at(now) is _OPEN:
+            left = self.reset_timeout_s - (now - self._opened_at)
             raise CircuitOpen(
                 f"{self._failures} consecutive batch failures opened the circuit; new work fails fast for "
                 f"another {left:.1f} s, then one probe batch is let through"
             )
 
-    def allow_dispatch(self) -> bool:
-        """Whether a batch may be dispatched now (half-open: only the one probe)."""
-        self._refresh()
-        if self._state == "closed":
+    def allow_dispatch(self, now: float | None = None) -> bool:
+        """Whether a batch may be dispatched at ``now`` (half-open: only the one probe). A True
+        in half-open hands out the probe: call it only for a batch that is then dispatched, and
+        :meth:`release_probe` if that batch does not run after all."""
+        state = self.state_at(self._now(now))
+        if state is _CLOSED:
             return True
-        if self._state == "half_open" and self._probe_for != self._opened_at:
+        if state is _HALF_OPEN and self._probe_for != self._opened_at:
             self._probe_for = self._opened_at
             return True
         return False
@@ -312,23 +361,22 @@ class CircuitBreaker:
         half-open, let the next batch be the probe. Neither a success nor a failure."""
         self._probe_for = None
 
-    def record(self, success: bool) -> None:
-        """Report a dispatched batch's outcome: a success is a batch whose function returned one
-        result per item (per-item exceptions included); a failure is one that raised, returned a
-        malformed result, or ran past its timeout."""
+    def record(self, success: bool, now: float | None = None) -> None:
+        """Report a dispatched batch's outcome at ``now`` (default: ``clock``): a success is a
+        batch whose function returned one result per item (per-item exceptions included); a
+        failure is one that raised, returned a malformed result, or ran past its timeout."""
+        now = self._now(now)
+        state = self.state_at(now)
         if success:
             self._failures = 0
-            self._state = "closed"
+            self._fire("succeeded", now)
             return
         self._failures += 1
-        if self._state == "half_open" or self._failures >= self.failure_threshold:
-            if self._state != "open":
-                self.opens += 1
-            self._state = "open"
-            self._opened_at = self.clock.now()
+        tripped = state is not _CLOSED or self._failures >= self.failure_threshold
+        self._fire("tripped" if tripped else "failed", now)
 
     def __repr__(self) -> str:
-        return f"<CircuitBreaker {self._state} failures={self._failures}>"
+        return f"<CircuitBreaker {self._state.value} failures={self._failures}>"
 
 
 class BatchSizePolicy(Protocol):

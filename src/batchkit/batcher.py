@@ -356,16 +356,16 @@ class BatcherShell(Generic[T, R]):
         """
         if self._closing:
             raise BatcherClosed(f"{self.name}: the batcher is closed; create a new one to submit")
+        now = self._now()
         if self.circuit_breaker is not None:
             try:
-                self.circuit_breaker.check()
+                self.circuit_breaker.check(now)
             except CircuitOpen:
                 self._rejected += 1
                 raise
         core = self._core
         if self._block and core.depth >= core.maxsize:
             return None
-        now = self._now()
         try:
             added = self.former.add(entry, now, priority, deadline_ms, key, cost)
         except QueueFull:

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from ._errors import CircuitOpen
 from ._queue_core import ANY_KEY, Drop, QueueCore, QueueEntry, check_number
-from .adaptive import AdaptiveBatchController, CircuitBreaker
+from .adaptive import AdaptiveBatchController, BreakerState, CircuitBreaker
 
 __all__ = ["FLUSH_REASONS", "BatchFormer", "BatchInfo", "FlushReason", "FormedBatch"]
 
@@ -203,7 +203,13 @@ class BatchFormer(Generic[E]):
         """
         drops = self.queue.expire(now)
         breaker = self.circuit_breaker
-        if self.closing and breaker is not None and self.queue.depth and not self.running and breaker.state == "open":
+        if (
+            self.closing
+            and breaker is not None
+            and self.queue.depth
+            and not self.running
+            and breaker.state_at(now) is BreakerState.OPEN
+        ):
             error = CircuitOpen(
                 f"closed while the circuit breaker was open ({breaker.failure_threshold} or more consecutive batch "
                 "failures); the items still waiting failed fast instead of waiting for its probe"
@@ -225,19 +231,12 @@ class BatchFormer(Generic[E]):
         running = self.running
         if running and self.batch_timeout_s is not None:
             first_timeout = min(b.started for b in running) + self.batch_timeout_s
-            wake_at = first_timeout if wake_at is None else min(wake_at, first_timeout)
+            wake_at = _min_time(wake_at, first_timeout)
         if q.depth == 0 or len(running) >= self.max_concurrent_batches:
-            self.wake_at = wake_at
-            return None, wake_at
+            return self._wait(wake_at)
         breaker = self.circuit_breaker
-        if breaker is not None and breaker.state != "closed" and not breaker.allow_dispatch():
-            # Open: look again when it turns half-open. Half-open with the probe out, maybe from
-            # another batcher sharing the breaker (every instance's batcher of a @batched method
-            # shares its options): nothing here learns how that probe ends, so look again soon.
-            reopen = breaker.half_open_at if breaker.state == "open" else now + _PROBE_POLL_S
-            wake_at = reopen if wake_at is None else min(wake_at, reopen)
-            self.wake_at = wake_at
-            return None, wake_at
+        if breaker is not None and breaker.state_at(now) is BreakerState.OPEN:
+            return self._wait(_min_time(wake_at, breaker.half_open_at))  # a probe may go then
         reason: FlushReason | None = None
         key: Hashable = ANY_KEY
         full: dict[Hashable, FlushReason] = {}
@@ -262,9 +261,7 @@ class BatchFormer(Generic[E]):
             else:
                 due = oldest.arrival + self.max_wait_ms / 1e3
                 if now < due:
-                    wake_at = due if wake_at is None else min(due, wake_at)
-                    self.wake_at = wake_at
-                    return None, wake_at
+                    return self._wait(_min_time(wake_at, due))
                 reason = FlushReason.TIMEOUT
             if self.grouped:
                 # The oldest item says when; the group that goes is the one whose head is served
@@ -275,6 +272,12 @@ class BatchFormer(Generic[E]):
                 key = best.key
         if not self.grouped:
             key = ANY_KEY
+        if breaker is not None and not breaker.allow_dispatch(now):
+            # Half-open with the probe out, maybe from another batcher sharing the breaker (every
+            # instance's batcher of a @batched method shares its options): nothing here learns
+            # how that probe ends, so look again soon. The probe is asked for only here, for a
+            # batch that is due and sealed next, so that no look hands it out for nothing.
+            return self._wait(_min_time(wake_at, now + _PROBE_POLL_S))
         if self.controller is not None:
             # The controller sees the backlog a batch of the current size would leave behind:
             # none means batches have room to spare (step down), some means they fall behind.
@@ -295,6 +298,11 @@ class BatchFormer(Generic[E]):
         self.reasons[reason.value] += 1
         self.recent.append(info)
         return batch, wake_at
+
+    def _wait(self, wake_at: float | None) -> tuple[None, float | None]:
+        """Nothing is due now: ask to be woken at ``wake_at``."""
+        self.wake_at = wake_at
+        return None, wake_at
 
     # ------------------------------------------------------------------ the controller
 
@@ -342,7 +350,7 @@ class BatchFormer(Generic[E]):
             self._tell_controller("observe_batch", ran, seconds, now)
         # An abandoned batch was already counted as failed when it timed out.
         if breaker is not None and not batch.abandoned:
-            breaker.record(ok)
+            breaker.record(ok, now)
 
     def observe_latencies(self, seconds: list[float], now: float) -> None:
         """End-to-end latencies of answered entries, for the controller's SLO guard."""
@@ -363,7 +371,7 @@ class BatchFormer(Generic[E]):
         for b in out:
             b.abandoned = True
             if self.circuit_breaker is not None:
-                self.circuit_breaker.record(False)
+                self.circuit_breaker.record(False, now)
             self.running.remove(b)
         return out
 
@@ -392,6 +400,11 @@ class BatchFormer(Generic[E]):
             f"<BatchFormer waiting={self.queue.depth} running={len(self.running)} "
             f"max_batch_size={self.max_batch_size} max_wait_ms={self.max_wait_ms:g}>"
         )
+
+
+def _min_time(a: float | None, b: float) -> float:
+    """The earlier of two wake-up times, ``a`` possibly None (no wake-up of its own)."""
+    return b if a is None else min(a, b)
 
 
 def _valid_size(size: object, current: int) -> int:

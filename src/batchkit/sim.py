@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import QueueFull
+from ._errors import CircuitOpen, QueueFull
 from ._queue_core import QueueCore, QueueEntry
-from .adaptive import AdaptiveBatchController
+from .adaptive import AdaptiveBatchController, CircuitBreaker
 from .former import BatchFormer, FormedBatch
 from .metrics import LatencySummary, SampleWindow
 
@@ -190,6 +190,7 @@ class SimResult:
     mean_in_system: float  # L, time-averaged
     phases: list[PhaseResult] = field(default_factory=list)
     batch_sizes: list[tuple[float, int]] = field(default_factory=list)  # (time, size) of each batch
+    failed: int = 0  # requests whose batch failed (see ``fails``)
 
     @property
     def littles_law_ratio(self) -> float:
@@ -256,6 +257,8 @@ def simulate(
     max_queue: int = 1_000_000,
     deadline_ms: float | None = None,
     controller: AdaptiveBatchController | None = None,
+    circuit_breaker: CircuitBreaker | None = None,
+    fails: Callable[[float], bool] | None = None,
     phases: Sequence[tuple[float, float]] | None = None,
 ) -> SimResult:
     """Run the batcher's cores (queue core and former) on virtual time.
@@ -268,6 +271,10 @@ def simulate(
         deadline_ms: each request's deadline (expired ones are counted, not served).
         controller: an :class:`AdaptiveBatchController` to drive the batch size (its clock is
             replaced by the simulation's).
+        circuit_breaker: a :class:`CircuitBreaker`, told the simulation's time (arrivals while
+            it is open count as ``rejected``, as a batcher's ``statistics()`` counts them).
+        fails: an outage model: ``fails(t)`` says whether a batch that starts at ``t`` fails
+            (its items count as ``failed``, and the breaker sees the failure); default: none fail.
         phases: ``[(start, end), ...]`` windows to report separately (by arrival time).
 
     Raises:
@@ -290,6 +297,7 @@ def simulate(
         max_wait_ms=max_wait_ms,
         max_concurrent_batches=max_concurrent_batches,
         controller=controller,
+        circuit_breaker=circuit_breaker,
     )
     closed = arrivals if isinstance(arrivals, ClosedLoop) else None
     events: list[
@@ -317,7 +325,7 @@ def simulate(
     records: list[tuple[float, float, int]] = []  # (arrival, latency, batch size)
     arrival_times: list[float] = []
     batch_sizes: list[tuple[float, int]] = []
-    n_arrivals = rejected = expired = 0
+    n_arrivals = rejected = expired = failed = 0
     busy = 0.0  # time at least one batch ran: concurrent batches overlap
     busy_until = 0.0
     in_system_area = 0.0
@@ -331,14 +339,17 @@ def simulate(
         clock.t = t
         if kind == 0:  # a batch finished
             batch: FormedBatch[QueueEntry[None]]
-            batch, size, took = payload
+            batch, size, took, ok = payload
             former.complete(batch)
-            lat = [t - r.arrival for r in batch.entries]
-            latencies.extend(lat)
-            for r, x in zip(batch.entries, lat, strict=True):
-                records.append((r.arrival, x, size))
-            former.observe_latencies(lat, t)
-            former.record(batch, size, took, True, t)
+            if ok:
+                lat = [t - r.arrival for r in batch.entries]
+                latencies.extend(lat)
+                for r, x in zip(batch.entries, lat, strict=True):
+                    records.append((r.arrival, x, size))
+                former.observe_latencies(lat, t)
+            else:
+                failed += size
+            former.record(batch, size, took, ok, t)
             in_system -= size
             if closed is not None and t < end_time:
                 for _ in range(size):
@@ -349,9 +360,11 @@ def simulate(
             n_arrivals += 1
             arrival_times.append(t)
             try:
+                if circuit_breaker is not None:
+                    circuit_breaker.check(t)
                 former.add(QueueEntry(None, 0, 0, t, None, None, 1), t, 0, deadline_ms)
                 in_system += 1
-            except QueueFull:
+            except (QueueFull, CircuitOpen):
                 rejected += 1
             if arrival_iter is not None:
                 nxt = next(arrival_iter, None)
@@ -371,7 +384,7 @@ def simulate(
             busy += max(0.0, t + dt - max(t, busy_until))
             busy_until = max(busy_until, t + dt)
             batch_sizes.append((t, size))
-            push(t + dt, 0, (formed, size, dt))
+            push(t + dt, 0, (formed, size, dt, fails is None or not fails(t)))
         if wake_at is not None and wake_at > t and wake_at not in timers:
             timers.add(wake_at)
             push(wake_at, 2)
@@ -403,6 +416,7 @@ def simulate(
         completed=len(done),
         rejected=rejected,
         expired=expired,
+        failed=failed,
         throughput=len(done) / duration if duration else 0.0,
         latency=summary,
         mean_batch_size=sum(s for _, s in batch_sizes) / n_batches if n_batches else 0.0,
