@@ -179,3 +179,17 @@ def test_a_circuit_breaker_opens_in_an_outage_and_recovers_after_it(max_batch_si
     assert after.completed == after.arrivals == 150
     assert breaker.state_at(r.duration) == "closed"
     assert {size for _, size in r.batch_sizes} == {1}  # each arrival alone: by size, or after max_wait_ms
+
+
+def test_the_simulation_tells_a_controller_its_time_and_leaves_its_clock_alone() -> None:
+    """A controller driven by the simulation decides on virtual time (its decisions are stamped
+    with simulated seconds) and keeps the clock it was given."""
+    clock = MockClock()
+    clock.advance(1e6)
+    ctl = AdaptiveBatchController(target_queue=1, eta=4, max_batch=64, initial=1, clock=clock)
+    r = sim.simulate(COST, sim.poisson(500, 5, seed=2), max_batch_size=1, controller=ctl)
+    assert ctl.clock is clock
+    assert clock.now() == 1e6
+    assert ctl.decisions
+    assert all(0 <= d.time <= r.duration for d in ctl.decisions)
+    assert ctl.batch_size > 1

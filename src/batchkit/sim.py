@@ -212,16 +212,6 @@ def _seconds(value: Any, size: int) -> float:
     return dt
 
 
-class _SimClock:
-    __slots__ = ("t",)
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-
 def _is_number(x: object) -> bool:
     """A real number (numpy's included), not a bool, not NaN."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
@@ -269,8 +259,8 @@ def simulate(
             :class:`ClosedLoop`.
         max_batch_size, max_wait_ms, max_concurrent_batches, max_queue: the batcher's settings.
         deadline_ms: each request's deadline (expired ones are counted, not served).
-        controller: an :class:`AdaptiveBatchController` to drive the batch size (its clock is
-            replaced by the simulation's).
+        controller: an :class:`AdaptiveBatchController` to drive the batch size, told the
+            simulation's time (its own ``clock`` is left as it is).
         circuit_breaker: a :class:`CircuitBreaker`, told the simulation's time (arrivals while
             it is open count as ``rejected``, as a batcher's ``statistics()`` counts them).
         fails: an outage model: ``fails(t)`` says whether a batch that starts at ``t`` fails
@@ -288,9 +278,6 @@ def simulate(
         start, end = window
         if not (_is_number(start) and _is_number(end) and start < end):
             raise ValueError(f"each phase must be a (start, end) window of times with start < end, got {window!r}")
-    clock = _SimClock()
-    if controller is not None:
-        controller.clock = clock
     former: BatchFormer[QueueEntry[None]] = BatchFormer(
         QueueCore(max_queue, "reject"),
         max_batch_size=max_batch_size,
@@ -336,7 +323,6 @@ def simulate(
         t, kind, _, payload = heapq.heappop(events)
         in_system_area += in_system * (t - last_t)
         last_t = t
-        clock.t = t
         if kind == 0:  # a batch finished
             batch: FormedBatch[QueueEntry[None]]
             batch, size, took, ok = payload
