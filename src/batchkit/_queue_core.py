@@ -95,7 +95,8 @@ Drop = tuple[QueueEntry[Any], BaseException]
 
 @dataclass(frozen=True, slots=True)
 class QueueStatistics:
-    """A snapshot of a :class:`BoundedQueue`."""
+    """A snapshot of a :class:`BoundedQueue`. ``wait``: every served entry's time in the queue
+    (whole run, mergeable); ``wait_recent``: the same over the last 10,000 served."""
 
     maxsize: int
     depth: int
@@ -107,6 +108,7 @@ class QueueStatistics:
     expiries: int
     cancellations: int
     wait: LatencySummary
+    wait_recent: LatencySummary
 
 
 def check_queue_options(maxsize: object, on_full: object = "reject", aging_s: object = None) -> None:
@@ -453,6 +455,7 @@ class QueueCore(Generic[T]):
             expiries=self._expiries,
             cancellations=self._cancellations,
             wait=self._wait.summary(),
+            wait_recent=self._wait.recent(),
         )
 
     def __len__(self) -> int:

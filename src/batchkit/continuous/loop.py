@@ -114,12 +114,14 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int
 
 @dataclass(frozen=True)
 class LoopStatistics:
-    """Scheduler counters and latencies, plus the loop's throughput and step times."""
+    """Scheduler counters and latencies, plus the loop's throughput and step times (``step_time``:
+    every step of the run, mergeable; ``step_time_recent``: the last 10,000 steps)."""
 
     scheduler: SchedulerStatistics
     steps: int
     tokens_per_s: float
     step_time: LatencySummary
+    step_time_recent: LatencySummary
 
 
 class ContinuousDecodeLoop:
@@ -814,6 +816,7 @@ class ContinuousDecodeLoop:
             steps=self._steps,
             tokens_per_s=self._generated / span if span > 0 else 0.0,
             step_time=self._step_time.summary(),
+            step_time_recent=self._step_time.recent(),
         )
 
     def __repr__(self) -> str:

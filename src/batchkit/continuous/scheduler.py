@@ -148,7 +148,8 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class SchedulerStatistics:
-    """A snapshot of the scheduler (latencies in ms)."""
+    """A snapshot of the scheduler (latencies in ms). ``ttft``, ``tpot`` and ``queue_wait`` cover
+    the whole run (mergeable); the ``*_recent`` ones the last 10,000 samples of each."""
 
     waiting: int
     running: int
@@ -165,6 +166,9 @@ class SchedulerStatistics:
     ttft: LatencySummary
     tpot: LatencySummary
     queue_wait: LatencySummary
+    ttft_recent: LatencySummary
+    tpot_recent: LatencySummary
+    queue_wait_recent: LatencySummary
 
 
 class Scheduler:
@@ -747,4 +751,7 @@ class Scheduler:
             ttft=self._ttft.summary(),
             tpot=self._tpot.summary(),
             queue_wait=self._queue_wait.summary(),
+            ttft_recent=self._ttft.recent(),
+            tpot_recent=self._tpot.recent(),
+            queue_wait_recent=self._queue_wait.recent(),
         )
