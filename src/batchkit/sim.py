@@ -32,7 +32,7 @@ from ._errors import CircuitOpen, QueueFull
 from ._queue_core import QueueCore, QueueEntry
 from .adaptive import AdaptiveBatchController, CircuitBreaker
 from .former import BatchFormer, FormedBatch
-from .metrics import LatencySummary, SampleWindow
+from .metrics import LatencySummary, summarize
 
 __all__ = [
     "ClosedLoop",
@@ -308,7 +308,6 @@ def simulate(
         if first is not None:
             push(first, 1)
         end_time = float("inf")
-    latencies = SampleWindow(size=10_000_000)
     records: list[tuple[float, float, int]] = []  # (arrival, latency, batch size)
     arrival_times: list[float] = []
     batch_sizes: list[tuple[float, int]] = []
@@ -329,7 +328,6 @@ def simulate(
             former.complete(batch)
             if ok:
                 lat = [t - r.arrival for r in batch.entries]
-                latencies.extend(lat)
                 for r, x in zip(batch.entries, lat, strict=True):
                     records.append((r.arrival, x, size))
                 former.observe_latencies(lat, t)
@@ -376,13 +374,11 @@ def simulate(
             push(wake_at, 2)
     duration = last_t
     done = [x for x in records]
-    summary = latencies.summary()
+    summary = summarize([lat for _, lat, _ in done])  # exact: the run keeps every latency anyway
     phase_results = []
     for start, end in phases or []:
         sel = [(lat, size) for arr, lat, size in done if start <= arr < end]
         finished_in = sum(1 for arr, lat, _ in done if start <= arr + lat < end)
-        w = SampleWindow(size=max(1, len(sel)))
-        w.extend([lat for lat, _ in sel])
         n_arr = sum(1 for a in arrival_times if start <= a < end)
         phase_results.append(
             PhaseResult(
@@ -391,7 +387,7 @@ def simulate(
                 arrivals=n_arr,
                 completed=len(sel),
                 throughput=finished_in / (end - start) if end > start else 0.0,
-                latency=w.summary(),
+                latency=summarize([lat for lat, _ in sel]),
                 mean_batch_size=sum(s for _, s in sel) / len(sel) if sel else 0.0,
             )
         )
