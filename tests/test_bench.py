@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from batchkit import BatchTimeout, bench
 from batchkit.cli import main
 from batchkit.testing import echo_batch
+
+WAIT = 30.0
 
 
 def test_sweep_reports_every_point_and_a_recommendation() -> None:
@@ -196,7 +202,7 @@ def test_a_model_idle_most_of_the_run_gets_a_note_with_the_measured_throughput()
     assert report.qps_max is not None
     assert p.utilisation < bench.LOW_UTILISATION  # microseconds of work per batch
     (note,) = [n for n in report.notes if "busy" in n]
-    assert f"{p.throughput:,.0f}/s was measured" in note
+    assert f"{bench._significant(p.throughput)}/s was measured" in note
     assert note in report.table()
 
 
@@ -228,3 +234,103 @@ def test_b_opt_meets_the_sla_even_when_the_knee_misses_it(monkeypatch: pytest.Mo
     assert any("B_knee = 8 misses the SLA" in n for n in report.notes)
     # without an SLA (every size qualifies) B_opt is the knee
     assert bench.sweep(echo_batch, lambda i: i, list(measured)).b_opt == 8
+
+
+@pytest.mark.parametrize("load", [{"concurrency": 8}, {"rate": 2000.0}], ids=["closed", "open"])
+def test_littles_law_holds_exactly_when_nothing_is_lost(load: dict[str, float]) -> None:
+    """L (the time-averaged requests in the system) and lambda * W count each request over the
+    same span, from its arrival (the scheduled time in the open loop, where a task may start
+    late) to its answer: with nothing lost they agree to rounding, in both loops."""
+    p = bench.run_point(echo_batch, lambda i: i, 4, duration_s=0.2, **load)  # type: ignore[arg-type]
+    assert p.requests > 0
+    assert p.rejected == 0
+    assert p.little_l == pytest.approx(p.little_lambda_w, rel=1e-9)
+
+
+HANGING_TARGET = """
+import sys
+import threading
+
+never = threading.Event()
+
+
+def fn(xs):
+    print("target called", flush=True)
+    never.wait()
+    return xs
+"""
+
+
+def test_ctrl_c_while_the_target_hangs_exits_130(tmp_path: Path) -> None:
+    """A target call that never returns does not hold Ctrl-C back: the bench exits with 130
+    at once (the hung call's thread is left behind), not after --timeout."""
+    (tmp_path / "bk_hanging_target.py").write_text(HANGING_TARGET)
+    argv = [sys.executable, "-m", "batchkit", "bench", "bk_hanging_target:fn", "--batch-sizes", "2"]
+    argv += ["--concurrency", "2", "--duration", "0.05", "--timeout", "3600"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the target prints from inside its (hung) call
+            if line.strip() == "target called":
+                break
+        else:
+            pytest.fail(f"the target was never called: {proc.communicate(timeout=WAIT)}")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+
+
+def test_threads_limits_the_blas_and_openmp_pools_of_the_thread_that_calls_the_target() -> None:
+    """sweep(threads=1) limits every BLAS and OpenMP pool the target's calling thread uses (an
+    OpenMP limit holds per thread, so one set in the main thread alone would not reach it), and
+    the report names the pools and the threads they ran with."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    pytest.importorskip("numpy")
+    seen: list[list[dict[str, Any]]] = []
+
+    def fn(xs: list[int]) -> list[int]:
+        seen.append(threadpoolctl.threadpool_info())
+        return xs
+
+    report = bench.sweep(fn, lambda i: i, [2], concurrency=2, duration_s=0.05, threads=1)
+    assert seen
+    assert {(pool["user_api"], pool["num_threads"]) for call in seen for pool in call} <= {("blas", 1), ("openmp", 1)}
+    assert report.thread_pools
+    assert set(report.thread_pools.values()) == {1}
+    assert any("(blas)" in name for name in report.thread_pools)
+    line = next(line for line in report.table().splitlines() if line.startswith("threads (limited to 1): "))
+    assert all(f"{name} 1" in line for name in report.thread_pools)
+
+
+def test_slow_rates_print_with_significant_digits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target serving a quarter of a request per second shows 0.250/s, not 0/s, in the req/s
+    column and in QPS_max."""
+
+    def fake_point(fn: object, make_item: object, batch_size: int, **kwargs: object) -> bench.BenchPoint:
+        return bench.BenchPoint(
+            batch_size, 5.0, "closed", 1.0, 2, 8.0, 0.25, 4000.0, 4000.0, 4000.0,
+            1.0, 4000.0, 1.0, 1.0, 1.0,
+        )  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_point", fake_point)
+    report = bench.sweep(echo_batch, lambda i: i, [1])
+    table = report.table()
+    assert report.qps_max == pytest.approx(0.25)
+    assert table.splitlines()[1].split()[:2] == ["1", "0.250"]
+    assert "= 0.250/s" in table
+    assert "0/s" not in table.replace("0.250/s", "")
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    """`batchkit bench` draws its progress bar only on a terminal (as `batchkit run` does), so a
+    file or a pipe gets the report alone; --progress draws it anyway."""
+    args = ["bench", "batchkit.testing:echo_batch", "--batch-sizes", "1", "--duration", "0.05", "--concurrency", "2"]
+    assert main(args) == 0
+    assert "bench" not in capsys.readouterr().err
+    assert main([*args, "--progress"]) == 0
+    assert "bench" in capsys.readouterr().err

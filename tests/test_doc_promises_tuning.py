@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import pytest
 
 import batchkit
 from batchkit import AdaptiveBatchController, AdaptiveTuner, DynamicBatcher, bench, sim
+from batchkit.cli import main
 from batchkit.testing import MockClock, echo_batch
 
 WAIT = 10.0
@@ -116,6 +118,21 @@ def test_bench_cli_imports_a_package_from_the_current_folder(tmp_path: Path) -> 
     assert "cost per token" in done.stdout
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [p["batch_size"] for p in data["points"]] == [1, 2]
+
+
+def test_bench_threads_default_leaves_the_callers_a_core_and_the_report_names_the_pools(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --threads the target's pools get one thread less than the CPUs the process may
+    use (at least 1); the first line names the setting, the report the pools the target ran with."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cpus - 1)
+    args = ["bench", "batchkit.testing:echo_batch", "--batch-sizes", "1", "--duration", "0.05", "--concurrency", "2"]
+    assert main([*args, "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f", --threads {threads}")
+    (pools,) = [line for line in lines if line.startswith(f"threads (limited to {threads}): ")]
+    assert "(blas)" in pools  # numpy's BLAS is loaded with batchkit
 
 
 def test_latencies_older_than_the_window_no_longer_shrink_the_batch() -> None:

@@ -4,7 +4,9 @@ For each batch size of a sweep, the function is served by a :class:`~batchkit.Dy
 under a closed loop (``concurrency`` callers) or an open loop (Poisson ``rate``), and the run
 reports throughput, p50/p90/p99 latency, mean batch size, model utilisation, the mean batch time
 ``t_batch(B)``, and a Little's-law check (``L``, the time-averaged number of requests in the
-system, against ``lambda * W`` from throughput and mean latency, measured independently).
+system, from a count of the requests inside, against ``lambda * W`` from throughput and mean
+latency). Both follow each request from its arrival (its scheduled time in the open loop, its
+send in the closed loop) to its answer, over the same span: with nothing lost they agree.
 
 Then: ``B_knee`` is the smallest batch size reaching 90% of the best throughput, ``B_SLA`` the
 largest whose P99 meets the SLA, ``B_opt = min(B_knee, B_SLA)`` (or, when that size misses the
@@ -15,14 +17,23 @@ nominal limit: a limit that the load never fills must not inflate the capacity.
 
 A batch function that raises ends the run with its own exception (the first one seen, not a
 group); one that runs longer than ``timeout_s`` ends it with :class:`~batchkit.BatchTimeout`.
+An interrupt (Ctrl-C) ends it at once, even while a call hangs: that call's thread is left
+behind (a daemon), not waited for.
+
+``sweep(threads=N)`` runs the target with its BLAS and OpenMP thread pools (threadpoolctl) and
+torch's intra-op threads at ``N``, and reports the pools it ran with.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import json
 import math
 import random
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,7 +43,7 @@ from typing import Any
 import anyio
 
 from ._errors import QueueFull
-from .batcher import DynamicBatcher
+from .batcher import DynamicBatcher, is_async_callable
 from .metrics import percentiles
 
 __all__ = ["BenchPoint", "BenchReport", "MAX_QUEUE", "load_callable", "run_point", "sweep"]
@@ -106,6 +117,9 @@ class BenchReport:
     cost_per_token: float | None = None
     price_per_hour: float | None = None
     notes: list[str] = field(default_factory=list)
+    threads: int | None = None  # the limit asked for (None: the pools as they were)
+    # The target's thread pools as its calling thread saw them: "libgomp (openmp)": threads.
+    thread_pools: dict[str, int] = field(default_factory=dict)
 
     def table(self) -> str:
         lines = [
@@ -115,8 +129,8 @@ class BenchReport:
         for p in self.points:
             mark = " <- B_opt" if p.batch_size == self.b_opt else ""
             lines.append(
-                f"{p.batch_size:5d} {p.throughput:10,.0f} {p.p50_ms:8.2f} {p.p90_ms:8.2f} {p.p99_ms:8.2f} "
-                f"{p.mean_batch_size:6.1f} {p.t_batch_ms:8.2f} {p.utilisation:5.2f} {p.little_l:7.1f} "
+                f"{p.batch_size:5d} {_significant(p.throughput):>10} {p.p50_ms:8.2f} {p.p90_ms:8.2f} {p.p99_ms:8.2f} "
+                f"{p.mean_batch_size:6.1f} {_significant(p.t_batch_ms):>8} {p.utilisation:5.2f} {p.little_l:7.1f} "
                 f"{p.little_lambda_w:7.1f}{mark}"
             )
         lines.append(
@@ -124,13 +138,17 @@ class BenchReport:
             + (f" (P99 <= {self.sla_ms:g} ms)" if self.sla_ms is not None else "")
             + f", B_opt = {self.b_opt}"
             + (
-                f", QPS_max = mean batch at B_opt / t_batch(B_opt) = {self.qps_max:,.0f}/s"
+                f", QPS_max = mean batch at B_opt / t_batch(B_opt) = {_significant(self.qps_max)}/s"
                 if self.qps_max is not None
                 else ""
             )
         )
         if self.cost_per_token is not None:
             lines.append(f"cost per token at B_opt: {self.cost_per_token:.3e} (at {self.price_per_hour:g} per hour)")
+        if self.thread_pools or self.threads is not None:
+            how = f"limited to {self.threads}" if self.threads is not None else "as found"
+            pools = ", ".join(f"{name} {n}" for name, n in self.thread_pools.items()) or "none found"
+            lines.append(f"threads ({how}): {pools}")
         lines += self.notes
         return "\n".join(lines)
 
@@ -170,6 +188,15 @@ class BenchReport:
         plt.close(fig)
 
 
+def _significant(x: float, digits: int = 3) -> str:
+    """``x`` with ``digits`` significant digits, and whole (thousands separated) from
+    ``10 ** (digits - 1)`` up: 43,021 and 517 as they are, 14.43 as 14.4, 0.25 as 0.250."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{decimals}f}"
+
+
 # Below this share of busy time at B_opt, QPS_max (the model's time alone) overstates what the
 # run served, and the report says so.
 LOW_UTILISATION = 0.5
@@ -177,6 +204,84 @@ LOW_UTILISATION = 0.5
 # Open-loop arrivals beyond this many waiting requests are refused (and counted), so that an
 # offered rate the target cannot serve ends as a report, not as unbounded memory.
 MAX_QUEUE = 100_000
+
+
+class _ThreadPools:
+    """Holds the target's thread pools at ``threads`` for a sweep (None: leaves them as they are)
+    and records what the target's calling thread ran with.
+
+    OpenMP keeps its limit per thread, and the target runs in the batcher's worker threads, so
+    :meth:`wrap` sets the limit in each thread on its first call; the limits set here, in the
+    sweep's thread, cover the pools shared by the whole process (OpenBLAS on pthreads, MKL) and
+    torch (whose threads read its own setting), and are restored at exit. A library the target
+    loads only during its first call is not limited.
+    """
+
+    def __init__(self, threads: int | None) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self.threads = threads
+        self.used: dict[str, int] = {}
+        self._controller = ThreadpoolController()
+        self._local = threading.local()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _ThreadPools:
+        if self.threads is not None:
+            self._stack.enter_context(self._controller.limit(limits=self.threads))
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                before = torch.get_num_threads()
+                torch.set_num_threads(self.threads)
+                self._stack.callback(torch.set_num_threads, before)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def wrap(self, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        """``fn`` run under the limits in whichever thread calls it."""
+        # The name only (the batcher's name and its errors read it), not the function's __dict__.
+        if is_async_callable(fn):
+
+            @functools.wraps(fn, updated=())
+            async def call_async(xs: list[Any]) -> Any:
+                first = self._enter_thread()
+                result = await fn(xs)
+                if first:
+                    self._record()
+                return result
+
+            return call_async
+
+        @functools.wraps(fn, updated=())
+        def call(xs: list[Any]) -> Any:
+            first = self._enter_thread()
+            result = fn(xs)
+            if first:
+                self._record()
+            return result
+
+        return call
+
+    def _enter_thread(self) -> bool:
+        if getattr(self._local, "entered", False):
+            return False
+        self._local.entered = True
+        if self.threads is not None:
+            # Set for this thread's life (the batcher's worker: it ends with the point); not restored.
+            self._controller.limit(limits=self.threads)
+        return True
+
+    def _record(self) -> None:
+        """After the thread's first call, so that what the call set up (torch) shows."""
+        if self.used:
+            return
+        used = {f"{pool['prefix']} ({pool['user_api']})": int(pool["num_threads"]) for pool in self._controller.info()}
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            used["torch"] = int(torch.get_num_threads())
+        self.used = dict(sorted(used.items()))
 
 
 def run_point(
@@ -225,12 +330,22 @@ def run_point(
     t0 = 0.0
     failure: list[BaseException] = []
 
-    def change(delta: int) -> None:
+    def arrive(at: float) -> None:
+        """A request in the system since ``at``: in the open loop its scheduled time, which its
+        task may start after. L counts it from there, as its latency does."""
+        nonlocal area, in_system, last
+        now = time.perf_counter()
+        area += in_system * (now - last) + (now - at)
+        last = now
+        in_system += 1
+
+    def leave() -> float:
         nonlocal area, in_system, last
         now = time.perf_counter()
         area += in_system * (now - last)
         last = now
-        in_system += delta
+        in_system -= 1
+        return now
 
     try:
         items = [make_item(i) for i in range(256)]
@@ -244,7 +359,7 @@ def run_point(
                 async def one(i: int, scheduled: float | None) -> None:
                     nonlocal rejected
                     start = time.perf_counter() if scheduled is None else scheduled
-                    change(+1)
+                    arrive(start)
                     try:
                         await b.asubmit(items[i % len(items)])
                     except QueueFull:
@@ -256,8 +371,8 @@ def run_point(
                         tg.cancel_scope.cancel()
                         return
                     finally:
-                        change(-1)
-                    lat.append(time.perf_counter() - start)
+                        end = leave()
+                    lat.append(end - start)  # the instant that ended its time in L
 
                 if rate is None:
 
@@ -296,8 +411,12 @@ def run_point(
         finished = anyio.run(guarded)
         seconds = time.perf_counter() - t0
         stats = b.statistics()
-    finally:
-        b.close(drain=False, timeout=timeout_s)
+    except BaseException:
+        # Interrupted (Ctrl-C) or broken: leave now. A call that never returns keeps its worker
+        # (a daemon thread); waiting for it would hold the interrupt back for up to timeout_s.
+        b.close(drain=False, timeout=0)
+        raise
+    b.close(drain=False, timeout=timeout_s)
     if failure:
         raise failure[0]
     if not finished:
@@ -349,15 +468,23 @@ def sweep(
     price_per_hour: float | None = None,
     tokens_per_item: float = 1.0,
     progress: bool = False,
+    threads: int | None = None,
 ) -> BenchReport:
     """Measure every batch size (each once, in increasing order) and derive B_knee, B_SLA, B_opt,
     QPS_max and the cost per token.
 
+    ``threads`` limits the target's BLAS and OpenMP thread pools and torch's intra-op threads
+    for the sweep (None: as they are); ``report.thread_pools`` shows what its calling thread ran
+    with either way.
+
     Raises:
         ValueError: an empty list or a batch size that is not an int >= 1, an ``sla_ms`` or
             ``tokens_per_item`` that is not a finite number > 0, a ``price_per_hour`` that is not a
-            finite number >= 0 (checked before anything runs), and what :func:`run_point` raises.
+            finite number >= 0, a ``threads`` that is not an int >= 1 (checked before anything
+            runs), and what :func:`run_point` raises.
     """
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an int >= 1 (or None: leave the thread pools as they are), got {threads!r}")
     if sla_ms is not None:
         _check_positive("sla_ms", sla_ms)
     _check_positive("tokens_per_item", tokens_per_item)
@@ -380,25 +507,27 @@ def sweep(
         bar = progress_bar(len(sizes), "bench")
     points = []
     try:
-        for bsz in sizes:
-            points.append(
-                run_point(
-                    fn,
-                    make_item,
-                    bsz,
-                    max_wait_ms=max_wait_ms,
-                    concurrency=concurrency,
-                    rate=rate,
-                    duration_s=duration_s,
-                    timeout_s=timeout_s,
+        with _ThreadPools(threads) as pools:
+            target = pools.wrap(fn)
+            for bsz in sizes:
+                points.append(
+                    run_point(
+                        target,
+                        make_item,
+                        bsz,
+                        max_wait_ms=max_wait_ms,
+                        concurrency=concurrency,
+                        rate=rate,
+                        duration_s=duration_s,
+                        timeout_s=timeout_s,
+                    )
                 )
-            )
-            if bar is not None:
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    report = BenchReport(points, sla_ms=sla_ms, price_per_hour=price_per_hour)
+    report = BenchReport(points, sla_ms=sla_ms, price_per_hour=price_per_hour, threads=threads, thread_pools=pools.used)
     if rate is None and concurrency is not None and sizes[-1] > concurrency:
         report.notes.append(
             f"batch sizes above the concurrency ({concurrency}) cannot fill: each batch holds at most "
@@ -434,8 +563,8 @@ def sweep(
     if report.qps_max is not None and at.utilisation < LOW_UTILISATION:
         report.notes.append(
             f"at B_opt the model was busy {at.utilisation:.0%} of the time: QPS_max counts its time alone, but "
-            f"{at.throughput:,.0f}/s was measured (the callers or the overhead around each request limited it); "
-            "plan with the lower figure"
+            f"{_significant(at.throughput)}/s was measured (the callers or the overhead around each request "
+            "limited it); plan with the lower figure"
         )
     if price_per_hour is not None:
         report.cost_per_token = price_per_hour / 3600 * at.seconds / (at.requests * tokens_per_item)

@@ -10,6 +10,7 @@ prints one line on stderr that names the argument and the fix, and exits with st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -247,7 +248,7 @@ def _prepare_plan(args: argparse.Namespace) -> Callable[[], int]:
 
 
 _URL_ONLY = ("model", "endpoint", "prompt", "max_tokens", "slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms")
-_TARGET_ONLY = {"make_item": "", "plot": "", "sla_ms": ": use --slo-e2e-ms", "price_per_hour": ""}
+_TARGET_ONLY = {"make_item": "", "plot": "", "sla_ms": ": use --slo-e2e-ms", "price_per_hour": "", "threads": ""}
 
 
 def _option(dest: str) -> str:
@@ -322,6 +323,16 @@ def _prepare_bench_url(args: argparse.Namespace) -> Callable[[], int]:
     return run
 
 
+def _default_threads() -> int:
+    """One less than the CPUs this process may run on (at least 1): the callers' event loop keeps
+    a core, so that the target's threads do not fight it for one."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 1)
+
+
 def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
     from . import bench
 
@@ -334,11 +345,12 @@ def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
     make_item: Callable[[int], Any] | None = None
     if args.make_item is not None:
         make_item = _load(args.make_item, "--make-item")
+    threads = args.threads if args.threads is not None else _default_threads()
     if args.target == "demo":
         torch = _require("torch", "argument target: 'demo' (the built-in MLP)", "torch")
         from .demo import mlp as mlp_demo
 
-        model = mlp_demo.make_mlp(threads=args.threads)
+        model = mlp_demo.make_mlp(threads=threads)
         fn: Callable[..., Any] = mlp_demo.batch_fn_for(model)
         if make_item is None:
             gen = torch.Generator().manual_seed(0)
@@ -356,7 +368,15 @@ def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
     concurrency = None if args.rate is not None else (args.concurrency or 64)
     item_fn = make_item
 
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+
     def run() -> int:
+        load = f"open loop, Poisson {args.rate:g}/s" if args.rate is not None else f"closed loop, {concurrency} callers"
+        print(
+            f"{args.target}: {load}, max_wait_ms={args.max_wait_ms:g}, {args.duration:g} s per point, "
+            f"--threads {threads}",
+            flush=True,
+        )
         report = bench.sweep(
             fn,
             item_fn,
@@ -369,10 +389,9 @@ def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
             sla_ms=args.sla_ms,
             price_per_hour=args.price_per_hour,
             tokens_per_item=args.tokens_per_item,
-            progress=not args.no_progress,
+            progress=progress,
+            threads=threads,
         )
-        load = f"open loop, Poisson {args.rate:g}/s" if args.rate is not None else f"closed loop, {concurrency} callers"
-        print(f"{args.target}: {load}, max_wait_ms={args.max_wait_ms:g}, {args.duration:g} s per point")
         print(report.table())
         if args.json is not None:
             report.to_json(args.json)
@@ -687,8 +706,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--threads",
         metavar="N",
         type=_int_in(1, MAX_THREADS),
-        default=2,
-        help=f"torch intra-op threads of the demo target, 1..{MAX_THREADS}",
+        default=None,
+        help=f"threads of the target's BLAS and OpenMP pools and torch's intra-op threads, 1..{MAX_THREADS}; the "
+        "report names the pools it ran with; default: one less than the CPUs this process may use, at least 1 "
+        "(the callers keep a core)",
     )
     be.add_argument(
         "--json",
@@ -701,7 +722,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="write throughput and P99 against batch size as a PNG (needs matplotlib: "
         "pip install 'batchkit[plot]'; checked before the run); default: not drawn",
     )
-    be.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    be.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr; default: when stderr is a terminal",
+    )
     be.set_defaults(prepare=_prepare_bench)
 
     from .jobs import add_run_parser
