@@ -3,8 +3,10 @@
 - Every fenced ``python`` block runs, in order, one namespace per page (async blocks with
   top-level ``await`` run under anyio, on asyncio and on trio). README.md's blocks are whole
   programs: each runs alone, in a namespace of its own, compiled as a file is (no top-level
-  ``await``), so that each one pasted into a file runs as written. A block is exempt only behind a
-  visible ``<!-- not-run: reason -->`` comment on the line before it, and is still compiled.
+  ``await``), so that each one pasted into a file runs as written. A block behind a visible
+  ``<!-- not-run: reason -->`` comment (one that needs a cluster, a server or a download) is
+  compiled here and runs as written elsewhere, against small stand-ins (a tiny model, a local
+  Ray instance): ``NOT_RUN_STAND_INS`` names the test that runs each page's not-run blocks.
   A block behind ``<!-- file: path -->`` is also written to ``path`` in the folder the page's
   commands run in (for example the module a ``batchkit bench`` line loads).
 - Every ``bash`` line that invokes ``batchkit`` or ``python -m batchkit`` runs as written, with
@@ -52,6 +54,17 @@ MARKER = re.compile(r"^<!--\s*([\w-]+)\s*:\s*(.*?)\s*-->\s*$")
 KNOWN_MARKERS = {"not-run", "file", "output"}
 # Pages whose python blocks are each a whole program (what a reader pastes into a file).
 WHOLE_PROGRAM_PAGES = {ROOT / "README.md"}
+# The test that runs a page's not-run blocks as written, with stand-ins for what they need, so
+# that an error in such a snippet cannot hide behind its marker.
+NOT_RUN_STAND_INS = {
+    "scale-out.md": "tests/test_ray.py::test_scale_out_snippets_run_against_stand_ins",
+}
+# Pages whose not-run blocks no test runs yet, each with the reason; remove an entry when its
+# runner lands.
+NOT_RUN_PENDING = {
+    "serving.md": "needs a runner against a live server with the model packages (the client "
+    "snippet's messages=[...] would fail as written)",
+}
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,18 @@ def test_markers_are_known_and_give_a_reason() -> None:
 
 
 # --------------------------------------------------------------------------- python blocks
+
+
+def test_every_not_run_snippet_has_a_test_that_runs_it() -> None:
+    """A page with not-run python blocks names, in NOT_RUN_STAND_INS, a test that exists and runs
+    them against stand-ins (or says in NOT_RUN_PENDING why none does yet)."""
+    pages = {b.page.name for b in all_blocks() if "not-run" in b.markers}
+    unrun = sorted(pages - set(NOT_RUN_STAND_INS) - set(NOT_RUN_PENDING))
+    assert not unrun, f"no test runs the not-run snippets of {unrun}: add one to NOT_RUN_STAND_INS"
+    for page, test in NOT_RUN_STAND_INS.items():
+        path, _, name = test.partition("::")
+        assert page in pages, f"{page} has no not-run block left: remove it from NOT_RUN_STAND_INS"
+        assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), f"{test} does not exist"
 
 
 def python_pages() -> list[Any]:

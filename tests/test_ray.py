@@ -104,14 +104,14 @@ def gated(items: list[int]) -> list[int]:
     return items
 
 
-def tiny_loop(seed: int = 0) -> Any:
-    """A small reference Llama behind a decode loop (built where it is called: in the replica)."""
+def tiny_model(seed: int = 0) -> Any:
+    """A small reference Llama with random weights (built where it is called: in the replica)."""
     import torch
 
     from batchkit.models import LlamaConfig, LlamaModel
 
     torch.manual_seed(seed)
-    model = LlamaModel(
+    return LlamaModel(
         LlamaConfig(
             vocab_size=64,
             hidden_size=32,
@@ -121,6 +121,11 @@ def tiny_loop(seed: int = 0) -> Any:
             num_key_value_heads=1,
         )
     )
+
+
+def tiny_loop(seed: int = 0) -> Any:
+    """A small reference Llama behind a decode loop (built where it is called: in the replica)."""
+    model = tiny_model(seed)
     return batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=64, block_size=4), max_num_seqs=4)
 
 
@@ -480,6 +485,111 @@ def call_with_retries(handle: Any, item: Any, retried: list[int], attempts: int 
             retried.append(item[0])
             time.sleep(0.25 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- docs/scale-out.md's snippets
+# Its not-run snippets run here as written, on the local instance, with small stand-ins for what
+# they load. A stand-in is an instance of the real class (a PretrainedLM, a SentenceEncoder
+# subclass that overrides only what exists on SentenceEncoder), so that a snippet calling what
+# the real object lacks fails here as it would for a reader. This test comes before the other
+# cluster tests: the page's Ray Data job needs a CPU for its reader beside its two actors, which
+# the two_replicas deployment (kept for the module) would take.
+
+
+def tiny_pretrained(source: str) -> Any:
+    """Stands in for load_pretrained: a real PretrainedLM around tiny_model (no tokenizer)."""
+    from batchkit.models import PretrainedLM
+
+    return PretrainedLM(
+        model=tiny_model(),
+        tokenizer=None,
+        eos_token_id=None,
+        stop_token_ids=(),
+        max_model_len=256,
+        name=source,
+        path=Path(source),
+    )
+
+
+def tiny_encoder(source: str) -> Any:
+    """Stands in for load_encoder: a SentenceEncoder whose vector of a text is [len(text), 1.0]."""
+    import torch
+
+    from batchkit.models import SentenceEncoder
+
+    class TinyEncoder(SentenceEncoder):
+        def __init__(self) -> None:  # no weights to read
+            self.name, self.dimension = source, 2
+
+        def encode(self, texts: Any) -> tuple[Any, list[int]]:
+            return torch.tensor([[float(len(t)), 1.0] for t in texts]), [len(t) for t in texts]
+
+    return TinyEncoder()
+
+
+def counting_mapper(log: Path) -> type[BatchkitMapper]:
+    """BatchkitMapper that appends a line to ``log`` for each record it maps (the actors run on
+    this machine, so they share its files)."""
+
+    class CountingMapper(BatchkitMapper):
+        def __call__(self, batch: Any) -> dict[str, list[Any]]:
+            rows = super().__call__(batch)
+            with log.open("a") as f:
+                f.write("mapped\n" * len(rows["id"]))
+            return rows
+
+    return CountingMapper
+
+
+def test_stand_ins_define_only_what_the_real_classes_have() -> None:
+    """The stand-ins hide no AttributeError: each public name they have, the real class has too."""
+    pytest.importorskip("torch")
+    from batchkit.models import PretrainedLM, SentenceEncoder
+
+    assert type(tiny_pretrained("m")) is PretrainedLM
+    encoder = tiny_encoder("m")
+    assert isinstance(encoder, SentenceEncoder)
+    extra = {n for n in vars(type(encoder)) if not n.startswith("_")} - set(dir(SentenceEncoder))
+    assert not extra
+
+
+@pytest.mark.timeout(240)
+def test_scale_out_snippets_run_against_stand_ins(
+    cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every not-run snippet of docs/scale-out.md runs as written on the local instance (the models
+    replaced by tiny stand-ins, a small reviews.jsonl), and its Ray Data job maps each record once."""
+    pytest.importorskip("torch")
+    import ray.data
+
+    import batchkit.integrations.ray
+    import batchkit.models
+    from test_docs import ROOT, read_blocks, run_python_block
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(batchkit.models, "load_encoder", tiny_encoder)
+    monkeypatch.setattr(batchkit.models, "load_pretrained", tiny_pretrained)
+    mapped = tmp_path / "mapped.log"
+    monkeypatch.setattr(batchkit.integrations.ray, "BatchkitMapper", counting_mapper(mapped))
+    reviews = [{"id": f"r{i}", "text": f"review {i}"} for i in range(30)] + [{"id": "r30"}]  # r30: no text
+    (tmp_path / "reviews.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reviews))
+
+    blocks = [b for b in read_blocks(ROOT / "docs" / "scale-out.md") if "not-run" in b.markers]
+    assert len(blocks) == 3
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    for block in blocks:
+        apps_before = set(cluster.status().applications)
+        try:
+            run_python_block(block, namespace, "asyncio")
+        finally:
+            for name in set(cluster.status().applications) - apps_before:
+                cluster.delete(name)  # free the CPUs for the next snippet and the other tests
+    assert namespace["vector"] == [5.0, 1.0]
+    assert namespace["vectors"] == [[1.0, 1.0]] * 3
+    assert len(namespace["tokens"]) == 64
+    assert namespace["failed"].take_all()[0]["id"] == "r30"
+    assert len(mapped.read_text().splitlines()) == len(reviews)  # written and filtered, mapped once
 
 
 @pytest.fixture(scope="module")
