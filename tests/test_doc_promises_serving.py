@@ -542,11 +542,11 @@ def test_a_full_embedding_queue_answers_503_queue_full(
         try:
             url = f"{server.url}/v1/embeddings"
             stats = server.state.embed.statistics
-            first = pool.submit(_post, url, {"input": ["a"] * 8})
+            first = pool.submit(_post, url, {"model": EMBED, "input": ["a"] * 8})
             _wait_until(lambda: stats().in_flight == 8, "the first request's batch to run")
-            second = pool.submit(_post, url, {"input": ["b"] * 8})
+            second = pool.submit(_post, url, {"model": EMBED, "input": ["b"] * 8})
             _wait_until(lambda: stats().pending == 8, "the second request to fill the queue")
-            r = _post(url, {"input": "c"})
+            r = _post(url, {"model": EMBED, "input": "c"})
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "queue_full"
             assert int(r.headers["retry-after"]) >= 1
@@ -615,6 +615,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
         "embedding_max_batch": 4,
         "embedding_max_wait_ms": 1.0,
         "retry_after_s": 2,
+        "max_request_bytes": 100_000,
         "request_timeout_s": 30.0,
         "shutdown_grace_s": 1.0,
         "model_name": "chat",

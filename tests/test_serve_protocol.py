@@ -3,11 +3,12 @@ each refusal is a 400 naming the offending field (``param``) with OpenAI's ``cod
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
-from batchkit.serve.protocol import ApiError, parse_chat, parse_completion
+from batchkit.serve.protocol import ApiError, parse_body, parse_chat, parse_completion, parse_embedding
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -22,13 +23,13 @@ def _refusal(body: dict[str, Any], parse: Any = parse_chat) -> ApiError:
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
 def test_a_seed_no_generator_takes_is_refused_naming_seed(seed: int) -> None:
     """A seed out of range was a 400 with no param and torch's "Overflow when unpacking long long"."""
-    err = _refusal({"messages": HI, "seed": seed})
+    err = _refusal({"model": "m", "messages": HI, "seed": seed})
     assert (err.param, err.code) == ("seed", "invalid_value")
 
 
 @pytest.mark.parametrize("seed", [0, -1, 2**63, 2**64 - 1, -(2**63)])
 def test_every_seed_a_generator_takes_is_accepted(seed: int) -> None:
-    assert parse_chat({"messages": HI, "seed": seed}).seed == seed
+    assert parse_chat({"model": "m", "messages": HI, "seed": seed}).seed == seed
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,10 @@ def test_every_seed_a_generator_takes_is_accepted(seed: int) -> None:
 )
 def test_tools_and_structured_output_are_refused_not_ignored(name: str, value: Any) -> None:
     """Ignored, they gave plain text to a caller that asked for a tool call or for JSON."""
-    for parse, body in ((parse_chat, {"messages": HI}), (parse_completion, {"prompt": "Hi"})):
+    for parse, body in (
+        (parse_chat, {"model": "m", "messages": HI}),
+        (parse_completion, {"model": "m", "prompt": "Hi"}),
+    ):
         err = _refusal({**body, name: value}, parse)
         assert (err.param, err.code) == (name, "unsupported_parameter")
 
@@ -55,35 +59,98 @@ def test_tools_and_structured_output_are_refused_not_ignored(name: str, value: A
     [("tools", []), ("tool_choice", "none"), ("tool_choice", "auto"), ("response_format", {"type": "text"})],
 )
 def test_the_neutral_values_of_tools_and_response_format_are_accepted(name: str, value: Any) -> None:
-    assert parse_chat({"messages": HI, name: value}).messages == HI
+    assert parse_chat({"model": "m", "messages": HI, name: value}).messages == HI
 
 
 def test_stream_options_need_stream_and_include_usage_a_boolean() -> None:
     """As OpenAI: stream_options without stream=true is refused; include_usage="yes" was taken as true."""
-    err = _refusal({"messages": HI, "stream_options": {"include_usage": True}})
+    err = _refusal({"model": "m", "messages": HI, "stream_options": {"include_usage": True}})
     assert (err.param, err.code) == ("stream_options", "invalid_value")
-    err = _refusal({"messages": HI, "stream": True, "stream_options": {"include_usage": "yes"}})
+    err = _refusal({"model": "m", "messages": HI, "stream": True, "stream_options": {"include_usage": "yes"}})
     assert (err.param, err.code) == ("stream_options.include_usage", "invalid_value")
-    assert parse_chat({"messages": HI, "stream": True, "stream_options": {"include_usage": True}}).include_usage
-    assert not parse_chat({"messages": HI, "stream": True, "stream_options": {}}).include_usage
-    assert not parse_chat({"messages": HI, "stream_options": None}).include_usage
+    assert parse_chat(
+        {"model": "m", "messages": HI, "stream": True, "stream_options": {"include_usage": True}}
+    ).include_usage
+    assert not parse_chat({"model": "m", "messages": HI, "stream": True, "stream_options": {}}).include_usage
+    assert not parse_chat({"model": "m", "messages": HI, "stream_options": None}).include_usage
 
 
 @pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
 def test_a_message_without_content_is_refused_unless_it_is_the_assistants(role: str) -> None:
     """A user message with no content was taken as an empty one."""
-    err = _refusal({"messages": [{"role": role}]})
+    err = _refusal({"model": "m", "messages": [{"role": role}]})
     assert (err.param, err.code) == ("messages[0].content", "invalid_value")
-    err = _refusal({"messages": [{"role": role, "content": None}]})
+    err = _refusal({"model": "m", "messages": [{"role": role, "content": None}]})
     assert err.param == "messages[0].content"
-    chat = parse_chat({"messages": [*HI, {"role": "assistant", "content": None}]})
+    chat = parse_chat({"model": "m", "messages": [*HI, {"role": "assistant", "content": None}]})
     assert chat.messages is not None
     assert chat.messages[-1] == {"role": "assistant", "content": ""}
 
 
 def test_max_tokens_is_checked_even_when_max_completion_tokens_wins() -> None:
     """max_tokens=0 next to a valid max_completion_tokens was accepted unseen."""
-    err = _refusal({"messages": HI, "max_completion_tokens": 3, "max_tokens": 0})
+    err = _refusal({"model": "m", "messages": HI, "max_completion_tokens": 3, "max_tokens": 0})
     assert (err.param, err.code) == ("max_tokens", "invalid_value")
-    assert parse_chat({"messages": HI, "max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
-    assert parse_completion({"prompt": "Hi", "max_tokens": 9}).max_tokens == 9
+    assert parse_chat({"model": "m", "messages": HI, "max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
+    assert parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 9}).max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("parse", "body"),
+    [
+        (parse_chat, {"messages": HI}),
+        (parse_completion, {"prompt": "Hi"}),
+        (parse_embedding, {"input": "Hi"}),
+        (parse_chat, {"model": None, "messages": HI}),
+    ],
+)
+def test_a_request_without_model_is_refused_naming_model(parse: Any, body: dict[str, Any]) -> None:
+    """`model` is required, as in OpenAI's API (it was taken to mean the served model)."""
+    err = _refusal(body, parse)
+    assert (err.param, err.code) == ("model", "invalid_value")
+    assert "'model' is required" in err.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"model": "m", "prompt": "x\udc00"}, "prompt"),
+        ({"model": "m", "input": ["fine", "\ud83d"]}, "input[1]"),
+        ({"model": "m", "metadata": {"note": "\ud800"}}, "metadata.note"),
+    ],
+)
+def test_a_lone_surrogate_in_a_string_of_the_body_is_400_naming_its_field(body: dict[str, Any], param: str) -> None:
+    """A lone surrogate escape is no Unicode text and no tokenizer takes one (it answered 500): the
+    body reader refuses it with 400 naming the field, whatever the field."""
+    raw = json.dumps(body).encode()  # ASCII: the escape travels as \\udXXX, as a client sends it
+    with pytest.raises(ApiError) as info:
+        parse_body(raw)
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, "invalid_value")
+    assert "lone surrogate" in info.value.message
+
+
+def test_a_lone_surrogate_in_a_field_name_is_400_naming_the_object_that_holds_it() -> None:
+    """The error body cannot carry the bad name itself (it is no UTF-8), so it names the parent."""
+    with pytest.raises(ApiError) as info:
+        parse_body(b'{"model": "m", "metadata": {"\\ud800": 1}}')
+    assert (info.value.status, info.value.param) == (400, "metadata")
+    json.dumps(info.value.body(), ensure_ascii=False).encode()  # the answer is sendable
+
+
+def test_a_surrogate_pair_is_one_character_and_accepted() -> None:
+    """A pair of escapes (an emoji from a client that escapes non-ASCII) is ordinary text."""
+    body = parse_body(json.dumps({"model": "m", "prompt": "hi \U0001f600"}).encode())
+    assert body["prompt"] == "hi \U0001f600"
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_422_invalid_json() -> None:
+    """About 1,000 levels in a 2 KB body: RecursionError escaped the body reader (500)."""
+    with pytest.raises(ApiError) as info:
+        parse_body(b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert (info.value.status, info.value.code) == (422, "invalid_json")
+    assert "nested too deeply" in info.value.message

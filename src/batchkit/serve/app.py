@@ -6,9 +6,11 @@ the decode loop and the embedding batcher and is reachable as ``app.state.batchk
 and warm up in the background after start-up: ``/health`` answers at once, ``/ready`` and the
 ``/v1`` routes answer 503 (with ``Retry-After``) until the models are warm.
 
-A request's life: validate (400/422) -> tokenize -> check the prompt against the model's context
-and the KV pool (400) -> submit to the loop (503 + ``Retry-After`` when ``max_waiting`` requests
-already wait) -> wait for the first token, watching for the client leaving -> stream or collect.
+A request's life: read the body (413 past ``max_request_bytes``) -> validate (400/422) ->
+tokenize (in a worker thread, on the server's own copy of the tokenizer) -> check the prompt
+against the model's context and the KV pool (400) -> submit to the loop (503 + ``Retry-After``
+when ``max_waiting`` requests already wait) -> wait for the first token, watching for the client
+leaving -> stream or collect.
 A client that disconnects, at any point, aborts its request: the loop frees its KV blocks at the
 next step boundary.
 """
@@ -17,11 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
 import json
 import logging
 import math
 import os
+import re
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -46,6 +52,7 @@ from ..decorator import BatchedFunction, batched
 from .metrics import BatchkitCollector
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
+    MAX_REQUEST_BYTES,
     ApiError,
     GenerationRequest,
     IncrementalDetokenizer,
@@ -55,6 +62,7 @@ from .protocol import (
     completion_response,
     embedding_response,
     new_id,
+    parse_body,
     parse_chat,
     parse_completion,
     parse_embedding,
@@ -289,6 +297,8 @@ class ModelServer:
             requests of the most inputs one may carry (2048); a smaller queue lowers that limit
             to its own size (400 beyond it), so that no request is refused for ever as "busy".
         retry_after_s: the ``Retry-After`` header of 503 answers.
+        max_request_bytes: the largest request body taken; a longer one gets 413 as soon as its
+            ``Content-Length`` or the bytes read so far pass it (the rest is not read).
         engine: the decode loop's ``engine``: ``"thread"`` (it steps the model on its own thread)
             or ``"caller"`` (a thread of yours calls ``app.state.batchkit.loop.run_engine()`` once
             the loop exists; ``batchkit serve`` does this from the main thread, which is faster on a
@@ -324,6 +334,7 @@ class ModelServer:
         embedding_max_wait_ms: float = 5.0,
         embedding_max_queue: int = 2 * MAX_EMBEDDING_INPUTS,
         retry_after_s: int = 1,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
         request_timeout_s: float | None = None,
         shutdown_grace_s: float = 10.0,
         warmup: bool = True,
@@ -334,6 +345,8 @@ class ModelServer:
     ) -> None:
         if model is None and embedding_model is None:
             raise ValueError("give a model, an embedding_model, or both")
+        if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be an int >= 1 (bytes), got {max_request_bytes!r}")
         self._model_source = model
         self._embedding_source = embedding_model
         self._model_name = model_name
@@ -360,6 +373,7 @@ class ModelServer:
         }
         self.embedding_max_inputs = min(MAX_EMBEDDING_INPUTS, embedding_max_queue)
         self.retry_after_s = retry_after_s
+        self.max_request_bytes = max_request_bytes
         self.request_timeout_s = request_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.warmup = warmup
@@ -368,6 +382,12 @@ class ModelServer:
         self.device = device
         self.lm: PretrainedLM | None = None
         self.encoder: SentenceEncoder | None = None
+        # What requests are tokenized with, in worker threads (see _encoding_copy, _InputCutter),
+        # one thread at a time each: the copies are not safe from two threads at once.
+        self.prompt_lm: PretrainedLM | None = None
+        self.input_cutter: _InputCutter | None = None
+        self._prompt_limiter = anyio.CapacityLimiter(1)
+        self._input_limiter = anyio.CapacityLimiter(1)
         self.loop: ContinuousDecodeLoop | None = None
         self.embed: BatchedFunction[str, tuple[list[float], int]] | None = None
         self.ready = False
@@ -409,6 +429,7 @@ class ModelServer:
         if self._model_source is not None:
             src = self._model_source
             self.lm = src if isinstance(src, pretrained.PretrainedLM) else pretrained.load_pretrained(src, **kwargs)
+            self.prompt_lm = _encoding_copy(self.lm)
             self.loop = self.lm.make_loop(self.num_blocks, self.block_size, **self.loop_options)
             self.collector.add_loop("chat", self.loop)
         if self._embedding_source is not None:
@@ -417,6 +438,7 @@ class ModelServer:
                 src if isinstance(src, pretrained.SentenceEncoder) else pretrained.load_encoder(src, **kwargs)
             )
             encoder = self.encoder
+            self.input_cutter = _InputCutter(encoder.tokenizer, encoder.max_seq_length)
 
             def embed_batch(texts: list[str]) -> list[tuple[list[float], int]]:
                 vectors, counts = encoder.encode(texts)
@@ -726,7 +748,7 @@ class ModelServer:
     ) -> Response:
         t_arrival = time.perf_counter()
         try:
-            body = await _json_body(request)
+            body = parse_body(await _read_body(request, self.max_request_bytes))
             response = await handler(request, route, body, t_arrival)
         except ApiError as err:
             response = _error_response(err)
@@ -746,18 +768,9 @@ class ModelServer:
         lm, loop = self.lm, self.loop
         assert lm is not None
         assert loop is not None
-        if req.messages is not None:
-            try:
-                prompt = lm.chat_prompt(req.messages)
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
-        elif isinstance(req.prompt, str):
-            prompt = lm.encode(req.prompt)
-        else:
-            prompt = list(req.prompt or ())
-            vocab = lm.model.config.vocab_size
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        # Off the event loop: a long prompt takes seconds to tokenize, and every other client's
+        # stream (and /health) would stand still meanwhile.
+        prompt = await anyio.to_thread.run_sync(self._prompt_ids, req, limiter=self._prompt_limiter)
         prompt_param = "messages" if req.messages is not None else "prompt"
         max_tokens = self._limit(len(prompt), req.max_tokens, prompt_param, req.max_tokens_param, tenant)
         stop_ids = () if req.ignore_eos else lm.stop_token_ids
@@ -809,6 +822,27 @@ class ModelServer:
             if not handed_over:
                 await gen.close()
                 await self._leave()
+
+    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """The prompt's token ids (in a worker thread: tokenizes on :attr:`prompt_lm`).
+
+        Raises:
+            ApiError: 400 for a model without a chat template, or a token id past the vocabulary.
+        """
+        lm = self.prompt_lm
+        assert lm is not None
+        if req.messages is not None:
+            try:
+                return lm.chat_prompt(req.messages)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+        if isinstance(req.prompt, str):
+            return lm.encode(req.prompt)
+        prompt = list(req.prompt or ())
+        vocab = lm.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        return prompt
 
     def _generation_error(self, exc: Exception) -> ApiError:
         """The answer for an exception a generation raised (at submit or from its stream)."""
@@ -889,11 +923,15 @@ class ModelServer:
         self._check_available("embeddings")
         req = parse_embedding(body, self.embedding_max_inputs)
         self._check_model(req.model, self.embedding_model_name)
-        embed = self.embed
+        embed, cutter = self.embed, self.input_cutter
         assert embed is not None
+        assert cutter is not None
+        inputs = req.inputs
+        if any(cutter.would_cut(text) for text in inputs):  # off the event loop: it tokenizes
+            inputs = await anyio.to_thread.run_sync(cutter.cut_all, inputs, limiter=self._input_limiter)
         self._enter()
         try:
-            results = await _unless_disconnected(request, self._embed_all(embed, req.inputs))
+            results = await _unless_disconnected(request, self._embed_all(embed, inputs))
         finally:
             await self._leave()
         if results is None:
@@ -931,6 +969,82 @@ class ModelServer:
         return results
 
 
+# ---------------------------------------------------------------------------------------- tokenizing
+
+
+def _encoding_copy(lm: PretrainedLM) -> PretrainedLM:
+    """``lm`` with a tokenizer and a lock of its own, for tokenizing prompts in worker threads:
+    a long prompt then never holds the lock that the event loop's and the engine's decoding take."""
+    return dataclasses.replace(lm, tokenizer=copy.deepcopy(lm.tokenizer), lock=threading.Lock())
+
+
+_WORD_BREAK = re.compile("[ \t\n\r]")
+
+
+class _InputCutter:
+    """Cuts an embedding input that the encoder truncates to a prefix holding every token it keeps,
+    so that a long input is not tokenized whole in the encoder's batch (whose other inputs wait).
+
+    A prefix that ends just before a space, tab or newline tokenizes to exactly the first tokens
+    of the whole text when the tokenizer maps characters one by one (no normalizer, or BERT's)
+    and splits words at whitespace before its model sees them (BERT's pre-tokenizer,
+    ``Whitespace``, ``WhitespaceSplit``), and no added token holds whitespace: each word before
+    the cut is tokenized alone, as in the whole text. A prefix of at least ``max_seq_length``
+    tokens then gives the encoder the tokens the whole text would. Another tokenizer (or a text
+    with no such break) gets the whole text, tokenized by the encoder.
+    """
+
+    def __init__(self, tokenizer: Any, max_seq_length: int) -> None:
+        self.max_seq_length = max_seq_length
+        self.min_chars = 8 * max_seq_length  # below it a text is cheap to tokenize whole: left alone
+        self.backend = _prefix_stable_copy(tokenizer)
+        self.lock = threading.Lock()
+
+    def would_cut(self, text: str) -> bool:
+        return self.backend is not None and len(text) > self.min_chars
+
+    def cut(self, text: str) -> str:
+        """``text``, or a prefix of it that the encoder turns into the same tokens."""
+        if not self.would_cut(text):
+            return text
+        end = self.min_chars
+        while end < len(text):
+            brk = _WORD_BREAK.search(text, end)
+            if brk is None:
+                break
+            prefix = text[: brk.start()]
+            with self.lock:
+                num_tokens = len(self.backend.encode(prefix, add_special_tokens=False))
+            if num_tokens >= self.max_seq_length:
+                return prefix
+            end = 4 * brk.start()  # geometric: all the tries together tokenize at most 4/3 of the text
+        return text
+
+    def cut_all(self, texts: list[str]) -> list[str]:
+        return [self.cut(t) for t in texts]
+
+
+def _prefix_stable_copy(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer``'s fast backend without truncation or padding, when its prefixes
+    cut at whitespace tokenize as the whole text begins (see :class:`_InputCutter`); else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import normalizers, pre_tokenizers
+
+    if backend.normalizer is not None and not isinstance(backend.normalizer, normalizers.BertNormalizer):
+        return None
+    splitters = (pre_tokenizers.BertPreTokenizer, pre_tokenizers.Whitespace, pre_tokenizers.WhitespaceSplit)
+    if not isinstance(backend.pre_tokenizer, splitters):
+        return None
+    if any(_WORD_BREAK.search(t.content) for t in backend.get_added_tokens_decoder().values()):
+        return None
+    own = copy.deepcopy(backend)
+    own.no_truncation()
+    own.no_padding()
+    return own
+
+
 # ---------------------------------------------------------------------------------------- helpers
 
 
@@ -945,15 +1059,28 @@ def _source_name(source: Any) -> str | None:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(422, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(422, "the request body must be a JSON object", code="invalid_json")
-    return body
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read as it arrives; 413 (and nothing more read) once it passes ``limit``
+    bytes, or at once for a ``Content-Length`` over it."""
+
+    def too_large(size: str) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body is {size} bytes; this server takes at most {limit} (--max-request-bytes)",
+            code="request_too_large",
+        )
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:

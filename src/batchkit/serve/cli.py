@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from .._argtypes import float_in, int_in
+from .protocol import MAX_REQUEST_BYTES
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -68,6 +69,12 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn's log level",
+    )
+    n.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=MAX_REQUEST_BYTES,
+        help=f"the largest request body taken; a longer one gets 413 (default: {MAX_REQUEST_BYTES}, as TGI and TEI)",
     )
     s = p.add_argument_group("scheduling")
     s.add_argument("--num-blocks", type=_positive_int, default=512, help="KV cache blocks")
@@ -241,6 +248,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
         embedding_max_batch=args.embedding_max_batch,
         embedding_max_wait_ms=args.embedding_max_wait_ms,
         retry_after_s=args.retry_after_s,
+        max_request_bytes=args.max_request_bytes,
         request_timeout_s=args.request_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
         dtype=getattr(torch, args.dtype),

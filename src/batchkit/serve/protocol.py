@@ -8,7 +8,9 @@ silently ignored. Unknown fields are ignored, as OpenAI does for fields it does 
 from __future__ import annotations
 
 import base64
+import json
 import math
+import re
 import struct
 import time
 import uuid
@@ -29,6 +31,7 @@ __all__ = [
     "completion_response",
     "embedding_response",
     "new_id",
+    "parse_body",
     "parse_chat",
     "parse_completion",
     "parse_embedding",
@@ -38,6 +41,9 @@ __all__ = [
 MAX_STOP_STRINGS = 4
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch generator takes
 MAX_EMBEDDING_INPUTS = 2048
+# As Hugging Face's TGI and TEI servers (--payload-limit): room for a long-context prompt or a
+# full embedding request of short texts, and a bound on what one request makes the process hold.
+MAX_REQUEST_BYTES = 2_000_000
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
 
 
@@ -71,6 +77,59 @@ def new_id(prefix: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------- parsing
+
+# A str from JSON holds a surrogate code point only where the body escaped one without its pair
+# (json.loads joins a pair into one character): not Unicode text, and no tokenizer takes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body.
+
+    Raises:
+        ApiError: 422 ``invalid_json`` for a body that is not JSON, not an object, or nested
+            deeper than the parser goes; 400 ``invalid_value`` naming the field (``messages[0].content``)
+            of a string that holds a lone surrogate escape (``"\\ud800"``), which is no Unicode text.
+    """
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(422, "the request body is JSON nested too deeply to parse", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(422, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(422, "the request body must be a JSON object", code="invalid_json")
+    _check_text(body)
+    return body
+
+
+def _check_text(body: dict[str, Any]) -> None:
+    """400 for a string (key or value) of ``body`` that holds a lone surrogate. Iterative:
+    json.loads has already nested as deep as the interpreter's recursion allows."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            hit = _SURROGATE.search(value)
+            if hit is not None:
+                raise _invalid(
+                    path,
+                    f"'{path}' is not valid Unicode text: it holds a lone surrogate ({hit.group()!a}) at "
+                    f"character {hit.start()}; send text as UTF-8, a surrogate only as half of a pair",
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key) is not None:  # named by its parent: the name itself cannot be sent back
+                    where = f" in '{path}'" if path else ""
+                    raise ApiError(
+                        400,
+                        f"the field name {key!a}{where} is not valid Unicode text: it holds a lone surrogate",
+                        param=path or None,
+                        code="invalid_value",
+                    )
+                todo.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
 
 
 def _invalid(param: str, message: str) -> ApiError:
@@ -113,9 +172,11 @@ def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _opt_model(body: Mapping[str, Any]) -> str | None:
+def _model(body: Mapping[str, Any]) -> str:
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
+    if model is None:  # required, as OpenAI's API has it
+        raise _invalid("model", "'model' is required: name the served model (GET /v1/models lists them)")
+    if not isinstance(model, str):
         raise _invalid("model", f"'model' must be a string, got {model!r}")
     return model
 
@@ -132,7 +193,7 @@ def _unsupported(body: Mapping[str, Any], name: str, neutral: Sequence[Any]) -> 
 class GenerationRequest:
     """A validated chat or completion request (``messages`` for chat, ``prompt`` for completions)."""
 
-    model: str | None
+    model: str
     stream: bool
     include_usage: bool
     max_tokens: int | None
@@ -195,7 +256,7 @@ def _common(
         )
     seed = _opt_int(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1])
     return {
-        "model": _opt_model(body),
+        "model": _model(body),
         "stream": stream,
         "include_usage": bool(include_usage),
         "max_tokens": max_tokens,
@@ -275,7 +336,7 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
 class EmbeddingRequest:
     """A validated ``/v1/embeddings`` body."""
 
-    model: str | None
+    model: str
     inputs: list[str]
     encoding_format: str
 
@@ -301,7 +362,7 @@ def parse_embedding(body: Mapping[str, Any], max_inputs: int = MAX_EMBEDDING_INP
     if fmt not in ("float", "base64"):
         raise _invalid("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     _unsupported(body, "dimensions", (None,))
-    return EmbeddingRequest(model=_opt_model(body), inputs=inputs, encoding_format=fmt)
+    return EmbeddingRequest(model=_model(body), inputs=inputs, encoding_format=fmt)
 
 
 # ---------------------------------------------------------------------------------------- text
