@@ -1,0 +1,209 @@
+"""batchkit.models.hf: any transformers causal LM as a step over the paged KV cache, token-equal to transformers."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from batchkit import ContinuousDecodeLoop  # noqa: E402 - after the importorskips
+from batchkit.continuous.sampling import SamplingParams  # noqa: E402
+from batchkit.continuous.scheduler import Request  # noqa: E402
+from batchkit.models.hf import HFStepModel, layer_windows  # noqa: E402
+
+VOCAB = 128
+WINDOW = 6  # sliding windows shorter than every prompt and its output
+TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# model_type -> what its tiny config sets beyond TINY: the feature of the family each exercises.
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),  # attention biases on q/k/v
+    "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
+    "mistral": ("mistral", {"sliding_window": WINDOW}),  # every layer sliding
+    "gemma": ("gemma", {"head_dim": 32}),  # scaled embeddings, (1 + w) norms, GeGLU
+    "gemma2": (  # alternating sliding / full layers, attention logit soft-capping
+        "gemma2",
+        {
+            "head_dim": 32,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 1.0,
+            "initializer_range": 0.2,  # scores large enough for the cap to change tokens
+        },
+    ),
+    "phi3": ("phi3", {}),  # fused qkv and gate/up projections
+    "olmo2": ("olmo2", {}),  # q/k norms over all heads, post-norms
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+NEW_TOKENS = 8
+
+
+def _tiny(name: str, **overrides: Any) -> Any:
+    """A seeded random-weight float32 transformers model of architecture ``name``."""
+    model_type, extra = ARCHITECTURES[name]
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _prompts() -> list[list[int]]:
+    """Prompts of different lengths; every other one starts with a shared 8-token prefix."""
+    rng = random.Random(3)
+    shared = [rng.randrange(3, VOCAB) for _ in range(8)]
+    return [
+        (shared if i % 2 == 0 else []) + [rng.randrange(3, VOCAB) for _ in range(n)]
+        for i, n in enumerate((3, 9, 5, 14, 1, 11))
+    ]
+
+
+def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def _run(loop: ContinuousDecodeLoop, prompts: list[list[int]]) -> list[list[int]]:
+    """Every prompt's greedy tokens, the loop stepped in this thread until it is idle."""
+    for i, p in enumerate(prompts):
+        loop.scheduler.add(Request(i, p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)))
+    out: dict[Any, list[int]] = {i: [] for i in range(len(prompts))}
+    for _ in range(1_000):
+        if not loop.scheduler.has_work():
+            return [out[i] for i in range(len(prompts))]
+        _, events = loop.step_once()
+        for ev in events:
+            assert ev.error is None, ev.error
+            if ev.token is not None:
+                out[ev.request_id].append(ev.token)
+    raise AssertionError("the loop did not finish")
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def arch(request: pytest.FixtureRequest) -> tuple[str, Any, list[list[int]]]:
+    """(name, transformers model, its greedy tokens for every prompt, one at a time)."""
+    hf = _tiny(request.param)
+    return request.param, hf, [_hf_greedy(hf, p) for p in _prompts()]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_tokens_equal_transformers_through_the_loop(arch: tuple[str, Any, list[list[int]]], mode: str) -> None:
+    """Six prompts of different lengths run together through the loop, in chunked prefills
+    (8 tokens a step) into a pool too small for them all (preemption by recompute, with prefix
+    caching, or by swap): each one's greedy tokens equal transformers' generate() in float32."""
+    name, hf, want = arch
+    model = HFStepModel(copy.deepcopy(hf))
+    loop = ContinuousDecodeLoop(
+        model,
+        model.make_cache(num_blocks=16, block_size=4),
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        watermark=0.0,
+        preemption_mode=mode,  # type: ignore[arg-type]
+        num_cpu_blocks=32 if mode == "swap" else 0,
+        enable_prefix_caching=mode == "recompute",
+    )
+    assert _run(loop, _prompts()) == want, name
+    assert loop.scheduler.statistics().preemptions > 0, "the pool was meant to force preemption"
+    stats = loop.allocator.statistics()
+    if mode == "recompute":
+        assert stats.prefix_hits > 0, "the shared prefix was meant to hit the prefix cache"
+    else:
+        assert stats.swaps_out > 0
+    assert stats.used_blocks == 0
+
+
+def test_sliding_windows_are_read_per_layer_as_transformers_reads_them() -> None:
+    """layer_types name the sliding layers (Qwen2, Gemma2); without them a sliding_window covers
+    every layer (Mistral); none means full attention everywhere."""
+    assert layer_windows(_tiny("qwen2-sliding").config) == (None, WINDOW)
+    assert layer_windows(_tiny("gemma2").config) == (WINDOW, None)
+    assert layer_windows(_tiny("mistral").config) == (WINDOW, WINDOW)
+    assert layer_windows(_tiny("llama").config) == (None, None)
+
+
+def test_a_sliding_window_model_decodes_past_its_window_like_transformers() -> None:
+    """A window of 6 over prompts of 9 to 14 tokens and 8 new ones: each query sees only its
+    last 6 positions; with the window ignored the tokens would differ (checked here too)."""
+    hf = _tiny("mistral")
+    wide = _tiny("mistral", sliding_window=None)
+    prompts = _prompts()[2:5]
+    want = [_hf_greedy(hf, p) for p in prompts]
+    assert want != [_hf_greedy(wide, p) for p in prompts], "the window was meant to change the tokens"
+    model = HFStepModel(copy.deepcopy(hf))
+    assert _run(ContinuousDecodeLoop(model, model.make_cache(num_blocks=64, block_size=4)), prompts) == want
+
+
+def test_attention_soft_capping_changes_the_tokens_it_is_checked_against() -> None:
+    """Gemma2's tiny config caps attention logits at 1: transformers' tokens with the cap differ
+    from those without it, so the equality test above checks the cap."""
+    prompts = _prompts()
+    capped = [_hf_greedy(_tiny("gemma2"), p) for p in prompts]
+    assert capped != [_hf_greedy(_tiny("gemma2", attn_logit_softcapping=None), p) for p in prompts]
+
+
+def test_an_encoder_decoder_is_refused_naming_it() -> None:
+    """A T5 (encoder-decoder) is refused at wrapping with one line that says so."""
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    with pytest.raises(ValueError, match=r"'t5' is an encoder-decoder model"):
+        HFStepModel(transformers.T5ForConditionalGeneration(config))
+
+
+def test_a_layer_that_is_not_attention_is_refused_naming_its_type() -> None:
+    """A layer type other than full or sliding attention (linear attention, convolutions) has no
+    K/V in pages: refused with its name."""
+    hf = _tiny("qwen2")
+    hf.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layer type 'linear_attention' is not supported"):
+        HFStepModel(hf)
+
+
+def test_a_cache_of_another_shape_is_refused_at_the_step() -> None:
+    """A KV cache made for another model (head_dim 32 against 16) fails the step's requests with
+    a ValueError naming make_cache."""
+    model = HFStepModel(_tiny("llama"))
+    other = HFStepModel(_tiny("qwen3"))
+    loop = ContinuousDecodeLoop(model, other.make_cache(num_blocks=8, block_size=4))
+    loop.scheduler.add(Request(0, [3, 4, 5], SamplingParams(max_new_tokens=1)))
+    _, events = loop.step_once()
+    assert isinstance(events[0].error, ValueError)
+    assert "model.make_cache" in str(events[0].error)
+
+
+def test_the_wrapped_model_called_outside_a_step_says_so() -> None:
+    """After wrapping, the transformers model's own forward has no pages to attend over: a clear RuntimeError."""
+    model = HFStepModel(_tiny("llama"))
+    with pytest.raises(RuntimeError, match=r"runs only inside a batchkit step"):
+        model.hf(torch.tensor([[3, 4, 5]]))
