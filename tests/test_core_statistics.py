@@ -97,15 +97,20 @@ def test_counters_of_each_outcome() -> None:
 LONG_RUN = 12_000  # past the 10,000 samples the recent window keeps
 
 
-def test_batcher_latencies_cover_every_answered_caller() -> None:
-    """After more answers than the recent window holds, ``latency`` and ``queue_wait`` still count
-    every caller (whole-run), so a p99 read after a long run is the run's, not its tail's."""
+def _long_run_statistics() -> batchkit.BatcherStatistics:
+    """A batcher's statistics after it answered LONG_RUN callers (in batches of 1,000)."""
     b = batchkit.DynamicBatcher(echo_batch, max_batch_size=1000, max_wait_ms=1e6, max_queue=LONG_RUN)
     futs = [b.submit(i) for i in range(LONG_RUN)]
     b.flush()
     assert [f.result(WAIT) for f in futs] == list(range(LONG_RUN))
     b.close()
-    s = b.statistics()
+    return b.statistics()
+
+
+def test_batcher_latencies_cover_every_answered_caller() -> None:
+    """After more answers than the recent window holds, ``latency`` and ``queue_wait`` still count
+    every caller (whole-run), so a p99 read after a long run is the run's, not its tail's."""
+    s = _long_run_statistics()
     assert s.succeeded == LONG_RUN
     assert s.latency is not None
     assert s.queue_wait is not None
@@ -140,6 +145,18 @@ def test_scheduler_latencies_cover_every_request() -> None:
     s = sched.statistics()
     assert s.finished == LONG_RUN
     assert (s.ttft.count, s.tpot.count, s.queue_wait.count) == (LONG_RUN, LONG_RUN, LONG_RUN)
+
+
+def test_batcher_recent_views_are_the_last_ten_thousand_samples() -> None:
+    """``latency_recent``, ``queue_wait_recent`` and ``batch_time_recent`` of ``BatcherStatistics``
+    are the named recent view: the last 10,000 samples, beside the whole-run fields."""
+    s = _long_run_statistics()
+    assert s.latency_recent is not None
+    assert s.queue_wait_recent is not None
+    assert s.batch_time_recent is not None
+    recent = (s.latency_recent.count, s.queue_wait_recent.count, s.batch_time_recent.count)
+    assert recent == (10_000, 10_000, s.batches)
+    assert s.latency_recent.histogram is None
 
 
 def test_queue_wait_recent_is_the_last_ten_thousand_served() -> None:

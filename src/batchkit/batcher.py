@@ -109,6 +109,9 @@ class BatcherStatistics:
     ``expired``: items whose
     deadline passed (answered with ``DeadlineExceeded`` or their fallback); ``rejected``: submits
     refused (``QueueFull``, ``CircuitOpen``) plus items evicted from a full queue.
+
+    ``queue_wait``, ``latency`` and ``batch_time`` cover the whole run (mergeable with
+    ``LatencySummary.merge``); the ``*_recent`` ones the last 10,000 samples of each.
     """
 
     pending: int
@@ -128,6 +131,9 @@ class BatcherStatistics:
     batch_time: LatencySummary | None = None
     throughput_rps: float = 0.0
     running_batches: int = 0
+    queue_wait_recent: LatencySummary | None = None
+    latency_recent: LatencySummary | None = None
+    batch_time_recent: LatencySummary | None = None
 
 
 BatchFn = Callable[[list[T]], Sequence[R]] | Callable[[list[T]], Awaitable[Sequence[R]]]
@@ -420,6 +426,7 @@ class BatcherShell(Generic[T, R]):
         """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
         former = self.former
         with self._guard:
+            queue = self._core.statistics()
             span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
             done = self._succeeded + self._failed
             return BatcherStatistics(
@@ -435,11 +442,14 @@ class BatcherShell(Generic[T, R]):
                 mean_batch_size=former.batched_items / former.batches if former.batches else 0.0,
                 batch_size_histogram=dict(sorted(former.sizes.items())),
                 flush_reasons=dict(former.reasons),
-                queue_wait=self._core.statistics().wait,
+                queue_wait=queue.wait,
                 latency=self._latency.summary(),
                 batch_time=self._batch_time.summary(),
                 throughput_rps=done / span if span > 0 else 0.0,
                 running_batches=len(former.running),
+                queue_wait_recent=queue.wait_recent,
+                latency_recent=self._latency.recent(),
+                batch_time_recent=self._batch_time.recent(),
             )
 
     def recent_batches(self) -> list[BatchInfo]:
