@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 
@@ -222,3 +223,127 @@ def test_an_unknown_option_fails_at_decoration() -> None:
         @batched(max_wiat_ms=5)  # type: ignore[call-overload, untyped-decorator]
         def f(xs: list[int]) -> list[int]:
             return xs
+
+
+class TestAsyncDefWhereItRuns:
+    """Where the function of an ``@batched async def`` runs: on its callers' asyncio loop when
+    they are tasks of one loop, else on the portal's loop thread."""
+
+    def test_tasks_of_one_asyncio_loop_run_it_on_that_loop(self) -> None:
+        """No thread hop: the function runs on the callers' loop and thread, in the
+        ``loop_batcher``, and the batch is shared; ``statistics()`` counts its calls."""
+        seen: list[tuple[asyncio.AbstractEventLoop, threading.Thread, int]] = []
+
+        @batched(max_batch=8, max_wait_ms=1e6)
+        async def score(xs: list[int]) -> list[int]:
+            seen.append((asyncio.get_running_loop(), threading.current_thread(), len(xs)))
+            return [x * 2 for x in xs]
+
+        async def main() -> tuple[list[int], asyncio.AbstractEventLoop]:
+            out = await asyncio.gather(*(score(i) for i in range(8)))
+            await score.aclose()
+            return out, asyncio.get_running_loop()
+
+        out, loop = asyncio.run(asyncio.wait_for(main(), WAIT))
+        assert out == [2 * i for i in range(8)]
+        assert seen == [(loop, threading.main_thread(), 8)]
+        assert isinstance(score.loop_batcher, batchkit.AsyncBatcher)
+        assert score.statistics().succeeded == 8
+        assert score.batcher.statistics().submitted == 0  # the portal was never used
+
+    def test_a_new_loop_after_the_first_closed_is_served_on_the_new_loop(self) -> None:
+        """Two ``asyncio.run`` one after the other: each run's calls run on its own loop."""
+        loops: list[asyncio.AbstractEventLoop] = []
+
+        @batched(max_batch=2, max_wait_ms=1e6)
+        async def echo(xs: list[int]) -> list[int]:
+            loops.append(asyncio.get_running_loop())
+            return xs
+
+        async def main() -> list[int]:
+            return list(await asyncio.gather(echo(1), echo(2)))
+
+        assert asyncio.run(asyncio.wait_for(main(), WAIT)) == [1, 2]
+        assert asyncio.run(asyncio.wait_for(main(), WAIT)) == [1, 2]
+        assert len(loops) == 2
+        assert loops[0] is not loops[1]
+        echo.close()
+
+    def test_a_second_loop_running_at_the_same_time_shares_the_portal(self) -> None:
+        """While one loop owns the on-loop batcher, callers on another running loop (another
+        thread) go through the portal, and both get their results."""
+        owner_has_called, release = threading.Event(), threading.Event()
+        ran_on: list[threading.Thread] = []
+
+        @batched(max_batch=1, max_wait_ms=0)
+        async def echo(xs: list[int]) -> list[int]:
+            ran_on.append(threading.current_thread())
+            return xs
+
+        async def owner() -> int:
+            y = await echo(1)
+            owner_has_called.set()
+            await anyio.to_thread.run_sync(release.wait, WAIT)
+            return y
+
+        def other() -> int:
+            assert owner_has_called.wait(WAIT)
+            try:
+                return asyncio.run(asyncio.wait_for(echo(2), WAIT))
+            finally:
+                release.set()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(other)
+            assert asyncio.run(asyncio.wait_for(owner(), WAIT)) == 1
+            assert fut.result(WAIT) == 2
+        assert ran_on[0] is threading.main_thread()
+        assert ran_on[1] is not threading.main_thread()  # the portal's loop thread
+        assert echo.batcher.statistics().succeeded == 1
+        echo.close()
+
+    def test_close_from_another_thread_drains_the_loop_batcher_and_refuses_later_calls(self) -> None:
+        """close() called from a thread while the owning loop runs drains what waits on that
+        loop; every later call, on any loop, raises BatcherClosed."""
+        started = threading.Event()
+
+        @batched(max_batch=8, max_wait_ms=1e6)
+        async def echo(xs: list[int]) -> list[int]:
+            return xs
+
+        async def main() -> list[int]:
+            calls = [asyncio.ensure_future(echo(i)) for i in range(3)]
+            await asyncio.sleep(0)
+            started.set()
+            out = list(await asyncio.gather(*calls))
+            with pytest.raises(batchkit.BatcherClosed):
+                await echo(9)
+            return out
+
+        def close_when_started() -> None:
+            assert started.wait(WAIT)
+            echo.close(timeout=WAIT)
+
+        closer = threading.Thread(target=close_when_started)
+        closer.start()
+        assert asyncio.run(asyncio.wait_for(main(), WAIT)) == [0, 1, 2]  # max_wait_ms: only close sends them
+        closer.join(WAIT)
+        assert not closer.is_alive()
+        with pytest.raises(batchkit.BatcherClosed):
+            asyncio.run(asyncio.wait_for(echo(10), WAIT))
+
+    def test_a_shared_queue_keeps_every_call_on_the_portal(self) -> None:
+        """With ``queue=``, the queue belongs to the DynamicBatcher: calls from a loop use it."""
+        q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(maxsize=4)
+
+        @batched(max_batch=2, max_wait_ms=1e6, queue=q)
+        async def echo(xs: list[int]) -> list[int]:
+            return xs
+
+        async def main() -> list[int]:
+            return list(await asyncio.gather(echo(1), echo(2)))
+
+        assert asyncio.run(asyncio.wait_for(main(), WAIT)) == [1, 2]
+        assert echo.loop_batcher is None
+        assert echo.statistics().succeeded == 2
+        echo.close()

@@ -159,9 +159,9 @@ def _name(requirement: str) -> str:
     return re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower()
 
 
-def test_the_runtime_needs_only_anyio_numpy_and_typing_extensions() -> None:
-    """ "runtime needs only `anyio`, `numpy`, `typing-extensions`"."""
-    assert {_name(r) for r in _pyproject()["dependencies"]} == {"anyio", "numpy", "typing-extensions"}
+def test_the_runtime_needs_only_anyio_numpy_threadpoolctl_and_typing_extensions() -> None:
+    """ "runtime needs only `anyio`, `numpy`, `threadpoolctl`, `typing-extensions`"."""
+    assert {_name(r) for r in _pyproject()["dependencies"]} == {"anyio", "numpy", "threadpoolctl", "typing-extensions"}
 
 
 def test_each_extra_adds_the_packages_the_readme_lists() -> None:

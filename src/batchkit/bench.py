@@ -502,7 +502,7 @@ def sweep(
         raise ValueError("batch_sizes is empty")
     bar = None
     if progress:
-        from .decorator import progress_bar
+        from ._progress import progress_bar
 
         bar = progress_bar(len(sizes), "bench")
     points = []

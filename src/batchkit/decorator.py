@@ -20,22 +20,23 @@ On a method, each instance gets its own batcher (created on first use), like Ray
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
-import math
-import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, overload
 
+import anyio.to_thread
 from typing_extensions import Unpack
 
 from ._errors import QueueFull
+from ._progress import progress_bar
+from .async_batcher import AsyncBatcher
 from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, check_batcher_options, is_async_callable
 
-__all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched"]
+__all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched", "progress_bar"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -215,10 +216,120 @@ class BatchedFunction(_BatchedBase[T, R]):
 
 
 class AsyncBatchedFunction(_BatchedBase[T, R]):
-    """An ``async def`` batch function wrapped by :func:`batched`: calling it gives an awaitable."""
+    """An ``async def`` batch function wrapped by :func:`batched`: calling it gives an awaitable.
+
+    Awaited from tasks of an asyncio loop, the function runs on that loop, in an
+    :class:`~batchkit.AsyncBatcher` (:attr:`loop_batcher`): no thread hop per batch or result.
+    Awaited from trio, from a second asyncio loop while the first still runs, or through
+    :meth:`submit` and :meth:`map` from threads, it runs on the :attr:`batcher`'s own event loop
+    thread (a ``DynamicBatcher``'s portal). A shared ``queue=`` belongs to that ``DynamicBatcher``,
+    so with one every call goes through it.
+    """
+
+    def __init__(self, fn: Callable[..., Any], settings: _Settings) -> None:
+        super().__init__(fn, settings)
+        self._on_loop: AsyncBatcher[T, R] | None = None
+        self._owner: asyncio.AbstractEventLoop | None = None  # the loop _on_loop serves
+        self._closed = False
+
+    @property
+    def loop_batcher(self) -> AsyncBatcher[T, R] | None:
+        """The :class:`~batchkit.AsyncBatcher` that serves asyncio callers on their loop (None
+        until the first such call)."""
+        return self._on_loop
+
+    def _batcher_here(self) -> AsyncBatcher[T, R] | None:
+        """The on-loop batcher if the caller is a task of the asyncio loop it serves (or may
+        serve: the first loop, or a new one after that one closed), else None (the portal)."""
+        if "queue" in self._settings.options:
+            return None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # trio, or no loop
+            return None
+        if self._owner is loop:
+            return self._on_loop
+        with self._lock:
+            if self._closed:
+                return None  # the portal, closed, refuses with BatcherClosed
+            owner = self._owner
+            if owner is not None and owner is not loop and not owner.is_closed():
+                return None  # that loop still runs: this one shares the portal
+            if self._on_loop is None:
+                st = self._settings
+                options: dict[str, Any] = dict(st.options)  # no "queue": see above
+                self._on_loop = AsyncBatcher(
+                    self._fn, max_batch_size=st.max_batch_size, max_wait_ms=st.max_wait_ms, **options
+                )
+            self._owner = loop
+            return self._on_loop
 
     async def __call__(self, item: T, **kwargs: Any) -> R:
+        b = self._batcher_here()
+        if b is not None:
+            return await b.submit(item, **kwargs)
         return await self.batcher.asubmit(item, **kwargs)
+
+    async def acall(self, item: T, **kwargs: Any) -> R:
+        """Await the result for ``item``: ``await f(item)``."""
+        return await self(item, **kwargs)
+
+    def flush(self) -> None:
+        b, owner = self._on_loop, self._owner
+        if b is not None and owner is not None and not owner.is_closed():
+            if _running_loop() is owner:
+                b.flush()
+            else:
+                owner.call_soon_threadsafe(b.flush)
+        super().flush()
+
+    def close(self, **kwargs: Any) -> None:
+        """Drain and stop both batchers (see ``DynamicBatcher.close``); later calls raise
+        :class:`~batchkit.BatcherClosed`. Called from a task of the loop the on-loop batcher
+        serves, that batcher's close is started and not waited for (use :meth:`aclose` there)."""
+        b, owner = self._close_on_loop()
+        if b is not None and owner is not None:
+            if _running_loop() is owner:
+                owner.create_task(b.aclose(**kwargs))
+            elif owner.is_running():
+                asyncio.run_coroutine_threadsafe(b.aclose(**kwargs), owner).result()
+            else:
+                owner.run_until_complete(b.aclose(**kwargs))
+        super().close(**kwargs)
+
+    async def aclose(self, **kwargs: Any) -> None:
+        b, owner = self._close_on_loop()
+        if b is not None and owner is not None:
+            if _running_loop() is owner:
+                await b.aclose(**kwargs)
+            elif owner.is_running():
+                await anyio.to_thread.run_sync(asyncio.run_coroutine_threadsafe(b.aclose(**kwargs), owner).result)
+        await super().aclose(**kwargs)
+
+    def _close_on_loop(self) -> tuple[AsyncBatcher[T, R] | None, asyncio.AbstractEventLoop | None]:
+        """Refuse new on-loop calls; the on-loop batcher and its loop, if that loop can still
+        run its close (a closed loop ran its last batch already)."""
+        with self._lock:
+            self._closed = True
+            owner = self._owner
+        if owner is None or owner.is_closed():
+            return None, None
+        return self._on_loop, owner
+
+    def statistics(self) -> BatcherStatistics:
+        """The on-loop batcher's statistics while no call went through the portal, else the
+        portal's (:attr:`loop_batcher` and :attr:`batcher` give each)."""
+        b = self._on_loop
+        if b is not None and (self._batcher is None or self._batcher.statistics().submitted == 0):
+            return b.statistics()
+        return super().statistics()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class _Decorator:
@@ -296,47 +407,3 @@ def batched(
     if fn is None:
         return _Decorator(settings)
     return _wrap(fn, settings)
-
-
-class _SimpleBar:
-    """A dependency-free progress line on stderr (rate and ETA), used when tqdm is not installed."""
-
-    def __init__(self, total: int | None, desc: str, unit: str) -> None:
-        self.total = total
-        self.desc = desc
-        self.unit = unit
-        self.n = 0
-        self._t0 = self._last = time.monotonic()
-
-    def update(self, n: int) -> None:
-        self.n += n
-        now = time.monotonic()
-        if now - self._last >= 0.2:
-            self._last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        rate = self.n / max(now - self._t0, 1e-9)
-        text = f"\r{self.desc}: {self.n:,}"
-        if self.total:
-            eta = (self.total - self.n) / rate if rate > 0 else math.inf
-            text += f"/{self.total:,} [{rate:,.0f} {self.unit}s/s, ETA {eta:,.0f} s]"
-        else:
-            text += f" [{rate:,.0f} {self.unit}s/s]"
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        self._draw(time.monotonic())
-        sys.stderr.write("\n")
-
-
-def progress_bar(total: int | None, desc: str, unit: str = "it") -> Any:
-    """A tqdm progress bar when tqdm is installed, else a plain line on stderr with rate and ETA
-    (``update(n)``, ``close()``); ``@batched.map(progress=True)``, ``batchkit bench`` and bulk jobs
-    show it."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _SimpleBar(total, desc, unit)
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)

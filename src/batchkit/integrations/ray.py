@@ -47,7 +47,7 @@ from typing import Any
 
 from .._errors import QueueFull
 from ..adaptive import CircuitBreaker
-from ..batcher import DynamicBatcher
+from ..batcher import BatcherShell, DynamicBatcher
 from ..decorator import AsyncBatchedFunction, BatchedFunction
 
 __all__ = [
@@ -89,9 +89,11 @@ def _check_int(name: str, value: object, lo: int) -> int:
     return value
 
 
-def _batchers(targets: Sequence[Any]) -> list[DynamicBatcher[Any, Any]]:
-    out: list[DynamicBatcher[Any, Any]] = []
+def _batchers(targets: Sequence[Any]) -> list[BatcherShell[Any, Any]]:
+    out: list[BatcherShell[Any, Any]] = []
     for t in targets:
+        if isinstance(t, AsyncBatchedFunction) and t.loop_batcher is not None:
+            out.append(t.loop_batcher)  # the replica's loop awaits it there; threads use the portal
         if isinstance(t, (BatchedFunction, AsyncBatchedFunction)):
             out.append(t.batcher)
         elif isinstance(t, DynamicBatcher):
