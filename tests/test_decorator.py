@@ -251,6 +251,21 @@ class TestAsyncDefWhereItRuns:
         assert score.statistics().succeeded == 8
         assert score.batcher.statistics().submitted == 0  # the portal was never used
 
+    def test_a_call_made_before_its_loop_runs_is_served_on_the_loop_that_awaits_it(self) -> None:
+        """``asyncio.run(f(x))`` makes the awaitable before the loop starts: the call still runs
+        on that loop, not through the portal."""
+        threads: list[threading.Thread] = []
+
+        @batched(max_batch=1, max_wait_ms=0)
+        async def echo(xs: list[int]) -> list[int]:
+            threads.append(threading.current_thread())
+            return xs
+
+        assert asyncio.run(echo(3)) == 3
+        assert threads == [threading.main_thread()]
+        assert echo.loop_batcher is not None
+        echo.close()
+
     def test_a_new_loop_after_the_first_closed_is_served_on_the_new_loop(self) -> None:
         """Two ``asyncio.run`` one after the other: each run's calls run on its own loop."""
         loops: list[asyncio.AbstractEventLoop] = []

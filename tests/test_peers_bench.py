@@ -38,7 +38,7 @@ def _closed_noop(peers: ModuleType, row: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("row", ["batchkit", "bare"])
+@pytest.mark.parametrize("row", ["batchkit", "batchkit-decorator", "bare"])
 def test_closed_loop_row_serves_every_request_and_checks_outputs(peers: ModuleType, row: str) -> None:
     """A closed-loop run of the no-op workload completes every request of every caller, checks each
     caller's first result against its own input, and reports a rate and the mean batch size."""

@@ -264,15 +264,24 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
             self._owner = loop
             return self._on_loop
 
-    async def __call__(self, item: T, **kwargs: Any) -> R:
+    def __call__(self, item: T, **kwargs: Any) -> Coroutine[Any, Any, R]:
+        # Called from a task of the loop: the on-loop batcher's own coroutine, not one wrapping
+        # it (a frame less per call, on a path that costs a few microseconds in all).
+        b = self._batcher_here()
+        if b is not None:
+            return b.submit(item, **kwargs)
+        return self._call_when_awaited(item, kwargs)
+
+    async def _call_when_awaited(self, item: T, kwargs: dict[str, Any]) -> R:
+        # Decided where it is awaited: ``asyncio.run(f(x))`` makes the coroutine before the loop.
         b = self._batcher_here()
         if b is not None:
             return await b.submit(item, **kwargs)
         return await self.batcher.asubmit(item, **kwargs)
 
-    async def acall(self, item: T, **kwargs: Any) -> R:
+    def acall(self, item: T, **kwargs: Any) -> Coroutine[Any, Any, R]:
         """Await the result for ``item``: ``await f(item)``."""
-        return await self(item, **kwargs)
+        return self(item, **kwargs)
 
     def flush(self) -> None:
         b, owner = self._on_loop, self._owner
