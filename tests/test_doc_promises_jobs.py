@@ -7,6 +7,7 @@ modules written into a test's folder have names no other test uses.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -70,10 +71,12 @@ def test_the_files_look_as_the_docs_show_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """ "The files": out.jsonl holds `{"id":"r1","output":"GREAT BATTERIES"}` lines, the journal's
-    header names the absolute input, id field and dead-letter file, then `{"out": n, "dead": m}`
-    records whose last one is the committed lengths."""
+    header names the absolute input, id field, dead-letter file and function, then `{"out": n,
+    "dead": m, ...}` records whose last one is the committed lengths, with the input line and the
+    BLAKE2b-64 digest of the line of each committed record."""
     mod = _module(tmp_path, "dp_jobs_files_shout", SHOUT)
-    _write(tmp_path / "in.jsonl", ['{"id": "r1", "text": "great batteries"}', '{"id": 2, "text": 7}'])
+    lines = ['{"id": "r1", "text": "great batteries"}', '{"id": 2, "text": 7}']
+    _write(tmp_path / "in.jsonl", lines)
     status, _, _ = _cli(
         [f"{mod}:shout", "--input", "in.jsonl", "--output", "out.jsonl", "--retries", "0"],
         monkeypatch,
@@ -86,14 +89,21 @@ def test_the_files_look_as_the_docs_show_them(
     assert dead == {"id": 2, "line": 2, "error": "AttributeError: 'int' object has no attribute 'upper'", "attempts": 1}
     header, *commits = _records(tmp_path / "out.jsonl.journal")
     assert header == {
-        "batchkit_job": 1,
+        "batchkit_job": 2,
         "source": str(tmp_path / "in.jsonl"),
         "id_field": "id",
         "dead_letter": str(tmp_path / "out.dead.jsonl"),
+        "fn": f"{mod}:shout",
+        "fn_options": {},
     }
+    digest = [hashlib.blake2b(line.encode(), digest_size=8).hexdigest() for line in lines]
     assert commits[-1] == {
         "out": (tmp_path / "out.jsonl").stat().st_size,
         "dead": (tmp_path / "out.dead.jsonl").stat().st_size,
+        "out_lines": [1],
+        "out_digests": digest[0],
+        "dead_lines": [2],
+        "dead_digests": digest[1],
     }
 
 
@@ -403,3 +413,39 @@ def test_run_with_model_dead_letters_a_missing_or_empty_prompt_and_goes_on(tmp_p
     assert sorted(r["id"] for r in _records(tmp_path / "a.dead.jsonl")) == [2, 3, 4]
     assert "3 dead letters" in proc.stdout
     assert "tokens" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        ("edit", "the record with id 'a' changed since its result was written"),
+        ("insert", "with --line-ids a line's number is its id"),
+        ("function", "function 'dp_jobs_changed_function:shout', not function 'dp_jobs_changed_function:whisper'"),
+    ],
+)
+def test_resuming_after_the_input_or_the_function_changed_is_refused_with_one_line(
+    change: str, what: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ "A resume checks that the input still holds every record an earlier run finished, as it
+    was, and that the function is the same": an edit in place, a line inserted at the top with
+    `--line-ids`, another function: status 2, one line, nothing touched."""
+    source = SHOUT + "def whisper(records):\n    return [r['text'].lower() for r in records]\n"
+    mod = _module(tmp_path, f"dp_jobs_changed_{change}", source)
+    lines = ['{"id": "a", "text": "x"}', '{"id": "b", "text": "y"}']
+    _write(tmp_path / "in.jsonl", lines)
+    argv = [f"{mod}:shout", "--input", "in.jsonl", "--output", "out.jsonl"]
+    if change == "insert":
+        argv.append("--line-ids")
+    assert _cli(argv, monkeypatch, capsys, tmp_path)[0] == 0
+    if change == "edit":
+        _write(tmp_path / "in.jsonl", ['{"id": "a", "text": "z"}', lines[1]])
+    elif change == "insert":
+        _write(tmp_path / "in.jsonl", ['{"id": "c", "text": "new"}', *lines])
+    else:
+        argv[0] = f"{mod}:whisper"
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    status, _, err = _cli(argv, monkeypatch, capsys, tmp_path)
+    assert status == 2
+    assert len(err.splitlines()) == 1, err
+    assert what in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before

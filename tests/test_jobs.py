@@ -259,6 +259,93 @@ def test_duplicate_ids_keep_their_first_occurrence(tmp_path: Path) -> None:
     assert report.duplicates == 1
 
 
+class TestABrokenFunctionStopsTheJobEarly:
+    """fail_fast and max_failures: a job whose records all fail stops early, resumably."""
+
+    def test_a_function_that_always_fails_stops_after_three_batches(self, tmp_path: Path) -> None:
+        """Every record of the first 3 batches failed and none succeeded: the job stops with the
+        reason in one line, without reading the rest of its input; fixed and rerun with
+        retry_dead_letters, it finishes the job."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(2000)])
+        read: list[int] = []
+
+        def broken(records: list[dict[str, Any]]) -> list[int]:
+            read.extend(r["id"] for r in records)
+            raise RuntimeError("model not loaded")
+
+        report = run(broken, src, tmp_path / "out.jsonl", max_batch=8, max_wait_ms=0, retries=0)
+        assert report.stopped is not None
+        assert "the first 24 records the function was called on all failed" in report.stopped
+        assert "RuntimeError: model not loaded" in report.stopped
+        assert len(report.stopped.splitlines()) == 1
+        assert report.exit_code == 1
+        assert 24 <= report.failed < 100
+        assert len(set(read)) <= report.max_in_flight + report.failed
+        fixed = run(double, src, tmp_path / "out.jsonl", max_batch=8, retry_dead_letters=True, fn_name=_name(broken))
+        assert fixed.stopped is None
+        assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == list(range(2000))
+
+    def test_fail_fast_does_not_stop_a_job_where_a_record_succeeded(self, tmp_path: Path) -> None:
+        """One success among the failures: the function works, so the job goes on to the end."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(100)])
+        report = run(
+            lambda rs: [r["x"] if r["id"] == 0 else ValueError("no") for r in rs],
+            src,
+            tmp_path / "out.jsonl",
+            max_batch=4,
+            ordered=True,
+            retries=0,
+        )
+        assert (report.stopped, report.succeeded, report.failed) == (None, 1, 99)
+
+    def test_fail_fast_false_goes_on_through_the_input(self, tmp_path: Path) -> None:
+        """fail_fast=False: a function that fails every record runs over the whole input."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i} for i in range(100)])
+        report = run(lambda rs: [ValueError("no") for _ in rs], src, tmp_path / "out.jsonl", retries=0, fail_fast=False)
+        assert (report.stopped, report.failed) == (None, 100)
+
+    def test_max_failures_stops_once_more_records_failed(self, tmp_path: Path) -> None:
+        """max_failures=N: the job stops once more than N records failed, whatever succeeded."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(1000)])
+        report = run(
+            lambda rs: [r["x"] if r["x"] % 2 else ValueError("odd only") for r in rs],
+            src,
+            tmp_path / "out.jsonl",
+            max_batch=4,
+            max_wait_ms=0,
+            retries=0,
+            max_failures=5,
+        )
+        assert report.stopped == "more than 5 records failed (max_failures=5)"
+        assert 6 <= report.failed < 100
+        assert report.exit_code == 1
+
+    def test_cli_a_stopped_job_exits_1_with_the_reason_in_one_line(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """`batchkit run` of a broken function exits 1 with one line on stderr: why it stopped
+        and how to resume; --max-failures and --no-fail-fast are its options."""
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "brokenfns.py").write_text("def broken(rs):\n    raise RuntimeError('no model')\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        write_jsonl(tmp_path / "in.jsonl", [{"id": i} for i in range(500)])
+        argv = ["brokenfns:broken", "--input", "in.jsonl", "--output", "out.jsonl", "--retries", "0", "--no-progress"]
+        assert _cli([*argv, "--max-batch", "4"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert err.startswith("batchkit run: stopped: the first 12 records"), err
+        assert "--retry-dead-letters" in err
+        assert _cli([*argv, "--retry-dead-letters", "--max-failures", "2", "--no-fail-fast"]) == 1
+        assert "more than 2 records failed" in capsys.readouterr().err
+        assert _cli([*argv, "--retry-dead-letters", "--no-fail-fast"]) == 1
+        assert "stopped" not in capsys.readouterr().err
+        assert len(read_jsonl(tmp_path / "out.dead.jsonl")) == 500
+
+
+def _name(fn: Any) -> str:
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
 # --------------------------------------------------------------------------- order and memory
 
 
@@ -416,13 +503,152 @@ def test_one_job_per_output_at_a_time(tmp_path: Path) -> None:
     """A second job on an output that a running job holds is refused at once."""
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
     out = tmp_path / "out.jsonl"
-    store, _ = JobStore.open(out, tmp_path / "out.dead.jsonl", source=str(src.resolve()), id_field="id")
+    name = f"{double.__module__}:{double.__qualname__}"
+    store, _ = JobStore.open(out, tmp_path / "out.dead.jsonl", source=str(src.resolve()), id_field="id", fn=name)
     try:
         with pytest.raises(JobStateError, match="another process"):
             run(double, src, out)
     finally:
         store.close()
     assert run(double, src, out).succeeded == 1
+
+
+# --------------------------------------------------------------------------- resuming: what results depend on
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def triple(records: list[dict[str, Any]]) -> list[int]:
+    return [r["x"] * 3 for r in records]
+
+
+class TestAResumeChecksWhatResultsDependOn:
+    """A resume refuses an input whose finished records changed, and another function: a result
+    is never kept for a record it was not computed from."""
+
+    def test_a_finished_record_edited_in_place_is_refused_before_anything_is_written(self, tmp_path: Path) -> None:
+        """Editing a done record's line in place: the rerun is refused naming its id, and no file
+        changes (the journal included)."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(20)])
+        run(double, src, tmp_path / "out.jsonl", max_batch=4, max_wait_ms=0)
+        write_jsonl(src, [{"id": i, "x": 100 if i == 7 else i} for i in range(20)])
+        before = _files(tmp_path)
+        with pytest.raises(JobStateError, match="the record with id 7 changed since its result was written"):
+            run(double, src, tmp_path / "out.jsonl")
+        assert _files(tmp_path) == before
+
+    def test_a_line_inserted_at_the_top_of_a_line_ids_job_is_refused(self, tmp_path: Path) -> None:
+        """With line numbers as ids, a line inserted above the finished ones moves every id: the
+        rerun is refused (it used to give each line another line's result)."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"x": i} for i in range(10)])
+        run(double, src, tmp_path / "out.jsonl", id_field=None)
+        write_jsonl(src, [{"x": 99}, *({"x": i} for i in range(10))])
+        with pytest.raises(JobStateError, match="with --line-ids a line's number is its id"):
+            run(double, src, tmp_path / "out.jsonl", id_field=None)
+        assert sorted(line["output"] for line in read_jsonl(tmp_path / "out.jsonl")) == [2 * i for i in range(10)]
+
+    def test_switching_to_another_function_is_refused(self, tmp_path: Path) -> None:
+        """A resume with another function is another job: refused naming both functions."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(5)])
+        run(double, src, tmp_path / "out.jsonl")
+        with pytest.raises(JobStateError, match=r"function '.*:double', not function '.*:triple'"):
+            run(triple, src, tmp_path / "out.jsonl")
+        with pytest.raises(JobStateError, match="function 'v2'"):
+            run(double, src, tmp_path / "out.jsonl", fn_name="v2")
+
+    def test_the_settings_of_a_generate_fn_job_are_part_of_it(self, tmp_path: Path) -> None:
+        """A decode-loop job resumed with other sampling settings (max_new_tokens) is refused."""
+        pytest.importorskip("torch")
+        import torch
+
+        from batchkit.models import LlamaConfig, LlamaModel
+
+        torch.manual_seed(0)
+        model = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+        loop = batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=16, block_size=16), max_num_seqs=4)
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"p{i}"} for i in range(3)])
+        try:
+
+            def job(max_new_tokens: int) -> Any:
+                return generate_fn(
+                    loop, encode=lambda t: [ord(c) % 64 for c in t], decode=str, max_new_tokens=max_new_tokens
+                )
+
+            assert run(job(2), src, tmp_path / "out.jsonl").succeeded == 3
+            assert run(job(2), src, tmp_path / "out.jsonl").skipped == 3
+            with pytest.raises(JobStateError, match="function settings"):
+                run(job(3), src, tmp_path / "out.jsonl")
+        finally:
+            loop.close()
+
+    def test_records_of_an_id_job_that_moved_are_still_done(self, tmp_path: Path) -> None:
+        """With ids, records are matched by id: a line inserted at the top is a new record, done
+        once; the moved records are skipped, unchanged."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(10)])
+        run(double, src, tmp_path / "out.jsonl")
+        write_jsonl(src, [{"id": 99, "x": 99}, *({"id": i, "x": i} for i in range(10))])
+        report = run(double, src, tmp_path / "out.jsonl")
+        assert (report.skipped, report.succeeded) == (10, 1)
+        assert sorted((r["id"], r["output"]) for r in read_jsonl(tmp_path / "out.jsonl")) == sorted(
+            [(99, 198)] + [(i, 2 * i) for i in range(10)]
+        )
+
+    def test_a_dead_letter_keyed_by_its_line_that_moved_is_refused(self, tmp_path: Path) -> None:
+        """A malformed line is done by its line number: a line inserted above it is refused (the
+        rerun used to skip whatever record then sat at that number)."""
+        src = tmp_path / "in.jsonl"
+        src.write_text('{"id": 1, "x": 1}\n{broken\n')
+        run(double, src, tmp_path / "out.jsonl")
+        src.write_text('{"id": 0, "x": 0}\n{"id": 1, "x": 1}\n{broken\n')
+        with pytest.raises(JobStateError, match="line 2, a dead letter, changed"):
+            run(double, src, tmp_path / "out.jsonl")
+
+    def test_a_finished_record_removed_from_the_input_is_refused(self, tmp_path: Path) -> None:
+        """A done record no longer in the input would leave a result for no record: refused."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(6)])
+        run(double, src, tmp_path / "out.jsonl")
+        write_jsonl(src, [{"id": i, "x": i} for i in range(6) if i != 4])
+        with pytest.raises(JobStateError, match=r"the record with id 4 \(line 5\) is no longer in the input"):
+            run(double, src, tmp_path / "out.jsonl")
+
+    def test_an_iterable_that_changed_is_refused_as_it_is_read(self, tmp_path: Path) -> None:
+        """An iterable is read once: the resume checks each record as it reads it and stops at
+        the first that changed; the same records again resume."""
+        run(double, [{"id": i, "x": i} for i in range(8)], tmp_path / "out.jsonl")
+        assert run(double, [{"id": i, "x": i} for i in range(8)], tmp_path / "out.jsonl").skipped == 8
+        with pytest.raises(JobStateError, match="the record with id 3 changed"):
+            run(double, [{"id": i, "x": -i if i == 3 else i} for i in range(8)], tmp_path / "out.jsonl")
+
+    def test_a_journal_of_the_previous_format_is_refused_with_one_line(self, tmp_path: Path) -> None:
+        """A journal without fingerprints (version 1) cannot say whether the input changed: it is
+        refused in one line that says how to go on."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+        out = tmp_path / "out.jsonl"
+        out.write_text('{"id":1,"output":2}\n')
+        header = {
+            "batchkit_job": 1,
+            "source": str(src),
+            "id_field": "id",
+            "dead_letter": str(tmp_path / "out.dead.jsonl"),
+        }
+        (tmp_path / "out.jsonl.journal").write_text(json.dumps(header) + "\n" + '{"out": 20, "dead": 0}\n')
+        with pytest.raises(JobStateError, match="journal version 1") as info:
+            run(double, src, out)
+        assert len(str(info.value).splitlines()) == 1
+        assert "finish the job with that version" in str(info.value)
+
+    def test_a_refused_resume_leaves_no_output_file_behind(self, tmp_path: Path) -> None:
+        """A resume refused at start removes the output it created to lock it (the journal and
+        the dead letters are there, the output was deleted)."""
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}, {"id": 2}])
+        out = tmp_path / "out.jsonl"
+        run(double, src, out, retries=0)
+        out.unlink()
+        with pytest.raises(JobStateError, match="changed outside the job"):
+            run(double, src, out)
+        assert not out.exists()
 
 
 # --------------------------------------------------------------------------- tokens and cost
@@ -560,6 +786,52 @@ def test_cli_usage_errors_exit_2_with_one_line(
     assert len(err.splitlines()) == 1
     assert err.startswith("batchkit run: error: ")
     assert re.search(message, err), err
+
+
+def test_cli_an_input_named_parquet_that_is_not_parquet_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `.parquet` input that is not Parquet: status 2 and one line naming --input and the fix
+    (not "rerun to resume", which fails the same way), before any file is made."""
+    pytest.importorskip("pyarrow")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_jsonl(tmp_path / "in.parquet", [{"id": 1, "x": 1}])
+    assert _cli(["jobfns:double", "--input", "in.parquet", "--output", "out.jsonl", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("batchkit run: error: argument --input: 'in.parquet' is not a Parquet file"), err
+    assert "rerun" not in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == []
+
+
+def test_cli_an_output_it_may_not_write_says_the_fix_not_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An output the job may not write (permissions, a read-only file system) fails with one line
+    that says to make it writable or choose another --output; a rerun would fail the same way."""
+    import errno
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    real_open = os.open
+    target = str((tmp_path / "out.jsonl").resolve())
+
+    def read_only(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if os.fspath(path) == target:  # as a root-owned file or a read-only mount answers
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert _cli(["jobfns:double", "--input", "in.jsonl", "--output", "out.jsonl", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "Permission denied" in err
+    assert "make them and their folder writable, or choose another --output" in err
+    assert "rerun" not in err
 
 
 # --------------------------------------------------------------------------- SIGKILL
@@ -706,7 +978,8 @@ def test_cli_a_job_whose_results_fit_no_parquet_schema_fails_with_status_1_not_a
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A Parquet output that the results cannot fill is a failed job (status 1, one line naming
-    the fix), not a usage error (status 2 is for arguments); the JSONL journal keeps the results."""
+    the fix and the JSONL beside the output that holds every result, and no "rerun": it would
+    fail the same way), not a usage error (status 2 is for arguments)."""
     pytest.importorskip("pyarrow")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mixedfns.py").write_text("def mixed(rs):\n    return [1 if r['id'] % 2 else 'x' for r in rs]\n")
@@ -717,6 +990,8 @@ def test_cli_a_job_whose_results_fit_no_parquet_schema_fails_with_status_1_not_a
     assert len(err.splitlines()) == 1
     assert err.startswith("batchkit run: failed: ")
     assert "write the output as JSONL" in err
+    assert f"every result is in {str(tmp_path / 'out.parquet.jsonl')!r}" in err, err
+    assert "rerun" not in err
     assert len((tmp_path / "out.parquet.jsonl").read_text().splitlines()) == 10
 
 
@@ -745,6 +1020,7 @@ def test_ctrl_c_during_a_commit_waits_for_the_commit_to_finish(tmp_path: Path, m
     """A Ctrl-C that lands inside JobStore.commit (here: as its first write starts) is raised
     once the commit is recorded in the journal, so an interrupted job never leaves output lines
     that its rerun cuts off and does again."""
+    from batchkit.jobs.fingerprint import Fingerprints
     from batchkit.jobs.store import JobStore
 
     out = tmp_path / "out.jsonl"
@@ -762,7 +1038,7 @@ def test_ctrl_c_during_a_commit_waits_for_the_commit_to_finish(tmp_path: Path, m
     monkeypatch.setattr(os, "write", write)
     try:
         with pytest.raises(KeyboardInterrupt):
-            store.commit(b'{"id": 1, "output": 2}\n', b"")
+            store.commit(b'{"id": 1, "output": 2}\n', b"", Fingerprints([1], ["0" * 16]), Fingerprints())
     finally:
         monkeypatch.undo()
         store.close()

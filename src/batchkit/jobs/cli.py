@@ -2,14 +2,16 @@
 
 ``batchkit.cli`` mounts it with :func:`add_run_parser` and calls :func:`run_cli`. Exit status: 0
 every record has an output, 1 some are dead letters (the summary says how many) or the job
-failed (one line; ``--traceback`` for more), 2 a usage error (one line naming the argument),
-130 interrupted, 143 terminated by SIGTERM (rerun the same command to resume).
+failed or stopped early (one line saying why and what to do; ``--traceback`` for more), 2 a
+usage error (one line naming the argument), 130 interrupted, 143 terminated by SIGTERM (rerun
+the same command to resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -21,7 +23,7 @@ from typing import Any
 from .._argtypes import float_in as _float_in
 from .._argtypes import import_from_cwd, one_line
 from .._argtypes import int_in as _int_in
-from .parquet import is_parquet
+from .parquet import is_parquet, open_parquet
 from .runner import RESERVED_FIELDS, run
 from .store import JobStateError, dead_letter_path_for
 
@@ -32,6 +34,8 @@ MAX_CONCURRENCY = 1024
 MAX_WAIT_MS = 10_000.0
 MAX_RETRIES = 100
 MAX_SECONDS = 3600.0
+# A failure with one of these (permissions, a read-only file system) fails a rerun the same way.
+_NOT_RERUNNABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentParser:
@@ -123,6 +127,19 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         type=_float_in(0, MAX_SECONDS, lo_open=True),
         default=None,
         help=f"fail a call that runs longer (its records are retried), in (0, {MAX_SECONDS:g}]; default: no limit",
+    )
+    p.add_argument(
+        "--max-failures",
+        metavar="N",
+        type=_int_in(0, 1 << 62),
+        default=None,
+        help="stop once more than N records of this run failed (dead letters); default: no limit",
+    )
+    p.add_argument(
+        "--fail-fast",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop when every record of the first 3 batches failed and none succeeded (a broken function); default: on",
     )
     p.add_argument("--ordered", action="store_true", help="write outputs in input order (default: as they finish)")
     p.add_argument(
@@ -247,6 +264,33 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
     return fn, loop
 
 
+def _check_parquet_input(src: Path) -> None:
+    """A ``.parquet`` input is read as Parquet: say now if it is not one (or pyarrow is missing)."""
+    if not is_parquet(src):
+        return
+    try:
+        open_parquet(src)
+    except (ValueError, ModuleNotFoundError) as exc:
+        raise _Usage(f"argument --input: {exc}") from None
+
+
+def _failure(exc: Exception, *, started: bool, src: Path) -> str:
+    """The line for a failed job: what failed and what to do. A rerun resumes a job that stopped
+    on its way (an I/O error, the function's submission); it cannot help one that would fail the
+    same way again (a file it may not write, results that fit no Parquet schema, pyarrow
+    missing), so that line says the fix instead."""
+    if isinstance(exc, OSError) and exc.errno in _NOT_RERUNNABLE and exc.filename is not None:
+        if Path(os.fsdecode(exc.filename)).resolve() == src.resolve():
+            return f"{one_line(exc)}: make the input readable"
+        return (
+            f"{one_line(exc)}: the job writes its output, its dead-letter file and its journal (beside the output): "
+            "make them and their folder writable, or choose another --output"
+        )
+    if isinstance(exc, (ValueError, ModuleNotFoundError)):  # the message names the fix
+        return one_line(exc)
+    return f"{one_line(exc)}; rerun the same command to resume" if started else one_line(exc)
+
+
 def _check_distinct(src: Path, out: Path, dead: Path | None) -> None:
     """The one argument check argparse cannot make: the input, the output (its JSONL journal for
     a Parquet output) and the dead-letter file are three files. A ValueError that run() raises
@@ -297,6 +341,7 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             fn = _load_target(args.target)
         _check_distinct(src, out, dead)
+        _check_parquet_input(src)
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
         started = True
         try:
@@ -316,6 +361,10 @@ def run_cli(args: argparse.Namespace) -> int:
                     ordered=args.ordered,
                     retry_dead_letters=args.retry_dead_letters,
                     batch_timeout_s=args.batch_timeout_s,
+                    max_failures=args.max_failures,
+                    fail_fast=args.fail_fast,
+                    # the model a --model job generates with is part of what its results depend on
+                    fn_name=f"--model {args.model}" if args.model is not None else None,
                     price_per_hour=args.price_per_hour,
                     progress=progress,
                 )
@@ -339,9 +388,14 @@ def run_cli(args: argparse.Namespace) -> int:
         if show_tb:
             traceback.print_exc()
         hint = "" if show_tb else " (--traceback shows where)"
-        resume = "; rerun the same command to resume" if started else ""
-        print(f"{prog}: failed: {one_line(exc)}{resume}{hint}", file=sys.stderr)
+        print(f"{prog}: failed: {_failure(exc, started=started, src=Path(args.input))}{hint}", file=sys.stderr)
         return 1
+    if report.stopped is not None:
+        print(
+            f"{prog}: stopped: {report.stopped}: fix what made the records fail (the dead-letter file says), "
+            "then rerun with --retry-dead-letters to resume",
+            file=sys.stderr,
+        )
     try:
         print(report.summary(), flush=True)
     except BrokenPipeError:  # the reader left (`| head`): the job is done and committed all the same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,17 @@ from .._errors import KVCacheExhausted
 if TYPE_CHECKING:
     from ..continuous.loop import ContinuousDecodeLoop
 
-__all__ = ["GenerateFunction", "Generation", "generate_fn"]
+__all__ = ["GenerateFunction", "Generation", "generate_fn", "qualified_name"]
+
+
+def qualified_name(obj: object) -> str:
+    """``module:qualname`` of a function, a method, a class, or else of an object's class (for a
+    ``functools.partial``, of the function it wraps)."""
+    if isinstance(obj, functools.partial):
+        obj = obj.func
+    if not hasattr(obj, "__qualname__"):
+        obj = type(obj)
+    return f"{getattr(obj, '__module__', None)}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +61,17 @@ class GenerateFunction:
         self.decode = decode
         self.prompt_field = prompt_field
         self.sampling = sampling
+
+    def settings(self) -> dict[str, Any]:
+        """What shapes each record's text besides its prompt, as a job's journal records it: the
+        model's type, the tokenizer's functions, the prompt field and the sampling options."""
+        return {
+            "model": qualified_name(self.loop.step_fn),
+            "encode": qualified_name(self.encode),
+            "decode": qualified_name(self.decode),
+            "prompt_field": self.prompt_field,
+            "sampling": self.sampling,
+        }
 
     @property
     def max_num_seqs(self) -> int:

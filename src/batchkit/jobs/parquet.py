@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .source import Malformed
+from .fingerprint import canonical_json
+from .source import Row
 
-__all__ = ["export_parquet", "is_parquet", "parquet_rows", "read_parquet"]
+__all__ = ["export_parquet", "is_parquet", "open_parquet", "parquet_rows", "read_parquet", "require_pyarrow"]
 
 CHUNK_ROWS = 8192
 
@@ -36,21 +37,41 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def read_parquet(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any] | Malformed]]:
-    """Yield ``(row_number, record)`` for each row of a Parquet file (1-based), one batch of rows
-    at a time."""
-    pa = _pyarrow()
-    f = pa.parquet.ParquetFile(str(path))
+def require_pyarrow() -> None:
+    """Raise the install hint now if pyarrow is missing (a Parquet output is written at the end)."""
+    _pyarrow()
+
+
+def read_parquet(path: str | os.PathLike[str]) -> Iterator[Row]:
+    """Yield ``(row_number, record, content)`` for each row of a Parquet file (1-based; the
+    content is the row's JSON form, what it is fingerprinted by), one batch of rows at a time."""
+    f = open_parquet(path)
     n = 0
     for batch in f.iter_batches(batch_size=CHUNK_ROWS):
         for rec in batch.to_pylist():
             n += 1
-            yield n, rec
+            yield n, rec, canonical_json(rec)
+
+
+def open_parquet(path: str | os.PathLike[str]) -> Any:
+    """A ``pyarrow.parquet.ParquetFile`` (it reads the footer).
+
+    Raises:
+        ValueError: the file is not Parquet (a JSONL input named ``.parquet``, say).
+    """
+    pa = _pyarrow()
+    try:
+        return pa.parquet.ParquetFile(str(path))
+    except pa.ArrowInvalid as exc:
+        raise ValueError(
+            f"{str(path)!r} is not a Parquet file ({exc}): a path ending in .parquet is read as Parquet; "
+            "give a JSONL input a .jsonl name"
+        ) from None
 
 
 def parquet_rows(path: str | os.PathLike[str]) -> int:
     """Rows in a Parquet file (from its footer; for a progress bar's total)."""
-    return int(_pyarrow().parquet.ParquetFile(str(path)).metadata.num_rows)
+    return int(open_parquet(path).metadata.num_rows)
 
 
 def export_parquet(
@@ -63,7 +84,8 @@ def export_parquet(
 
     Raises:
         ValueError: later rows do not fit the schema of the first ones (results of varying
-            types): keep such a job's output as JSONL.
+            types): keep such a job's output as JSONL (the message names ``jsonl``, which holds
+            every row).
     """
     pa = _pyarrow()
     target = Path(target)
@@ -77,7 +99,7 @@ def export_parquet(
                 if raw.strip():
                     chunk.append(json.loads(raw))
                 if len(chunk) == CHUNK_ROWS:
-                    writer = _write(pa, writer, tmp, chunk)
+                    writer = _write(pa, writer, tmp, chunk, jsonl)
                     rows += len(chunk)
                     chunk = []
             if chunk or writer is None:
@@ -85,7 +107,7 @@ def export_parquet(
                     empty = pa.schema([(key_field, pa.null()), ("output", pa.null())])
                     writer = pa.parquet.ParquetWriter(str(tmp), empty)
                 else:
-                    writer = _write(pa, writer, tmp, chunk)
+                    writer = _write(pa, writer, tmp, chunk, jsonl)
                 rows += len(chunk)
         writer.close()
         writer = None
@@ -97,12 +119,13 @@ def export_parquet(
     return rows
 
 
-def _write(pa: Any, writer: Any, path: Path, rows: list[dict[str, Any]]) -> Any:
+def _write(pa: Any, writer: Any, path: Path, rows: list[dict[str, Any]], jsonl: str | os.PathLike[str]) -> Any:
     try:
         table = pa.Table.from_pylist(rows, schema=writer.schema if writer is not None else None)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
         raise ValueError(
-            f"the job's results do not fit one Parquet schema ({exc}); write the output as JSONL instead"
+            f"the job's results do not fit one Parquet schema ({exc}): every result is in {str(jsonl)!r}; "
+            "write the output as JSONL instead"
         ) from None
     if writer is None:
         writer = pa.parquet.ParquetWriter(str(path), table.schema)

@@ -23,18 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from .._clock import Clock, MonotonicClock
-from .._errors import BatchTimeout, QueueFull
+from .._errors import BatchTimeout, JobStateError, QueueFull
 from ..decorator import progress_bar
-from .generate import GenerateFunction, Generation
-from .parquet import export_parquet, is_parquet, parquet_rows, read_parquet
-from .source import Malformed, count_lines, read_jsonl, read_records
-from .store import JobStore, dead_letter_path_for
+from .fingerprint import Fingerprints, InputCheck, canonical_json, content_digest, is_id, record_key
+from .generate import GenerateFunction, Generation, qualified_name
+from .parquet import export_parquet, is_parquet, open_parquet, parquet_rows, read_parquet, require_pyarrow
+from .source import Malformed, Row, count_lines, iter_lines, parse_line, read_jsonl, read_records
+from .store import DoneSet, JobStore, dead_letter_path_for
 
 __all__ = ["JobProgress", "JobReport", "run"]
 
 logger = logging.getLogger(__name__)
 
 RESERVED_FIELDS = frozenset({"output", "error", "line", "attempts", "input"})
+FAIL_FAST_BATCHES = 3  # fail_fast: every record of this many batches failed, and none succeeded
 _MISSING: Any = object()
 
 
@@ -53,7 +55,8 @@ class JobReport:
     """What a run did. Counts are this run's, except ``dead_letters`` (the whole dead-letter file).
 
     ``items = succeeded + failed``; ``skipped`` were done by an earlier run; ``duplicates`` repeat an
-    id seen earlier in the input (the first occurrence is the one processed).
+    id seen earlier in the input (the first occurrence is the one processed). ``stopped`` says why
+    the run stopped before the end of its input (``max_failures``, ``fail_fast``), or is None.
     """
 
     output: str
@@ -70,6 +73,7 @@ class JobReport:
     price_per_hour: float | None
     max_in_flight: int
     peak_in_flight: int
+    stopped: str | None = None
 
     @property
     def items(self) -> int:
@@ -100,8 +104,9 @@ class JobReport:
 
     @property
     def exit_code(self) -> int:
-        """0 when every item of the job has an output, 1 when the dead-letter file holds any."""
-        return 1 if self.dead_letters else 0
+        """0 when every item of the job has an output, 1 when the dead-letter file holds any or
+        the run stopped early."""
+        return 1 if self.dead_letters or self.stopped is not None else 0
 
     def summary(self) -> str:
         """A few lines for people: counts, rates, cost, and where the failures went."""
@@ -119,6 +124,8 @@ class JobReport:
         lines.append(f"output: {self.output}")
         if self.dead_letters:
             lines.append(f"{self.dead_letters:,} dead letters (with their errors) in {self.dead_letter}")
+        if self.stopped is not None:
+            lines.append(f"stopped early: {self.stopped}")
         return "\n".join(lines)
 
 
@@ -135,6 +142,7 @@ class _Target:
     window: int  # the default max_in_flight
     cap: int | None  # a hard limit on max_in_flight (the batcher's queue)
     counts_tokens: bool
+    batch_size: int  # records per call (fail_fast counts in batches of it)
     # Submit a record to be run in a call of its own: a batch that timed out does not say which
     # of its records hung, so each is retried alone and only the culprit times out again.
     submit_alone: Callable[[dict[str, Any]], concurrent.futures.Future[Any]] | None = None
@@ -152,7 +160,7 @@ def _make_target(
 
     if isinstance(fn, GenerateFunction):
         n = fn.max_num_seqs
-        return _Target(fn.submit, lambda: None, no_close, 2 * n, None, True)
+        return _Target(fn.submit, lambda: None, no_close, 2 * n, None, True, n)
     if isinstance(fn, ContinuousDecodeLoop):
         raise TypeError(
             "a ContinuousDecodeLoop generates from token ids: wrap it with its tokenizer, "
@@ -205,6 +213,7 @@ def _make_target(
             2 * max_batch * concurrency,
             owned_queue,
             False,
+            max_batch,
             submit_alone if batch_timeout_s is not None else None,
         )
     else:
@@ -214,20 +223,34 @@ def _make_target(
         )
     # The user's batcher keeps its own batch size, wait and concurrency; the job only sizes its window.
     window = 2 * batcher.max_batch_size * batcher.max_concurrent_batches
-    return _Target(batcher.submit, batcher.flush, no_close, window, batcher.queue.maxsize, False)
+    return _Target(
+        batcher.submit, batcher.flush, no_close, window, batcher.queue.maxsize, False, batcher.max_batch_size
+    )
+
+
+def _fn_identity(fn: Any) -> tuple[str, dict[str, Any]]:
+    """The function's name and the settings that shape its results, as the journal records them."""
+    from ..batcher import DynamicBatcher
+
+    if isinstance(fn, GenerateFunction):
+        return "batchkit.jobs:generate_fn", fn.settings()
+    if isinstance(fn, DynamicBatcher):
+        fn = fn.fn
+    return qualified_name(fn), {}
 
 
 # ---------------------------------------------------------------------- the job
 
 
 class _Item:
-    __slots__ = ("alone", "attempts", "key", "line", "record", "seq")
+    __slots__ = ("alone", "attempts", "digest", "key", "line", "record", "seq")
 
-    def __init__(self, seq: int, line: int, key: Any, record: dict[str, Any]) -> None:
+    def __init__(self, seq: int, line: int, key: Any, record: dict[str, Any], digest: str) -> None:
         self.seq = seq
         self.line = line
         self.key = key
         self.record = record
+        self.digest = digest
         self.attempts = 0  # calls of the batch function that failed so far
         self.alone = False  # retried in a call of its own (its batch timed out)
 
@@ -253,17 +276,12 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _is_id(value: object) -> bool:
-    return isinstance(value, (str, int)) and not isinstance(value, bool)
-
-
 class _Job:
     def __init__(
         self,
         target: _Target,
         store: JobStore,
-        done_ids: set[Any],
-        done_lines: set[int],
+        check: InputCheck,
         *,
         id_field: str | None,
         window: int,
@@ -276,11 +294,11 @@ class _Job:
         bar: Any,
         clock: Clock,
         sleep: Callable[[float], None],
+        max_failures: int | None,
+        fail_fast: bool,
     ) -> None:
         self.target = target
         self.store = store
-        self.done_ids = done_ids
-        self.done_lines = done_lines
         self.id_field = id_field
         self.key_field = id_field if id_field is not None else "line"
         self.window = window
@@ -293,6 +311,12 @@ class _Job:
         self.bar = bar
         self.clock = clock
         self.sleep = sleep
+        # What earlier runs finished, found in the input: a file's by the store before the job
+        # starts, an iterable's (read only once) here as it is read.
+        self.check = check
+        self.max_failures = max_failures
+        self.fail_fast_records = FAIL_FAST_BATCHES * target.batch_size if fail_fast else None
+        self.stopped: str | None = None
         self.completions: queue.SimpleQueue[tuple[_Item, concurrent.futures.Future[Any]]] = queue.SimpleQueue()
         self.seen_now: set[Any] = set()  # ids read by this run (in flight or finished)
         self.retry_at: list[tuple[float, int, _Item]] = []
@@ -300,9 +324,9 @@ class _Job:
         self.outstanding = 0  # submitted, future not yet back
         self.next_seq = 0
         self.next_commit = 0
-        self.buffer: dict[int, tuple[bytes, bool]] = {}  # ordered: seq -> (line, is_dead)
-        self.pending_out: list[bytes] = []
-        self.pending_dead: list[bytes] = []
+        self.buffer: dict[int, tuple[bytes, bool, _Item]] = {}  # ordered: seq -> (line, is_dead, item)
+        self.pending_out: list[tuple[bytes, _Item]] = []
+        self.pending_dead: list[tuple[bytes, _Item]] = []
         self.submitted_since_flush = False
         # counters
         self.succeeded = 0
@@ -313,22 +337,28 @@ class _Job:
         self.retried = 0
         self.tokens = 0
         self.peak_held = 0
+        self.dead_now = 0  # dead letters decided (committed or not), for max_failures
+        self.calls_failed = 0  # records the function was called on that failed, for fail_fast
+        self.calls_ok = 0
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, records: Iterator[tuple[int, dict[str, Any] | Malformed]]) -> None:
+    def run(self, records: Iterator[Row]) -> None:
         exhausted = False
         while True:
-            while not exhausted and self.held < self.window:
+            while not exhausted and self.held < self.window and self.stopped is None:
                 try:
-                    line, rec = next(records)
+                    line, rec, content = next(records)
                 except StopIteration:
                     exhausted = True
+                    self._check_finish()
                     break
-                self._admit(line, rec)
+                self._admit(line, rec, content)
             self._resubmit_due()
             self._drain(block=False)
             self._commit()
+            if self.stopped is not None:
+                return  # what is committed stays done; what is in flight is redone by a rerun
             if exhausted and self.held == 0:
                 return
             if exhausted and self.submitted_since_flush:
@@ -341,44 +371,49 @@ class _Job:
             elif exhausted or self.held >= self.window:  # pragma: no cover - a bug, not a state to wait in
                 raise RuntimeError(f"job stalled: {self.held} held, none running or retrying")
 
-    def _admit(self, line: int, rec: dict[str, Any] | Malformed) -> None:
-        if line in self.done_lines:
+    def _check_finish(self) -> None:
+        if not self.check.done and (reason := self.check.finish()) is not None:
+            raise changed_input(self.store.output, reason)
+
+    def _admit(self, line: int, rec: dict[str, Any] | Malformed | None, content: bytes) -> None:
+        if not self.check.done and (reason := self.check.feed(line, content)):
+            raise changed_input(self.store.output, reason)
+        done = self.check.found.pop(line, _MISSING)  # popped: the map shrinks as the job reads
+        if done is not _MISSING:  # committed by an earlier run, from this very content
+            if done is not None:
+                self.seen_now.add(done)  # a later repeat of its id is a duplicate, as on the first run
             self.skipped += 1
             return
+        if rec is None:  # a JSONL line: parsed only now, as a record that is not done
+            rec = parse_line(content)
         if isinstance(rec, Malformed):
             self.malformed += 1
-            self._dead(self._new(line, None, {}), rec.reason, quote=rec.text)
+            self._dead(self._new(line, None, {}, content), rec.reason, quote=rec.text)
             return
         if self.id_field is None:
             key: Any = line
         else:
             key = rec.get(self.id_field, _MISSING)
             if key is _MISSING:
-                self._dead(self._new(line, None, rec), f"the record has no {self.id_field!r} field")
+                self._dead(self._new(line, None, rec, content), f"the record has no {self.id_field!r} field")
                 return
-            if not _is_id(key):
+            if not is_id(key):
                 self._dead(
-                    self._new(line, None, rec),
+                    self._new(line, None, rec, content),
                     f"the {self.id_field!r} field must be a string or an integer, got {key!r}",
                 )
                 return
-        if key in self.done_ids:
-            # Moved, not copied, into the ids read by this run: a later repeat of it in the input
-            # is then a duplicate, as on the first run, and the set does not grow.
-            self.done_ids.remove(key)
-            self.seen_now.add(key)
-            self.skipped += 1
-            return
         if key in self.seen_now:
             self.duplicates += 1
             if self.duplicates <= 10:
                 logger.warning("line %d repeats id %r; only its first occurrence is processed", line, key)
             return
         self.seen_now.add(key)
-        self._submit(self._new(line, key, rec))
+        self._submit(self._new(line, key, rec, content))
 
-    def _new(self, line: int, key: Any, rec: dict[str, Any]) -> _Item:
-        item = _Item(self.next_seq, line, key, rec)
+    def _new(self, line: int, key: Any, rec: dict[str, Any], content: bytes) -> _Item:
+        # Digested here, not as read: a resume skips most records (the store checked those).
+        item = _Item(self.next_seq, line, key, rec, content_digest(content))
         self.next_seq += 1
         self.held += 1
         self.peak_held = max(self.peak_held, self.held)
@@ -430,7 +465,7 @@ class _Job:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (item.attempts - 1))
                 heapq.heappush(self.retry_at, (self.clock.now() + delay, item.seq, item))
             else:
-                self._dead(item, _error_text(exc))
+                self._call_failed(item, _error_text(exc))
             return
         result = fut.result()
         tokens: int | None = None
@@ -441,11 +476,27 @@ class _Job:
         try:
             data = _line({self.key_field: item.key, "output": result})
         except (TypeError, ValueError) as e:  # retrying would give the same result
-            self._dead(item, f"the result is not JSON-serialisable: {_error_text(e)}", attempts=item.attempts + 1)
+            self._call_failed(
+                item, f"the result is not JSON-serialisable: {_error_text(e)}", attempts=item.attempts + 1
+            )
             return
         if tokens is not None:
             self.tokens += tokens
+        self.calls_ok += 1
         self._finish(item, data, dead=False)
+
+    def _call_failed(self, item: _Item, error: str, *, attempts: int | None = None) -> None:
+        """A record the function was called on failed for good: a dead letter, and evidence
+        for ``fail_fast`` that the function itself is broken."""
+        self.calls_failed += 1
+        self._dead(item, error, attempts=attempts)
+        n = self.fail_fast_records
+        if n is not None and self.calls_ok == 0 and self.calls_failed >= n and self.stopped is None:
+            self.stopped = (
+                f"the first {self.calls_failed:,} records the function was called on all failed "
+                f"({FAIL_FAST_BATCHES} batches of {self.target.batch_size}; the last with {error}), so the "
+                "function looks broken (fail_fast)"
+            )
 
     def _dead(self, item: _Item, error: str, *, quote: str | None = None, attempts: int | None = None) -> None:
         letter: dict[str, Any] = {}
@@ -457,22 +508,25 @@ class _Job:
         if quote is not None:
             letter["input"] = quote
         self._finish(item, _line(letter), dead=True)
+        self.dead_now += 1
+        if self.max_failures is not None and self.dead_now > self.max_failures and self.stopped is None:
+            self.stopped = f"more than {self.max_failures:,} records failed (max_failures={self.max_failures})"
 
     def _finish(self, item: _Item, data: bytes, *, dead: bool) -> None:
         if self.ordered:
-            self.buffer[item.seq] = (data, dead)
+            self.buffer[item.seq] = (data, dead, item)
         elif dead:
-            self.pending_dead.append(data)
+            self.pending_dead.append((data, item))
         else:
-            self.pending_out.append(data)
+            self.pending_out.append((data, item))
 
     def _commit(self) -> None:
         if self.ordered:
-            out: list[bytes] = []
-            dead: list[bytes] = []
+            out: list[tuple[bytes, _Item]] = []
+            dead: list[tuple[bytes, _Item]] = []
             while self.next_commit in self.buffer:
-                data, is_dead = self.buffer.pop(self.next_commit)
-                (dead if is_dead else out).append(data)
+                data, is_dead, item = self.buffer.pop(self.next_commit)
+                (dead if is_dead else out).append((data, item))
                 self.next_commit += 1
         else:
             out, dead = self.pending_out, self.pending_dead
@@ -480,7 +534,7 @@ class _Job:
         n = len(out) + len(dead)
         if not n:
             return
-        self.store.commit(b"".join(out), b"".join(dead))
+        self.store.commit(b"".join(d for d, _ in out), b"".join(d for d, _ in dead), _origins(out), _origins(dead))
         self.held -= n
         self.succeeded += len(out)
         self.failed += len(dead)
@@ -490,7 +544,47 @@ class _Job:
             self.on_commit(JobProgress(self.succeeded, self.failed, self.skipped, self.held))
 
 
-# ---------------------------------------------------------------------- progress
+def _origins(lines: list[tuple[bytes, _Item]]) -> Fingerprints:
+    return Fingerprints([item.line for _, item in lines], [item.digest for _, item in lines])
+
+
+def changed_input(output: Path, reason: str) -> JobStateError:
+    """The refusal of a resume whose input no longer holds what the output was computed from."""
+    return JobStateError(
+        f"{output} holds results computed from other input: {reason}: restore the input as it was, or delete the "
+        "output, its dead-letter file and its journal to start over (or choose another output)"
+    )
+
+
+def _input_lines(src: Path) -> Iterator[tuple[int, bytes]]:
+    """Each record of an input file as ``(line, content)``: what its fingerprint is taken of."""
+    if is_parquet(src):
+        return ((n, content) for n, _, content in read_parquet(src))
+    return iter_lines(src)
+
+
+def _key_of(id_field: str | None) -> Callable[[int, bytes], Any]:
+    """A line's key from its content (a JSONL line, or a record's JSON form)."""
+    return lambda line, content: record_key(parse_line(content), id_field, line)
+
+
+class _ResumeCheck:
+    """The store's check before a resume: match what is done against the input (a file is read
+    through once, now; an iterable later, as the job reads it) and refuse if it changed."""
+
+    def __init__(self, src: Path | None, id_field: str | None, output: Path) -> None:
+        self.src = src
+        self.id_field = id_field
+        self.output = output
+        self.input_check: InputCheck | None = None
+
+    def __call__(self, done: DoneSet) -> None:
+        check = InputCheck(done.committed, keyed_by_line=self.id_field is None, key_of=_key_of(self.id_field))
+        if self.src is not None and not check.done:
+            reason = check.run(_input_lines(self.src))
+            if reason is not None:
+                raise changed_input(self.output, reason)
+        self.input_check = check
 
 
 # ---------------------------------------------------------------------- run
@@ -524,6 +618,9 @@ def run(
     ordered: bool = False,
     retry_dead_letters: bool = False,
     batch_timeout_s: float | None = None,
+    max_failures: int | None = None,
+    fail_fast: bool = True,
+    fn_name: str | None = None,
     count_tokens: Callable[[dict[str, Any], Any], int] | None = None,
     price_per_hour: float | None = None,
     progress: bool = False,
@@ -534,6 +631,11 @@ def run(
     """Run ``fn`` over every record of ``source`` and write one line per record to ``sink``, exactly
     once, resumably: rerun the same call after a crash (even SIGKILL) and it finishes the job.
 
+    A resume checks that the input still holds every record an earlier run finished, as it was
+    (each committed line's record is fingerprinted in the journal), and that ``fn`` is the same
+    function (by ``fn_name``) with the same settings; if not, it is refused before anything is
+    written.
+
     Args:
         fn: a batch function (a list of records -> one JSON-serialisable result per record, an
             ``Exception`` instance in a record's slot failing only that record), a ``@batched``
@@ -541,7 +643,8 @@ def run(
             concurrency apply), or :func:`~batchkit.jobs.generate_fn` around a decode loop.
         source: a JSONL file (one JSON object per line; blank lines are ignored), a ``.parquet``
             file (one record per row; needs pyarrow), or an iterable of dicts (their 1-based
-            positions stand in for line numbers; iterate them in the same order on every run).
+            positions stand in for line numbers; iterate them in the same order on every run: a
+            resume checks each record as it reads it, and stops at the first that changed).
         sink: the output JSONL file: ``{"<id_field>": id, "output": result}`` per record, in
             completion order (or input order with ``ordered``). A ``.parquet`` sink is journaled
             as ``<sink>.jsonl`` (resumable like any job) and written as Parquet, with the same
@@ -561,6 +664,16 @@ def run(
         ordered: write in input order (a reorder buffer, bounded by ``max_in_flight``).
         retry_dead_letters: empty the dead-letter file and try its records again (after fixing
             what made them fail); without it, dead letters count as done.
+        max_failures: stop once more than this many records of this run failed (dead letters,
+            malformed lines included); None: no limit.
+        fail_fast: stop when the first ``3 * batch size`` records the function was called on all
+            failed (for good, after their retries) before any succeeded: a broken function. A
+            stopped run returns its report with ``stopped`` set; what it committed is done, what
+            was in flight is not, and a rerun with ``retry_dead_letters`` resumes it.
+        fn_name: the function's name in the journal (default: its ``module:qualname``; a
+            :func:`generate_fn` job records its model's type, tokenizer and sampling settings
+            too); a resume under another name is refused. Name what makes results differ that
+            the qualified name does not tell (a callable object's checkpoint, say).
         count_tokens: ``count_tokens(record, result) -> int``, for tokens/s and the cost per
             token (a :func:`generate_fn` job counts generated tokens itself).
         price_per_hour: accelerator price per hour, for the report's cost per 1k tokens
@@ -571,12 +684,16 @@ def run(
             sleep that advances it).
 
     Returns:
-        A :class:`JobReport`; ``report.exit_code`` is 1 when the dead-letter file is not empty.
+        A :class:`JobReport`; ``report.exit_code`` is 1 when the dead-letter file is not empty
+        or the run stopped early.
 
     Raises:
-        JobStateError: the sink belongs to another job, is in use, or was edited (see
+        JobStateError: the sink belongs to another job (another input, function or settings, or
+            an input whose finished records changed), is in use, or was edited (see
             :class:`~batchkit.jobs.JobStateError`).
-        ValueError, TypeError: bad arguments (the message names the argument).
+        ValueError, TypeError: bad arguments (the message names the argument), a ``.parquet``
+            source that is not Parquet, or results that fit no Parquet schema (the message names
+            the JSONL beside the sink that holds them all): a rerun cannot help.
         Exception: an error of the input file or the batch function's submission; the job stops
             and a rerun resumes it.
     """
@@ -590,6 +707,10 @@ def run(
     _check_int("retries", retries, 0)
     if max_in_flight is not None:
         _check_int("max_in_flight", max_in_flight, 1)
+    if max_failures is not None:
+        _check_int("max_failures", max_failures, 0)
+    if fn_name is not None and (not isinstance(fn_name, str) or not fn_name):
+        raise ValueError(f"fn_name must be a non-empty string (or None for the function's own name), got {fn_name!r}")
     _check_float("max_wait_ms", max_wait_ms)
     _check_float("backoff_s", backoff_s)
     _check_float("max_backoff_s", max_backoff_s)
@@ -602,17 +723,23 @@ def run(
     if is_parquet(out_path):
         # The job journals JSONL beside it (that makes it resumable) and converts once complete.
         parquet_out, out_path = out_path, out_path.with_name(out_path.name + ".jsonl")
+        require_pyarrow()  # now, not once the whole job has run
     dead_path = Path(dead_letter) if dead_letter is not None else dead_letter_path_for(out_path)
     source_name: str | None = None
-    records: Iterator[tuple[int, dict[str, Any] | Malformed]]
+    src: Path | None = None
+    records: Iterator[Row]
     if isinstance(source, (str, os.PathLike)):
         src = Path(source)
         if not src.is_file():
             raise FileNotFoundError(f"source {str(source)!r} is not a file: pass the input JSONL")
         source_name = str(src.resolve())
-        records = read_parquet(src) if is_parquet(src) else read_jsonl(src)
+        if is_parquet(src):
+            open_parquet(src)  # not Parquet: say so now, not once the job has started
+            records = read_parquet(src)
+        else:
+            records = read_jsonl(src)
     elif isinstance(source, Iterable):
-        records = read_records(source)
+        records = read_records(source, canonical_json)
     else:
         raise TypeError(f"source must be a JSONL path or an iterable of dicts, got {type(source).__name__}")
     paths = [out_path.resolve(), dead_path.resolve()]
@@ -642,9 +769,19 @@ def run(
         window = min(window, target.cap)
     clock = clock if clock is not None else MonotonicClock()
     t0 = clock.now()
+    name, settings = _fn_identity(fn)
+    resume = _ResumeCheck(src, id_field, out_path.resolve())
     store, done = JobStore.open(
-        out_path, dead_path, source=source_name, id_field=id_field, retry_dead_letters=retry_dead_letters
+        out_path,
+        dead_path,
+        source=source_name,
+        id_field=id_field,
+        fn=fn_name if fn_name is not None else name,
+        fn_options=settings,
+        retry_dead_letters=retry_dead_letters,
+        check=resume,
     )
+    assert resume.input_check is not None  # JobStore.open returned: it ran the check
     bar = None
     drained = False
     try:
@@ -652,13 +789,12 @@ def run(
             total = None
             if source_name is not None:
                 rows = parquet_rows(source_name) if is_parquet(source_name) else count_lines(source_name)
-                total = max(0, rows - len(done.ids) - len(done.lines))
+                total = max(0, rows - len(done.committed))
             bar = progress_bar(total, out_path.name, unit="item")
         job = _Job(
             target,
             store,
-            done.ids,
-            done.lines,
+            resume.input_check,
             id_field=id_field,
             window=window,
             retries=retries,
@@ -670,15 +806,17 @@ def run(
             bar=bar,
             clock=clock,
             sleep=sleep if sleep is not None else time.sleep,
+            max_failures=max_failures,
+            fail_fast=fail_fast,
         )
         job.run(records)
-        drained = True
+        drained = job.stopped is None
     finally:
         target.close(drained)
         store.close()
         if bar is not None:
             bar.close()
-    if parquet_out is not None:
+    if parquet_out is not None and job.stopped is None:
         export_parquet(store.output, parquet_out, key_field=store.key_field)
     wall = clock.now() - t0
     return JobReport(
@@ -696,4 +834,5 @@ def run(
         price_per_hour=price_per_hour,
         max_in_flight=window,
         peak_in_flight=job.peak_held,
+        stopped=job.stopped,
     )

@@ -4,7 +4,8 @@ Three files live side by side::
 
     out.jsonl            one line per item that succeeded: {"<id field>": id, "output": result}
     out.dead.jsonl       one line per item that failed:    {"<id field>": id, "line": n, "error": "..."}
-    out.jsonl.journal    a header naming the job, then {"out": bytes, "dead": bytes} per commit
+    out.jsonl.journal    a header naming the job, then per commit {"out": bytes, "dead": bytes, ...}
+                         with the input line and a digest of the record of each line committed
 
 A commit appends a group of finished lines to the output (one ``write`` and one ``fdatasync``),
 then to the dead-letter file, then appends the two new file lengths to the journal and syncs it.
@@ -13,8 +14,9 @@ beyond the length it records were written by a commit that did not finish, and a
 the job restarts (their items are simply done again). A crash at any moment, between any two
 system calls, therefore leaves each item either committed once or not at all, and no torn line.
 
-On start, :meth:`JobStore.open` reads the journal, cuts both files back to the committed lengths,
-and rebuilds the set of finished ids from the files themselves, so that the job skips them.
+On start, :meth:`JobStore.open` reads the journal, rebuilds the set of finished ids from the files
+themselves (with each record's line and digest, for the job to check against its input), and only
+then cuts both files back to the committed lengths, so that the job skips what is done.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import os
 import signal
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._errors import JobStateError
+from .fingerprint import Committed, Fingerprints, is_id
 
 __all__ = ["JobStateError", "JobStore", "dead_letter_path_for", "journal_path_for"]
 
@@ -39,7 +42,7 @@ try:  # POSIX: one job per output at a time; the lock dies with the process (SIG
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: fingerprints of every committed record, and the function that computed them
 _sync = getattr(os, "fdatasync", os.fsync)  # file lengths are data: fdatasync flushes them too
 
 
@@ -81,12 +84,14 @@ def dead_letter_path_for(output: Path) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class DoneSet:
-    """What earlier runs finished: ids (output and dead letters) and the line numbers of dead
-    letters that have no usable id (malformed lines, missing ids)."""
+    """What earlier runs finished: ids (output and dead letters), the line numbers of dead
+    letters that have no usable id (malformed lines, missing ids), and each of those records
+    with its input line and digest."""
 
     ids: set[Any]
     lines: set[int]
     dead_letters: int
+    committed: list[Committed]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -138,10 +143,6 @@ def _describe(key: str, what: str, value: object) -> str:
     return f"{what} {value!r}"
 
 
-def _is_id(value: object) -> bool:
-    return isinstance(value, (str, int)) and not isinstance(value, bool)
-
-
 class JobStore:
     """The files of one job, opened for resuming: :meth:`open` recovers, :meth:`commit` appends.
 
@@ -169,6 +170,9 @@ class JobStore:
         self._dead_fd = -1
         self._journal_fd = -1
         self._created_dead = False  # this run created the (empty) dead-letter file to lock it
+        self._created_out = False  # this run created the output (removed again if the job is refused)
+        self._out_fp = Fingerprints()  # of the committed lines, read from the journal at start
+        self._dead_fp = Fingerprints()
 
     # ------------------------------------------------------------------ opening
 
@@ -180,17 +184,26 @@ class JobStore:
         *,
         source: str | None,
         id_field: str | None,
+        fn: str | None = None,
+        fn_options: dict[str, Any] | None = None,
         retry_dead_letters: bool = False,
+        check: Callable[[DoneSet], None] | None = None,
     ) -> tuple[JobStore, DoneSet]:
         """Open (or start) the job writing to ``output``; return the store and what is done.
 
-        With ``retry_dead_letters``, the dead-letter file is emptied (after the journal records
-        that) and its records count as not done: the job tries them again.
+        ``fn`` and ``fn_options`` name the function and the settings that shape its results (as
+        JSON); a resume with others is refused like one with another input. ``check(done)`` runs
+        once the files are read and before anything is written: it raises to refuse the resume
+        (the job's input no longer holds what ``done`` was computed from). With
+        ``retry_dead_letters``, the dead-letter file is emptied (after the journal records that)
+        and its records count as not done: the job tries them again.
 
         Raises:
             JobStateError: another process runs this job; the journal names another input,
-                id field or dead-letter file; the output exists without a journal; or a file is
-                shorter than its journal says, or holds a line that is not one of this job's.
+                id field, dead-letter file or function, or was written by an earlier version;
+                the output exists without a journal; or a file is shorter than its journal
+                says, or holds a line that is not one of this job's. A refused job leaves no
+                file it created.
         """
         output = output.resolve()
         dead_letter = dead_letter.resolve()
@@ -200,16 +213,21 @@ class JobStore:
             "source": source,
             "id_field": id_field,
             "dead_letter": str(dead_letter),
+            "fn": fn,
+            "fn_options": json.loads(json.dumps(fn_options or {}, sort_keys=True, default=repr)),  # as read back
         }
         store = cls(output, dead_letter, journal, header, id_field if id_field is not None else "line")
         try:
-            done = store._recover(retry_dead_letters)
+            done = store._recover(retry_dead_letters, check)
         except BaseException:
+            if store._created_out and store._out_fd >= 0 and _is_empty_file(store._out_fd):
+                store.output.unlink(missing_ok=True)  # while still locked: no one else writes it
             store.close()
             raise
         return store, done
 
-    def _recover(self, retry_dead_letters: bool) -> DoneSet:
+    def _recover(self, retry_dead_letters: bool, check: Callable[[DoneSet], None] | None) -> DoneSet:
+        self._created_out = not self.output.exists()
         self._out_fd = self._open_locked(
             self.output,
             f"another process is running the job that writes {self.output}: wait for it to finish "
@@ -240,36 +258,55 @@ class JobStore:
         self._check_size(self.dead_letter, self.dead_bytes)
         if retry_dead_letters:
             self.dead_bytes = 0
+            self._dead_fp = Fingerprints()
+        # Read before anything is written: a refused resume (check) leaves the files as they were.
+        done = self._scan()
+        if check is not None:
+            check(done)
         # Journal first, then cut: a crash in between leaves files longer than their commit point,
         # which the next start cuts again. The rewrite (header + one record, atomic) also keeps the
-        # journal small however many restarts and commits the job sees.
+        # journal's lines few however many restarts and commits the job sees.
         self._write_journal_atomically()
+        self._out_fp, self._dead_fp = Fingerprints(), Fingerprints()  # in done.committed now
         _fsync_dir(self.output)
         self._cut(self._out_fd, self.out_bytes)
         self._cut(self._dead_fd, self.dead_bytes)
-        done = self._scan()
         self._journal_fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
         return done
 
     def _read_journal(self) -> tuple[int, int] | None:
-        """The committed (output, dead-letter) lengths, or None without a journal."""
+        """The committed (output, dead-letter) lengths, or None without a journal; the committed
+        lines' fingerprints go to ``_out_fp`` and ``_dead_fp``."""
         try:
-            data = self.journal.read_bytes()
+            f = self.journal.open("rb")
         except FileNotFoundError:
             return None
-        lines = data.split(b"\n")
-        # The last element is b"" after a complete record, or a torn record: either way not a commit.
-        complete = lines[:-1]
+        with f:
+            # A line without its newline is a torn record: not a commit.
+            complete = [raw for raw in f if raw.endswith(b"\n")]
         try:
             header = json.loads(complete[0]) if complete else None
         except ValueError:
             header = None
-        if not isinstance(header, dict) or header.get("batchkit_job") != JOURNAL_VERSION:
+        version = header.get("batchkit_job") if isinstance(header, dict) else None
+        if version == 1:
+            raise JobStateError(
+                f"{self.journal} was written by an earlier batchkit (journal version 1, which cannot tell whether "
+                "the input changed since): finish the job with that version, or delete the journal together with "
+                f"{self.output.name} and its dead-letter file to start over"
+            )
+        if not isinstance(header, dict) or version != JOURNAL_VERSION:
             raise JobStateError(
                 f"{self.journal} is not a batchkit job journal (version {JOURNAL_VERSION}): delete it together with "
                 f"{self.output.name} to start over, or choose another output"
             )
-        for key, what in (("id_field", "id field"), ("source", "input"), ("dead_letter", "dead-letter file")):
+        for key, what in (
+            ("id_field", "id field"),
+            ("source", "input"),
+            ("dead_letter", "dead-letter file"),
+            ("fn", "function"),
+            ("fn_options", "function settings"),
+        ):
             if header.get(key) != self.header[key]:
                 raise JobStateError(
                     f"{self.output} belongs to a job with {_describe(key, what, header.get(key))}, not "
@@ -277,13 +314,20 @@ class JobStore:
                     "choose another output"
                 )
         out, dead = 0, 0
-        for raw in reversed(complete[1:]):
+        records = complete[1:]
+        for i, raw in enumerate(records):
             try:
                 rec = json.loads(raw)
                 out, dead = int(rec["out"]), int(rec["dead"])
+                self._out_fp.extend(Fingerprints.from_json(rec, "out"))
+                self._dead_fp.extend(Fingerprints.from_json(rec, "dead"))
             except (ValueError, KeyError, TypeError):
-                continue  # only the record being written at a crash can be damaged
-            break
+                if i == len(records) - 1:
+                    break  # only the record being written at a crash can be damaged
+                raise JobStateError(
+                    f"{self.journal}:{i + 2} is not a commit record: the journal was changed outside the job; delete "
+                    f"it together with {self.output.name} and its dead-letter file to start over"
+                ) from None
         return out, dead
 
     def _check_size(self, path: Path, length: int) -> None:
@@ -303,25 +347,40 @@ class JobStore:
     def _scan(self) -> DoneSet:
         ids: set[Any] = set()
         lines: set[int] = set()
+        committed: list[Committed] = []
         key = self.key_field
+        keys: list[Any] = []
         for n, raw in _lines(self.output, self.out_bytes):
             rec = self._parse(self.output, n, raw)
             value = rec.get(key)
-            if not _is_id(value) or "output" not in rec:
+            if not is_id(value) or "output" not in rec:
                 raise JobStateError(f"{self.output}:{n} is not an output line of this job (no {key!r} and 'output')")
-            ids.add(value)
-        dead = 0
+            keys.append(value)
+        ids.update(keys)
+        self._check_fingerprints(self.output, len(keys), self._out_fp)
+        committed.extend(zip(keys, self._out_fp.lines, self._out_fp.digests, strict=True))
+        keys = []
         for n, raw in _lines(self.dead_letter, self.dead_bytes):
             rec = self._parse(self.dead_letter, n, raw)
-            dead += 1
             value = rec.get(key)
-            if _is_id(value):
+            if is_id(value):
                 ids.add(value)
             elif isinstance(rec.get("line"), int):
                 lines.add(rec["line"])
+                value = None
             else:
                 raise JobStateError(f"{self.dead_letter}:{n} is not a dead letter of this job (no {key!r} or 'line')")
-        return DoneSet(ids, lines, dead)
+            keys.append(value)
+        self._check_fingerprints(self.dead_letter, len(keys), self._dead_fp)
+        committed.extend(zip(keys, self._dead_fp.lines, self._dead_fp.digests, strict=True))
+        return DoneSet(ids, lines, len(keys), committed)
+
+    def _check_fingerprints(self, path: Path, n: int, fp: Fingerprints) -> None:
+        if n != len(fp):
+            raise JobStateError(
+                f"{self.journal} fingerprints {len(fp):,} lines of {path.name} but the job committed {n:,}: the files "
+                "were changed outside the job; delete the output, the dead-letter file and the journal to start over"
+            )
 
     @staticmethod
     def _parse(path: Path, n: int, raw: bytes) -> dict[str, Any]:
@@ -338,7 +397,9 @@ class JobStore:
 
     def _write_journal_atomically(self) -> None:
         tmp = self.journal.with_name(self.journal.name + ".tmp")
-        body = json.dumps(self.header) + "\n" + json.dumps({"out": self.out_bytes, "dead": self.dead_bytes}) + "\n"
+        record = {"out": self.out_bytes, "dead": self.dead_bytes, **self._out_fp.to_json("out")}
+        record.update(self._dead_fp.to_json("dead"))
+        body = json.dumps(self.header) + "\n" + json.dumps(record) + "\n"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, body.encode())
@@ -374,16 +435,17 @@ class JobStore:
 
     # ------------------------------------------------------------------ committing
 
-    def commit(self, out: bytes, dead: bytes) -> None:
+    def commit(self, out: bytes, dead: bytes, out_fp: Fingerprints, dead_fp: Fingerprints) -> None:
         """Append whole lines to the output and the dead-letter file, durably, then record the new
-        lengths in the journal. After a crash inside this call, the restart cuts both files back
-        to the previous commit, so these lines count as never written. Ctrl-C and SIGTERM wait
-        for the commit to finish (in the main thread), so an interrupted job leaves no line
-        that its rerun does not count as done."""
+        lengths and the lines' fingerprints (one per line, in order) in the journal. After a
+        crash inside this call, the restart cuts both files back to the previous commit, so
+        these lines count as never written. Ctrl-C and SIGTERM wait for the commit to finish (in
+        the main thread), so an interrupted job leaves no line that its rerun does not count as
+        done."""
         with _signals_deferred():
-            self._commit(out, dead)
+            self._commit(out, dead, out_fp, dead_fp)
 
-    def _commit(self, out: bytes, dead: bytes) -> None:
+    def _commit(self, out: bytes, dead: bytes, out_fp: Fingerprints, dead_fp: Fingerprints) -> None:
         if out:
             _write_all(self._out_fd, out)
             _sync(self._out_fd)
@@ -396,7 +458,13 @@ class JobStore:
             _sync(self._dead_fd)
             self.dead_bytes += len(dead)
         if out or dead:
-            record = json.dumps({"out": self.out_bytes, "dead": self.dead_bytes}) + "\n"
+            fields = {
+                "out": self.out_bytes,
+                "dead": self.dead_bytes,
+                **out_fp.to_json("out"),
+                **dead_fp.to_json("dead"),
+            }
+            record = json.dumps(fields) + "\n"
             _write_all(self._journal_fd, record.encode())
             _sync(self._journal_fd)
             self.commits += 1
