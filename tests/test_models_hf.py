@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from batchkit import ContinuousDecodeLoop  # noqa: E402 - after the importorskips
 from batchkit.continuous.sampling import SamplingParams  # noqa: E402
 from batchkit.continuous.scheduler import Request  # noqa: E402
+from batchkit.models import LlamaModel, load_pretrained  # noqa: E402
 from batchkit.models.hf import HFStepModel, layer_windows  # noqa: E402
 
 VOCAB = 128
@@ -207,3 +209,55 @@ def test_the_wrapped_model_called_outside_a_step_says_so() -> None:
     model = HFStepModel(_tiny("llama"))
     with pytest.raises(RuntimeError, match=r"runs only inside a batchkit step"):
         model.hf(torch.tensor([[3, 4, 5]]))
+
+
+def _word_tokenizer() -> Any:
+    """A whitespace word-level tokenizer: ``<unk>``, ``<s>``, ``</s>`` and words ``w3``..``w127``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+class TestLoadPretrained:
+    """load_pretrained takes every architecture: the native LlamaModel where it applies, HFStepModel elsewhere."""
+
+    def test_a_qwen2_directory_loads_on_the_generic_path_and_decodes_like_transformers(self, tmp_path: Path) -> None:
+        """A saved Qwen2 directory loads as an HFStepModel whose greedy tokens equal transformers'."""
+        hf = _tiny("qwen2")
+        hf.save_pretrained(tmp_path)
+        _word_tokenizer().save_pretrained(tmp_path)
+        lm = load_pretrained(tmp_path)
+        assert isinstance(lm.model, HFStepModel)
+        prompts = _prompts()[:3]
+        assert _run(lm.make_loop(num_blocks=32, block_size=4), prompts) == [_hf_greedy(hf, p) for p in prompts]
+
+    def test_a_llama_the_native_model_implements_loads_natively(self, tmp_path: Path) -> None:
+        """A plain Llama runs on the native LlamaModel (faster); one with a RoPE scaling it lacks on
+        the generic path, which runs transformers' own rotary code."""
+        _tiny("llama").save_pretrained(tmp_path / "plain")
+        _tiny("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}).save_pretrained(tmp_path / "scaled")
+        for d in ("plain", "scaled"):
+            _word_tokenizer().save_pretrained(tmp_path / d)
+        assert isinstance(load_pretrained(tmp_path / "plain").model, LlamaModel)
+        assert isinstance(load_pretrained(tmp_path / "scaled").model, HFStepModel)
+
+    def test_a_directory_without_a_tokenizer_says_to_pass_one(self, tmp_path: Path) -> None:
+        """Weights without tokenizer files fail in one line naming tokenizer=; with tokenizer= another
+        directory's tokenizer is used."""
+        _tiny("qwen3").save_pretrained(tmp_path / "model")
+        _word_tokenizer().save_pretrained(tmp_path / "tok")
+        with pytest.raises(FileNotFoundError, match=r"has no tokenizer .*: pass tokenizer= a directory that has one"):
+            load_pretrained(tmp_path / "model")
+        lm = load_pretrained(tmp_path / "model", tokenizer=tmp_path / "tok")
+        assert lm.encode("w5 w6") == [5, 6]
+
+    def test_an_encoder_decoder_directory_is_refused_before_its_weights_load(self, tmp_path: Path) -> None:
+        """A T5 directory (its config alone) is refused with one line naming encoder-decoder."""
+        transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1).save_pretrained(tmp_path)
+        with pytest.raises(ValueError, match=r"'t5' is an encoder-decoder model"):
+            load_pretrained(tmp_path)

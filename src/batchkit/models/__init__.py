@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 try:
+    from .hf import HFStepModel
     from .llama import LlamaConfig, LlamaModel
     from .pretrained import PretrainedLM, SentenceEncoder, load_encoder, load_pretrained
 except ModuleNotFoundError as exc:
@@ -13,4 +14,12 @@ except ModuleNotFoundError as exc:
         "batchkit.models needs torch: pip install 'batchkit[torch]'", name=exc.name, path=exc.path
     ) from exc
 
-__all__ = ["LlamaConfig", "LlamaModel", "PretrainedLM", "SentenceEncoder", "load_encoder", "load_pretrained"]
+__all__ = [
+    "HFStepModel",
+    "LlamaConfig",
+    "LlamaModel",
+    "PretrainedLM",
+    "SentenceEncoder",
+    "load_encoder",
+    "load_pretrained",
+]

@@ -35,6 +35,7 @@ from ..kv.cache import PagedKVCache
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HFStepModel",
+    "check_config",
     "check_supported",
     "layer_windows",
     "paged_attention_forward",
@@ -185,19 +186,31 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
 
 
-def check_supported(hf_model: Any) -> None:
-    """Refuse, with one line naming the feature, a model the paged attention would run wrong.
+def check_config(config: Any) -> None:
+    """Refuse, from its config alone (before any weight is read), a model the paged attention
+    would run wrong, with one line naming the feature.
 
     Raises:
-        ValueError: an encoder-decoder, cross-attention, attention sinks, modeling code that does
-            not call transformers' attention interface, or a layer that is not attention.
+        ValueError: an encoder-decoder, cross-attention, or a layer that is not attention.
     """
-    config = hf_model.config
     kind = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{kind!r} is an encoder-decoder model: batchkit runs decoder-only causal LMs")
     if getattr(config, "add_cross_attention", False) or getattr(config, "cross_attention_layers", None):
         raise ValueError(f"{kind!r} uses cross-attention, which batchkit's paged KV cache does not hold")
+    layer_windows(config)
+
+
+def check_supported(hf_model: Any) -> None:
+    """Refuse, with one line naming the feature, a model the paged attention would run wrong.
+
+    Raises:
+        ValueError: what :func:`check_config` refuses, attention sinks, or modeling code that
+            does not call transformers' attention interface.
+    """
+    config = hf_model.config
+    check_config(config)
+    kind = getattr(config, "model_type", "?")
     if not getattr(hf_model, "is_backend_compatible", lambda: False)():
         raise ValueError(
             f"{kind!r}'s transformers modeling code does not call the attention interface, so batchkit cannot "
@@ -205,7 +218,6 @@ def check_supported(hf_model: Any) -> None:
         )
     if any(hasattr(m, "sinks") for m in hf_model.modules()):
         raise ValueError(f"{kind!r} uses attention sinks, which batchkit's paged attention does not implement")
-    layer_windows(config)
 
 
 class HFStepModel(nn.Module):

@@ -2,9 +2,12 @@
 
 Nothing here downloads: every ``from_pretrained`` call is ``local_files_only``. Two kinds of model:
 
-- :func:`load_pretrained`: a Llama-architecture causal LM as a batchkit step model
-  (:class:`~batchkit.models.LlamaModel`), its tokenizer (chat template included) and the stop ids
-  of its generation config, so that end-of-sequence ends a stream by default.
+- :func:`load_pretrained`: a causal LM as a batchkit step model, its tokenizer (chat template
+  included) and the stop ids of its generation config, so that end-of-sequence ends a stream by
+  default. A Llama that :class:`~batchkit.models.LlamaConfig` can describe runs on the native
+  :class:`~batchkit.models.LlamaModel` (faster); every other architecture, and a Llama with what
+  the native model lacks (a RoPE scaling, biases), runs its own transformers modeling code over
+  the paged cache (:class:`~batchkit.models.HFStepModel`).
 - :func:`load_encoder`: a sentence-transformers encoder (e.g. all-MiniLM-L6-v2) whose
   :meth:`SentenceEncoder.encode` pools and normalises like sentence-transformers does.
 
@@ -37,6 +40,7 @@ import torch
 
 from ..continuous.loop import ContinuousDecodeLoop
 from ..continuous.step import in_fresh_thread
+from .hf import ATTN_IMPLEMENTATION, HFStepModel, check_config, register_attention
 from .llama import LlamaConfig, LlamaModel
 
 __all__ = ["PretrainedLM", "SentenceEncoder", "load_encoder", "load_pretrained", "resolve_source"]
@@ -155,7 +159,9 @@ class PretrainedLM:
     """A loaded causal LM: the step model and what serving it needs.
 
     Attributes:
-        model: the step function (``model(batch, kv) -> logits``).
+        model: the step function (``model(batch, kv) -> logits``): the native
+            :class:`~batchkit.models.LlamaModel` for a Llama it can describe, else an
+            :class:`~batchkit.models.HFStepModel` over the model's transformers code.
         tokenizer: its Hugging Face tokenizer (with the chat template when the model has one).
         eos_token_id: the first end-of-sequence id of the generation config (None: none known).
         stop_token_ids: every end-of-sequence id of the generation config.
@@ -167,7 +173,7 @@ class PretrainedLM:
             :meth:`chat_prompt` take it).
     """
 
-    model: LlamaModel
+    model: LlamaModel | HFStepModel
     tokenizer: Any
     eos_token_id: int | None
     stop_token_ids: tuple[int, ...]
@@ -230,11 +236,51 @@ class PretrainedLM:
             return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
 
-def _build_llama(config: LlamaConfig, folder: Path, dtype: torch.dtype, device: Any) -> LlamaModel:
-    """The model with its weights (run in a thread that ends: see ``in_fresh_thread``)."""
-    model = LlamaModel.empty(config, dtype=dtype, device=device)
-    model.load_hf_state_dict(_read_state_dict(folder))
-    return model
+def _native_config(config: Any) -> LlamaConfig | None:
+    """The native LlamaModel's config for a Llama it implements; None: the generic path serves it."""
+    if getattr(config, "model_type", None) != "llama":
+        return None
+    try:
+        return LlamaConfig.from_hf(config)
+    except ValueError as exc:  # a RoPE scaling, biases, another activation: transformers' code has them
+        logger.info("the native LlamaModel does not implement this Llama (%s): running transformers' code", exc)
+        return None
+
+
+def _build_model(config: Any, folder: Path, dtype: torch.dtype, device: Any) -> LlamaModel | HFStepModel:
+    """The step model with its weights (run in a thread that ends: see ``in_fresh_thread``)."""
+    native = _native_config(config)
+    if native is not None:
+        model = LlamaModel.empty(native, dtype=dtype, device=device)
+        model.load_hf_state_dict(_read_state_dict(folder))
+        return model
+    register_attention()
+    hf = _transformers().AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+    )
+    return HFStepModel(hf.to(device))
+
+
+# Files a Hugging Face tokenizer is read from; a directory with none of them has no tokenizer
+# (AutoTokenizer may still build an empty one from the config's model type, silently wrong).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _load_tokenizer(folder: Path, tokenizer: str | os.PathLike[str] | None) -> Any:
+    """The tokenizer of ``folder``, or of ``tokenizer`` (a directory or an installed package) when given.
+
+    Raises:
+        FileNotFoundError: the directory holds no tokenizer files.
+    """
+    where = folder if tokenizer is None else resolve_source(tokenizer)
+    if where.suffix == ".gguf":
+        return _transformers().AutoTokenizer.from_pretrained(
+            str(where.parent), gguf_file=where.name, local_files_only=True
+        )
+    if not any((where / f).exists() for f in _TOKENIZER_FILES):
+        hint = "pass tokenizer= a directory that has one" if tokenizer is None else "pass another tokenizer="
+        raise FileNotFoundError(f"{where} has no tokenizer ({', '.join(_TOKENIZER_FILES)}): {hint}")
+    return _transformers().AutoTokenizer.from_pretrained(str(where), local_files_only=True)
 
 
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -276,8 +322,14 @@ def load_pretrained(
     device: Any = "cpu",
     cache_dir: str | os.PathLike[str] | None = None,
     name: str | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> PretrainedLM:
-    """Load a Llama-architecture causal LM for a :class:`ContinuousDecodeLoop`, offline.
+    """Load a causal LM for a :class:`ContinuousDecodeLoop`, offline.
+
+    A Llama the native :class:`~batchkit.models.LlamaModel` implements runs on it; any other
+    architecture transformers builds as a causal LM (Qwen2, Qwen3, Mistral, Gemma, Gemma2, Phi3,
+    OLMo2, Mixtral, Qwen2-MoE, ...) runs its own modeling code as an
+    :class:`~batchkit.models.HFStepModel`.
 
     Args:
         source: a Hugging Face directory (``config.json``, safetensors weights, tokenizer), a
@@ -285,11 +337,15 @@ def load_pretrained(
         dtype, device: where and how the weights live.
         cache_dir: where converted GGUF checkpoints are kept (see the module docstring).
         name: the model's short name (default: the package, file or directory name).
+        tokenizer: where to read the tokenizer from when the model's directory has none (a
+            directory, a ``.gguf`` file or an installed package); default: the model's own.
 
     Raises:
-        FileNotFoundError: the source names nothing loadable.
-        ValueError: the model is not a Llama-architecture causal LM (or uses a RoPE variant the
-            reference model does not implement).
+        FileNotFoundError: the source names nothing loadable, or has no tokenizer (and
+            ``tokenizer`` names none).
+        ValueError: the model is not a decoder-only causal LM, or uses what the paged attention
+            cannot give (one line naming it: encoder-decoder, cross-attention, attention sinks,
+            layers that are not attention).
         ModuleNotFoundError: transformers (or gguf, for a GGUF file) is not installed.
     """
     tf = _transformers()
@@ -306,17 +362,17 @@ def load_pretrained(
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder} is not a Hugging Face model directory (no config.json)")
     config = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    if getattr(config, "model_type", None) != "llama":
+    check_config(config)  # before the weights: a refusal costs no load
+    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(
-            f"{source!r} is a {getattr(config, 'model_type', '?')!r} model; batchkit's reference step "
-            "model implements the Llama architecture only"
+            f"{source!r} is a {config.model_type!r} model, which transformers does not build as a causal LM"
         )
-    model = in_fresh_thread(_build_llama, LlamaConfig.from_hf(config), folder, dtype, device)
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    eos = _eos_ids(folder, config, tokenizer)
+    tok = _load_tokenizer(folder, tokenizer)
+    model = in_fresh_thread(_build_model, config, folder, dtype, device)
+    eos = _eos_ids(folder, config, tok)
     return PretrainedLM(
         model=model,
-        tokenizer=tokenizer,
+        tokenizer=tok,
         eos_token_id=eos[0] if eos else None,
         stop_token_ids=eos,
         max_model_len=int(getattr(config, "max_position_embeddings", 0) or 2048),
