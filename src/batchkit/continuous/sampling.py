@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "sample"]
 
 Tensor = Any
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class SamplingParams:
         stop_token_ids: stop after generating any of these (the token is kept in the output).
         eos_token_id: stop at end-of-sequence unless ``ignore_eos``.
         stop: stop strings, matched on the text of the output (needs the loop's ``detokenize``).
+        logprobs: report each generated token's logprob and its ``logprobs`` most likely
+            alternatives (0 to 20; 0: the token's own only; None: nothing), from the raw logits
+            before temperature and top-k/top-p (see :mod:`batchkit.continuous.logprobs`).
+        prompt_logprobs: the same for every prompt token after the first (0 to 20); such a
+            request computes its whole prompt (no prefix-cache hit: cached tokens have no logits).
     """
 
     max_new_tokens: int = 64
@@ -42,6 +48,8 @@ class SamplingParams:
     eos_token_id: int | None = None
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Everything is checked here, at submit: a value the sampler or the stop check could only
@@ -83,6 +91,13 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r} (stop on token ids with stop_token_ids=)")
         object.__setattr__(self, "stop", stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                count = _index(value)
+                if count is None or not 0 <= count <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+                object.__setattr__(self, name, count)
 
     @property
     def greedy(self) -> bool:
