@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,3 +147,84 @@ def test_plan_refuses_negative_or_empty_sizes(kwargs: dict[str, int], match: str
     args: dict[str, int] = {"device_bytes": 80 * 1024**3, "weight_bytes": 0, **kwargs}
     with pytest.raises(ValueError, match=match):
         plan(ModelShape(32, 8, 128, 2), **args)
+
+
+# Published config.json fields (the KV-relevant ones) of models beside Llama.
+ARCHITECTURE_CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, int, int, int | None, int]]] = {
+    # name: (config, (layers, kv_heads, head_dim, sliding_window, sliding layers))
+    "qwen2-7b": (
+        {
+            "model_type": "qwen2",
+            "hidden_size": 3584,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "use_sliding_window": False,
+            "sliding_window": 131072,
+            "torch_dtype": "bfloat16",
+        },
+        (28, 4, 128, None, 0),
+    ),
+    "qwen3-0.6b": (  # head_dim 128, not hidden_size / heads = 64
+        {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8}
+        | {"head_dim": 128},
+        (28, 8, 128, None, 0),
+    ),
+    "mistral-7b": (  # one window on every layer
+        {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}
+        | {"sliding_window": 4096},
+        (32, 8, 128, 4096, 32),
+    ),
+    "gemma-7b": (
+        {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16}
+        | {"head_dim": 256},
+        (28, 16, 256, None, 0),
+    ),
+    "gemma2-like": (  # sliding and full layers alternating
+        {"hidden_size": 2304, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4}
+        | {"head_dim": 256, "sliding_window": 4096}
+        | {"layer_types": ["sliding_attention", "full_attention"] * 2},
+        (4, 4, 256, 4096, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURE_CONFIGS))
+def test_shape_reads_the_kv_fields_of_every_architecture(name: str) -> None:
+    """Layers, KV heads, head_dim (explicit where it is not hidden / heads), and the sliding
+    window with the layers it covers, from each family's config fields."""
+    config, want = ARCHITECTURE_CONFIGS[name]
+    shape = ModelShape.from_hf_config(config)
+    got = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.sliding_window, shape.num_sliding_layers)
+    assert got == want
+
+
+def test_a_mixture_of_experts_counts_every_expert_in_its_weights() -> None:
+    """Mixtral-8x7B's eight experts per layer: about 46.7 billion parameters, not a 7B's."""
+    mixtral = dict(PRESETS["llama-3-8b"]) | {"vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2}
+    shape = ModelShape.from_hf_config(mixtral)
+    assert shape.num_params is not None
+    assert 46.4e9 < shape.num_params < 47.0e9
+
+
+def test_a_sliding_window_is_printed_and_counted_in_full(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`batchkit plan --config` on a Mistral config names the window and its layers; the KV bytes
+    per token are those of every layer in full (batchkit keeps blocks that leave the window)."""
+    config, _ = ARCHITECTURE_CONFIGS["mistral-7b"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config | {"intermediate_size": 14336, "vocab_size": 32000}))
+    assert main(["plan", "--config", str(path), "--device-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding window (counted in full)" in out
+    assert "4,096 tokens on 32 layers" in out
+    assert ModelShape.from_hf_config(config).kv_bytes_per_token == kv_cache_bytes(1, 32, 8, 128, 2)
+
+
+def test_a_layer_that_is_not_attention_is_refused_by_the_planner() -> None:
+    """A config with linear-attention layers has no paged KV to plan: a ValueError naming the type."""
+    config = dict(PRESETS["llama-3-8b"]) | {
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+    }
+    with pytest.raises(ValueError, match=r"layer type 'linear_attention'"):
+        ModelShape.from_hf_config(config)

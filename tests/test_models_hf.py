@@ -15,8 +15,9 @@ transformers = pytest.importorskip("transformers")
 from batchkit import ContinuousDecodeLoop  # noqa: E402 - after the importorskips
 from batchkit.continuous.sampling import SamplingParams  # noqa: E402
 from batchkit.continuous.scheduler import Request  # noqa: E402
+from batchkit.kv.planner import layer_windows  # noqa: E402
 from batchkit.models import LlamaModel, load_pretrained  # noqa: E402
-from batchkit.models.hf import HFStepModel, layer_windows  # noqa: E402
+from batchkit.models.hf import HFStepModel  # noqa: E402
 
 VOCAB = 128
 WINDOW = 6  # sliding windows shorter than every prompt and its output

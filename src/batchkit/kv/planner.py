@@ -3,6 +3,10 @@
 The formula: ``kv_bytes = 2 * tokens * num_layers * num_kv_heads * head_dim * dtype_bytes`` (the 2
 is K and V). A device's budget for the cache is what is left of ``gpu_memory_utilization`` of its
 memory after the weights and the activation peak.
+
+A config's sliding window (Mistral, Gemma2, Qwen2 with ``use_sliding_window``) is read and
+reported, but counts no saving: batchkit's cache keeps every layer's whole context (attention
+masks the window; blocks that leave it are not freed), so a sliding layer needs what a full one does.
 """
 
 from __future__ import annotations
@@ -13,7 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "KVPlan", "ModelShape", "dtype_bytes_of", "kv_cache_bytes", "plan", "read_hf_config"]
+__all__ = [
+    "PRESETS",
+    "KVPlan",
+    "ModelShape",
+    "dtype_bytes_of",
+    "kv_cache_bytes",
+    "layer_windows",
+    "plan",
+    "read_hf_config",
+]
+
+# Layer types whose attention is full or sliding-window over the sequence: what paged K/V holds.
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Published configs of a few well-known models (Hugging Face config.json fields).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -102,12 +118,22 @@ class ModelShape:
     head_dim: int
     dtype_bytes: int = 2
     num_params: int | None = None
+    sliding_window: int | None = None  # the window of the sliding layers (None: none)
+    num_sliding_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModelShape's {name} must be an int >= 1, got {v!r}")
+        w, k = self.sliding_window, self.num_sliding_layers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"ModelShape's sliding_window must be an int >= 1 or None, got {w!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.num_layers or (k > 0) != (w is not None):
+            raise ValueError(
+                f"ModelShape's num_sliding_layers must be in [0, num_layers], and > 0 exactly when there is a "
+                f"sliding_window, got {k!r} with sliding_window={w!r}"
+            )
         n = self.num_params
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise ValueError(f"ModelShape's num_params must be an int >= 0 or None (unknown), got {n!r}")
@@ -116,12 +142,14 @@ class ModelShape:
     def from_hf_config(cls, config: Any, dtype_bytes: int | None = None) -> ModelShape:
         """Read a Hugging Face config (a ``transformers`` config object, a dict, or a path to
         ``config.json``): layers, KV heads (``num_key_value_heads``, falling back to
-        ``num_attention_heads``), head_dim (``head_dim`` or ``hidden_size / num_attention_heads``)
-        and the dtype (``torch_dtype``/``dtype``).
+        ``num_attention_heads``), head_dim (``head_dim`` or ``hidden_size / num_attention_heads``),
+        the dtype (``torch_dtype``/``dtype``) and the sliding window (see :func:`layer_windows`).
+        The parameter estimate
+        counts every expert of a mixture-of-experts model (``num_local_experts``/``num_experts``).
         """
         if isinstance(config, (str, Path)):
             config = read_hf_config(config)
-        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        get = _getter(config)
         if get("num_hidden_layers") is None or get("num_attention_heads") is None:
             raise ValueError("config needs num_hidden_layers and num_attention_heads")
         layers = _positive_int(get, "num_hidden_layers")
@@ -143,7 +171,8 @@ class ModelShape:
         elif isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes < 1:
             raise ValueError(f"dtype_bytes must be an int >= 1, got {dtype_bytes!r}")
         num_params = _estimate_params(get) if get("hidden_size") else None
-        return cls(layers, kv_heads, head_dim, dtype_bytes, num_params)
+        windows = [w for w in layer_windows(config) if w is not None]
+        return cls(layers, kv_heads, head_dim, dtype_bytes, num_params, max(windows, default=None), len(windows))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -171,6 +200,41 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _getter(config: Any) -> Any:
+    """``get(key, default)`` over a dict or a config object."""
+    if isinstance(config, dict):
+        return config.get
+    return lambda k, d=None: getattr(config, k, d)
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention) of a config (object or dict), read as
+    transformers reads it: ``layer_types`` when the config has them (``"sliding_attention"``
+    layers get ``sliding_window``), else ``sliding_window`` on every layer, unless
+    ``use_sliding_window`` is false (Qwen2, Qwen3, Qwen2-MoE).
+
+    Raises:
+        ValueError: a layer type that is not attention over the sequence (linear attention,
+            chunked attention, a convolution, ...): paged K/V cannot hold it.
+    """
+    get = _getter(config)
+    num_layers = _positive_int(get, "num_hidden_layers")
+    window = get("sliding_window") or None
+    if get("use_sliding_window") is False:
+        window = None
+    types = get("layer_types")
+    if types is None:
+        return (int(window) if window else None,) * num_layers
+    other = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
+    if other:
+        raise ValueError(
+            f"layer type {other[0]!r} is not supported: batchkit's paged KV cache holds attention layers only"
+        )
+    if "sliding_attention" in types and not window:
+        raise ValueError("the config has sliding_attention layers but no sliding_window")
+    return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+
+
 def _positive_int(get: Any, key: str) -> int:
     value = get(key)
     if (
@@ -185,7 +249,7 @@ def _positive_int(get: Any, key: str) -> int:
 
 
 def _estimate_params(get: Any) -> int:
-    """Parameter count of a Llama-style decoder from its config."""
+    """Parameter count of a Llama-style decoder (or a mixture of experts) from its config."""
     h = _positive_int(get, "hidden_size")
     heads = _positive_int(get, "num_attention_heads")
     kv = _positive_int(get, "num_key_value_heads") if get("num_key_value_heads") else heads
@@ -195,6 +259,12 @@ def _estimate_params(get: Any) -> int:
     layers = _positive_int(get, "num_hidden_layers")
     attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
     mlp = 3 * h * inter
+    experts_key = "num_local_experts" if get("num_local_experts") else "num_experts"  # Mixtral / Qwen-MoE
+    if get(experts_key):
+        n = _positive_int(get, experts_key)
+        expert = _positive_int(get, "moe_intermediate_size") if get("moe_intermediate_size") else inter
+        shared = _positive_int(get, "shared_expert_intermediate_size") if get("shared_expert_intermediate_size") else 0
+        mlp = 3 * h * expert * n + 3 * h * shared + h * n  # every expert, the shared one, the router
     per_layer = attn + mlp + 2 * h
     embed = vocab * h * (1 if get("tie_word_embeddings", False) else 2)
     return layers * per_layer + embed + h
@@ -216,6 +286,8 @@ class KVPlan:
     max_tokens: int
     mean_seq_len: int
     max_num_seqs: int
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
 
     def table(self) -> str:
         """The budget as a printable table."""
@@ -234,6 +306,11 @@ class KVPlan:
             f"{'tokens that fit':40} {self.max_tokens:10,d}",
             f"{'max_num_seqs at mean length ' + str(self.mean_seq_len):40} {self.max_num_seqs:10,d}",
         ]
+        if self.sliding_window is not None:
+            lines.append(
+                f"{'sliding window (counted in full)':40} {self.sliding_window:10,d} tokens on "
+                f"{self.num_sliding_layers} layers"
+            )
         return "\n".join(lines)
 
 
@@ -302,4 +379,6 @@ def plan(
         max_tokens=int(tokens),
         mean_seq_len=mean_seq_len,
         max_num_seqs=int(num_blocks // blocks_per_seq),
+        sliding_window=model.sliding_window,
+        num_sliding_layers=model.num_sliding_layers,
     )

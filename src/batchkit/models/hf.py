@@ -31,21 +31,18 @@ from torch import nn
 from ..continuous.step import StepBatch
 from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
+from ..kv.planner import layer_windows
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HFStepModel",
     "check_config",
     "check_supported",
-    "layer_windows",
     "paged_attention_forward",
     "register_attention",
 ]
 
 ATTN_IMPLEMENTATION = "batchkit_paged"
-
-# Layer types whose attention is full or sliding-window over the sequence: what the pages hold.
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,30 +157,6 @@ def _config_int(config: Any, name: str, default: int | None = None) -> int:
             raise ValueError(f"the model's config has no {name}")
         return default
     return int(value)
-
-
-def layer_windows(config: Any) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: full attention), read as transformers reads it:
-    ``layer_types`` when the config has them (``"sliding_attention"`` layers get
-    ``sliding_window``), else ``sliding_window`` on every layer.
-
-    Raises:
-        ValueError: a layer type that is not attention over the sequence (linear attention,
-            chunked attention, a convolution, ...), which paged K/V cannot hold.
-    """
-    num_layers = _config_int(config, "num_hidden_layers")
-    window = getattr(config, "sliding_window", None) or None
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return (int(window) if window else None,) * num_layers
-    other = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
-    if other:
-        raise ValueError(
-            f"layer type {other[0]!r} is not supported: batchkit's paged KV cache holds attention layers only"
-        )
-    if "sliding_attention" in types and not window:
-        raise ValueError("the config has sliding_attention layers but no sliding_window")
-    return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
 
 
 def check_config(config: Any) -> None:
