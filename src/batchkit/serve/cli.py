@@ -74,7 +74,7 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         "--max-request-bytes",
         type=_positive_int,
         default=MAX_REQUEST_BYTES,
-        help=f"the largest request body taken; a longer one gets 413 (default: {MAX_REQUEST_BYTES}, as TGI and TEI)",
+        help=f"the largest request body taken, as in TGI and TEI; a longer one gets 413 (default: {MAX_REQUEST_BYTES})",
     )
     s = p.add_argument_group("scheduling")
     s.add_argument("--num-blocks", type=_positive_int, default=512, help="KV cache blocks")
