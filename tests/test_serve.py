@@ -922,6 +922,40 @@ def test_the_collector_exports_a_batcher_and_a_loop_without_a_server() -> None:
     assert blocks[1] == 0
 
 
+def test_the_collectors_latency_quantiles_are_over_the_recent_samples() -> None:
+    """The quantile gauges read the recent window (the last 10,000 samples), as serving.md says:
+    2,000 early items that waited 10 s are gone from it after 10,000 that did not wait."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import batchkit
+    from batchkit.serve.metrics import BatchkitCollector
+    from batchkit.testing import MockClock, echo_batch
+
+    clock = MockClock()
+    batcher = batchkit.DynamicBatcher(echo_batch, max_batch_size=10_000, max_wait_ms=1e9, max_queue=10_000, clock=clock)
+    try:
+        early = [batcher.submit(i) for i in range(2_000)]
+        clock.advance(10)
+        batcher.flush()
+        assert [f.result(timeout=30) for f in early] == list(range(2_000))
+        late = [batcher.submit(i) for i in range(10_000)]
+        batcher.flush()
+        assert [f.result(timeout=30) for f in late] == list(range(10_000))
+    finally:
+        batcher.close()
+    registry = CollectorRegistry()
+    BatchkitCollector(batchers={"echo": batcher}).register(registry)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in prometheus_parser.text_string_to_metric_families(generate_latest(registry).decode())
+        for s in fam.samples
+    }
+    stats = batcher.statistics()
+    assert stats.latency is not None
+    assert stats.latency.max_ms == 10_000.0  # the whole run remembers the early waits
+    assert samples[("batchkit_batcher_latency_seconds", (("batcher", "echo"), ("quantile", "1")))] == 0.0
+
+
 def test_the_collector_refuses_objects_it_cannot_read() -> None:
     """Passing something that is not a batcher, loop or pool fails at once, naming the argument."""
     from batchkit.serve.metrics import BatchkitCollector

@@ -170,7 +170,10 @@ class BatchkitCollector(Collector):
             ("batch_time", "batchkit_batcher_batch_duration_seconds", "Time one batch call took."),
         ):
             yield _quantiles(
-                metric, doc + " Recent samples.", "batcher", ((n, getattr(s, attr)) for n, s in stats.items())
+                metric,
+                doc + " Recent samples.",
+                "batcher",
+                ((n, getattr(s, attr + "_recent")) for n, s in stats.items()),
             )
 
     # ------------------------------------------------------------------ decode loops
@@ -232,13 +235,16 @@ class BatchkitCollector(Collector):
             ("queue_wait", "batchkit_decode_queue_wait_seconds", "Time from submit to first scheduled."),
         ):
             yield _quantiles(
-                metric, doc + " Recent samples.", "loop", ((n, getattr(s.scheduler, attr)) for n, s in stats.items())
+                metric,
+                doc + " Recent samples.",
+                "loop",
+                ((n, getattr(s.scheduler, attr + "_recent")) for n, s in stats.items()),
             )
         yield _quantiles(
             "batchkit_decode_step_duration_seconds",
             "Time one model step took. Recent samples.",
             "loop",
-            ((n, s.step_time) for n, s in stats.items()),
+            ((n, s.step_time_recent) for n, s in stats.items()),
         )
 
     # ------------------------------------------------------------------ KV pools
