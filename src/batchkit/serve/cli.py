@@ -48,7 +48,9 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
     p: argparse.ArgumentParser = subparsers.add_parser("serve", **parser_kwargs)
     m = p.add_argument_group("models")
     m.add_argument(
-        "--model", metavar="SOURCE", help="the chat model (Llama architecture); default: none, no chat endpoints"
+        "--model",
+        metavar="SOURCE",
+        help="the chat model (a transformers causal LM, see docs/serving.md); default: none, no chat endpoints",
     )
     m.add_argument(
         "--embedding-model",
