@@ -32,13 +32,14 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120.0,
 class LiveServer:
     """An ASGI app served by uvicorn in a thread on a free loopback port (needs the ``serve``
     extra). Entered: running, and warm (``GET /ready`` answers 200) unless ``ready=False``, which
-    waits only for ``GET /health``."""
+    waits only for ``GET /health``; ``prefix`` is where batchkit's app is mounted in ``app``."""
 
-    def __init__(self, app: Any, *, ready: bool = True, log_level: str = "critical") -> None:
+    def __init__(self, app: Any, *, ready: bool = True, prefix: str = "", log_level: str = "critical") -> None:
         import uvicorn
 
         self.app = app
         self.wait_ready = ready
+        self.prefix = prefix
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -56,7 +57,7 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
-        path = "/ready" if self.wait_ready else "/health"
+        path = self.prefix + ("/ready" if self.wait_ready else "/health")
         wait_until(lambda: self._status(path) == 200, f"GET {path} to answer 200")
         return self
 

@@ -742,3 +742,40 @@ def test_ctrl_c_lets_streams_run_on_and_a_second_one_ends_them_with_an_error_eve
                 proc.kill()
                 proc.wait(timeout=30)
     assert "Traceback" not in log.read_text()
+
+
+def test_not_run_snippets_run_against_a_live_server(
+    live: LiveServer, models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """serving.md's not-run snippets run as written: the client one against this module's server
+    (its address put in for 127.0.0.1:8000), the FastAPI one with ``create_app`` given the models
+    this module loaded for the names it asks for (loading them again would only cost time), then
+    served, answering under its mount point."""
+    pytest.importorskip("fastapi")
+    import batchkit.serve
+    from test_docs import ROOT, read_blocks
+
+    blocks = [b for b in read_blocks(ROOT / "docs" / "serving.md") if "not-run" in b.markers]
+    assert len(blocks) == 2
+    client_block, fastapi_block = blocks
+    assert "http://127.0.0.1:8000" in client_block.text
+    namespace: dict[str, Any] = {"__name__": "__serving_md__"}
+    exec(compile(client_block.text.replace("http://127.0.0.1:8000", live.url), client_block.where, "exec"), namespace)
+    assert "Paris" in capsys.readouterr().out
+    assert len(namespace["vectors"].data) == 2
+
+    lm, encoder = models
+    real = batchkit.serve.create_app
+
+    def create_app(model: Any = None, **kwargs: Any) -> Any:
+        kwargs["embedding_model"] = encoder if kwargs.get("embedding_model") == EMBED else kwargs.get("embedding_model")
+        kwargs.setdefault("num_blocks", NUM_BLOCKS)
+        return real(lm if model == CHAT else model, **kwargs)
+
+    monkeypatch.setattr(batchkit.serve, "create_app", create_app)
+    namespace = {"__name__": "__serving_md__"}
+    exec(compile(fastapi_block.text, fastapi_block.where, "exec"), namespace)
+    with LiveServer(namespace["api"], prefix="/llm") as server:
+        r = httpx.post(f"{server.url}/llm/v1/embeddings", json={"model": EMBED, "input": ["hello"]}, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 1

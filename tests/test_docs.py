@@ -58,13 +58,11 @@ WHOLE_PROGRAM_PAGES = {ROOT / "README.md"}
 # that an error in such a snippet cannot hide behind its marker.
 NOT_RUN_STAND_INS = {
     "scale-out.md": "tests/test_ray.py::test_scale_out_snippets_run_against_stand_ins",
+    "serving.md": "tests/test_doc_promises_serving_clients.py::test_not_run_snippets_run_against_a_live_server",
 }
 # Pages whose not-run blocks no test runs yet, each with the reason; remove an entry when its
 # runner lands.
-NOT_RUN_PENDING = {
-    "serving.md": "needs a runner against a live server with the model packages (the client "
-    "snippet's messages=[...] would fail as written)",
-}
+NOT_RUN_PENDING: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
