@@ -24,6 +24,7 @@ from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
 from ..metrics import LatencySummary, SampleWindow
+from .logprobs import TokenLogprobs, logprobs_of
 from .sampling import SamplingParams, sample, token_ids
 from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
 from .step import StepBatch, check_logits
@@ -38,21 +39,29 @@ StepFn = Callable[[StepBatch, PagedKVCache], Any]
 class _Stream:
     """The tokens of one request, produced by the engine thread and consumed by its caller."""
 
-    __slots__ = ("done", "error", "future", "lock", "output", "tokens", "waiter")
+    __slots__ = ("detailed", "done", "error", "future", "lock", "output", "tokens", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, detailed: bool = False) -> None:
         self.lock = threading.Lock()
-        self.tokens: deque[int] = deque()
-        self.output: list[int] = []
+        # detailed: the items are TokenLogprobs (the prompt's first, then each token's), not ids.
+        self.detailed = detailed
+        self.tokens: deque[Any] = deque()
+        self.output: list[Any] = []
         self.done = False
         self.error: BaseException | None = None
         self.waiter: Any = None
-        self.future: concurrent.futures.Future[list[int]] | None = None
+        self.future: concurrent.futures.Future[list[Any]] | None = None
 
     def push(self, event: TokenEvent) -> Any:
         """Record an event (engine thread); return the waiter to wake, if any."""
         with self.lock:
-            if event.token is not None:
+            if self.detailed:
+                items: list[Any] = list(event.prompt_logprobs)
+                if event.token is not None:
+                    items.append(event.logprobs or TokenLogprobs(event.token, math.nan))
+                self.tokens.extend(items)
+                self.output.extend(items)
+            elif event.token is not None:
                 self.tokens.append(event.token)
                 self.output.append(event.token)
             if event.finished:
@@ -69,7 +78,7 @@ class _Stream:
                 pass  # the caller cancelled it after done() was checked: nobody wants the result
         return w
 
-    def _next_or_park(self, make_waiter: Callable[[], Any]) -> tuple[bool, int | None, Any]:
+    def _next_or_park(self, make_waiter: Callable[[], Any]) -> tuple[bool, Any, Any]:
         with self.lock:
             if self.tokens:
                 return True, self.tokens.popleft(), None
@@ -110,6 +119,17 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int
     if vocab_size is not None and high >= vocab_size:
         raise ValueError(f"token id {high} is past the model's vocabulary (vocab_size={vocab_size})")
     return prompt
+
+
+@dataclass(frozen=True, slots=True)
+class _LogitsPlan:
+    """A step's logits rows when some request wants its prompt's logprobs: ``rows`` index the
+    flattened tokens (the batch's ``sample_indices``), ``sample_rows`` the logits rows that
+    sample, ``prompt`` holds ``(request, logits row, position of the token it predicts)``."""
+
+    rows: list[int]
+    sample_rows: list[int]
+    prompt: list[tuple[Request, int, int]]
 
 
 @dataclass(frozen=True)
@@ -321,7 +341,7 @@ class ContinuousDecodeLoop:
             self._cond.notify()
         return req.request_id, stream
 
-    async def generate(
+    def generate(
         self,
         prompt_ids: Sequence[int],
         *,
@@ -332,23 +352,57 @@ class ContinuousDecodeLoop:
     ) -> AsyncIterator[int]:
         """Stream a request's new tokens (asyncio or trio). Keyword arguments are
         :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
-        ``seed``, ``stop_token_ids``, ``eos_token_id``, ``stop``...).
+        ``seed``, ``stop_token_ids``, ``eos_token_id``, ``stop``...). Nothing is submitted until
+        the iteration begins.
 
         ``deadline_s``: the request must finish within this many seconds of its submission;
         past it, at the next step boundary, it is dropped (its blocks freed) and the stream raises
         :class:`DeadlineExceeded` after the tokens it already produced. Leaving the iteration
         early (``break``, cancellation, ``aclose()``) aborts the request and frees its KV blocks.
         """
-        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant, deadline_s=deadline_s)
+        return self._items(prompt_ids, priority, tenant, deadline_s, sampling, detailed=False)
+
+    def generate_logprobs(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        deadline_s: float | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[TokenLogprobs]:
+        """:meth:`generate`, streaming a :class:`TokenLogprobs` per item instead of a bare id.
+
+        With ``prompt_logprobs=k``, the prompt's tokens come first (``prompt=True``): one entry
+        per prompt token after the first (the first has no context to be predicted from). Then
+        each new token with its logprob and its ``logprobs`` (default 0) most likely
+        alternatives, from the raw logits (before temperature, top-k, top-p).
+        """
+        sampling.setdefault("logprobs", 0)
+        return self._items(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
+
+    async def _items(
+        self,
+        prompt_ids: Sequence[int],
+        priority: int,
+        tenant: Hashable,
+        deadline_s: float | None,
+        sampling: dict[str, Any],
+        *,
+        detailed: bool,
+    ) -> AsyncIterator[Any]:
+        rid, stream = self._submit(
+            prompt_ids, self._params(sampling), priority, tenant, _Stream(detailed), deadline_s=deadline_s
+        )
         try:
             while True:
-                ready, token, waiter = stream._next_or_park(new_async_waiter)
+                ready, item, waiter = stream._next_or_park(new_async_waiter)
                 if not ready:
                     await waiter
                     continue
-                if token is None:
+                if item is None:
                     return
-                yield token
+                yield item
         finally:
             if not stream.done:
                 self.abort(rid)
@@ -363,16 +417,43 @@ class ContinuousDecodeLoop:
         **sampling: Any,
     ) -> Iterator[int]:
         """The blocking twin of :meth:`generate`, for threads."""
-        rid, stream = self._submit(prompt_ids, self._params(sampling), priority, tenant, deadline_s=deadline_s)
+        return self._items_sync(prompt_ids, priority, tenant, deadline_s, sampling, detailed=False)
+
+    def generate_logprobs_sync(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        deadline_s: float | None = None,
+        **sampling: Any,
+    ) -> Iterator[TokenLogprobs]:
+        """The blocking twin of :meth:`generate_logprobs`, for threads."""
+        sampling.setdefault("logprobs", 0)
+        return self._items_sync(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
+
+    def _items_sync(
+        self,
+        prompt_ids: Sequence[int],
+        priority: int,
+        tenant: Hashable,
+        deadline_s: float | None,
+        sampling: dict[str, Any],
+        *,
+        detailed: bool,
+    ) -> Iterator[Any]:
+        rid, stream = self._submit(
+            prompt_ids, self._params(sampling), priority, tenant, _Stream(detailed), deadline_s=deadline_s
+        )
         try:
             while True:
-                ready, token, waiter = stream._next_or_park(ThreadWaiter)
+                ready, item, waiter = stream._next_or_park(ThreadWaiter)
                 if not ready:
                     waiter.wait()
                     continue
-                if token is None:
+                if item is None:
                     return
-                yield token
+                yield item
         finally:
             if not stream.done:
                 self.abort(rid)
@@ -391,14 +472,39 @@ class ContinuousDecodeLoop:
 
         Cancelling the future aborts the request.
         """
-        fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
-        stream = _Stream()
+        return self._submit_future(prompt_ids, priority, tenant, deadline_s, sampling, detailed=False)
+
+    def submit_logprobs(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        deadline_s: float | None = None,
+        **sampling: Any,
+    ) -> concurrent.futures.Future[list[TokenLogprobs]]:
+        """:meth:`submit` whose future resolves to the items :meth:`generate_logprobs` streams."""
+        sampling.setdefault("logprobs", 0)
+        return self._submit_future(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
+
+    def _submit_future(
+        self,
+        prompt_ids: Sequence[int],
+        priority: int,
+        tenant: Hashable,
+        deadline_s: float | None,
+        sampling: dict[str, Any],
+        *,
+        detailed: bool,
+    ) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        stream = _Stream(detailed)
         stream.future = fut
         rid, _ = self._submit(prompt_ids, self._params(sampling), priority, tenant, stream, deadline_s)
         fut.add_done_callback(lambda f: self._future_cancelled(f, rid) if f.cancelled() else None)
         return fut
 
-    def _future_cancelled(self, fut: concurrent.futures.Future[list[int]], rid: Hashable) -> None:
+    def _future_cancelled(self, fut: concurrent.futures.Future[Any], rid: Hashable) -> None:
         # A cancelled future counts as done for concurrent.futures.wait() and as_completed() only
         # once notified; no one else calls set_running_or_notify_cancel() on these futures.
         fut.set_running_or_notify_cancel()
@@ -570,9 +676,11 @@ class ContinuousDecodeLoop:
             self.cpu_cache.swap_blocks(kv, step.swap_in)
         if step.copies:
             kv.copy_blocks(step.copies)
-        batch = self.build_batch(step, kv.device)
+        plan = self._logits_plan(step)
+        batch = self._build_batch(step, kv.device, plan)
         t0 = self.clock.now()
-        logits = check_logits(self.step_fn(batch, kv), batch, self._vocab_size())
+        all_logits = check_logits(self.step_fn(batch, kv), batch, self._vocab_size())
+        logits = all_logits if batch.sample_rows is None else all_logits.index_select(0, batch.sample_rows)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
         # A row no token can be drawn from (a NaN, or every logit -inf: a broken model state
         # there) fails its own request, not its neighbours': the row is sampled from zeros so
@@ -584,6 +692,9 @@ class ContinuousDecodeLoop:
         if broken:
             logits = logits.masked_fill(nan_rows[:, None], 0.0)
         tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        token_lps = None
+        if plan is not None or any(r.params.logprobs is not None for r in sampling):
+            token_lps = self._logprobs(all_logits, plan, sampling, tokens)
         now = self.clock.now()
         self._step_time.add(now - t0)
         self._steps += 1
@@ -591,7 +702,7 @@ class ContinuousDecodeLoop:
         if self._t_first is None:
             self._t_first = t0
         self._t_last = now
-        events = self.scheduler.update(step, tokens)
+        events = self.scheduler.update(step, tokens, token_lps)
         if broken:
             gone = set(broken)
             events = [ev for ev in events if ev.request_id not in gone]
@@ -608,9 +719,67 @@ class ContinuousDecodeLoop:
                 )
         return events
 
+    def _logits_plan(self, step: ScheduledStep) -> _LogitsPlan | None:
+        """Where this step needs logits when a request in it wants its prompt's logprobs (None:
+        only at the sampling rows, the usual case): every position of its chunk whose next
+        token is a prompt token without its logprobs yet, beside the sampling rows."""
+        if not any(r.needs_prompt_logits for r in step.requests):
+            return None
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        prompt: list[tuple[Request, int, int]] = []
+        start = 0
+        for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
+            computed = req.num_computed
+            if req.needs_prompt_logits:
+                for pos in range(max(computed, req.prompt_logprobs_done), min(computed + n, req.prompt_len - 1)):
+                    prompt.append((req, len(rows), pos + 1))
+                    rows.append(start + pos - computed)
+            if samples:
+                sample_rows.append(len(rows))
+                rows.append(start + n - 1)
+            start += n
+        return _LogitsPlan(rows, sample_rows, prompt)
+
+    def _logprobs(
+        self, logits: Any, plan: _LogitsPlan | None, sampling: list[Request], tokens: list[int]
+    ) -> list[TokenLogprobs | None]:
+        """The sampled tokens' logprobs (None for a request that did not ask), and the prompt
+        entries of ``plan``, kept on their requests until their first token's event."""
+        rows: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        prompt_flags: list[bool] = []
+        for req, row, pos in plan.prompt if plan is not None else ():
+            rows.append(row)
+            targets.append(req.tokens[pos])
+            counts.append(cast(int, req.params.prompt_logprobs))
+            prompt_flags.append(True)
+        num_prompt = len(rows)
+        sample_rows: Sequence[int] = plan.sample_rows if plan is not None else range(len(sampling))
+        asked: list[int] = []
+        for i, (req, token) in enumerate(zip(sampling, tokens, strict=True)):
+            if req.params.logprobs is not None:
+                rows.append(sample_rows[i])
+                targets.append(token)
+                counts.append(req.params.logprobs)
+                prompt_flags.append(False)
+                asked.append(i)
+        entries = logprobs_of(logits, rows, targets, counts, prompt_flags)
+        for (req, _, pos), entry in zip(plan.prompt if plan is not None else (), entries, strict=False):
+            req.prompt_logprobs.append(entry)
+            req.prompt_logprobs_done = max(req.prompt_logprobs_done, pos)
+        out: list[TokenLogprobs | None] = [None] * len(sampling)
+        for i, entry in zip(asked, entries[num_prompt:], strict=True):
+            out[i] = entry
+        return out
+
     def build_batch(self, step: ScheduledStep, device: Any = "cpu") -> StepBatch:
         """The :class:`StepBatch` that :meth:`step_once` hands the step function for ``step``
         (a ``Scheduler.schedule()`` result), on ``device``; for profiling and custom drivers."""
+        return self._build_batch(step, device, self._logits_plan(step))
+
+    def _build_batch(self, step: ScheduledStep, device: Any, plan: _LogitsPlan | None) -> StepBatch:
         import numpy as np
         import torch
 
@@ -637,7 +806,10 @@ class ContinuousDecodeLoop:
             slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
         ends = np.cumsum(q_lens)
         query_start = np.concatenate(([0], ends))
-        sample_idx = (ends - 1)[np.asarray(step.samples, dtype=bool)]
+        if plan is None:
+            sample_idx = (ends - 1)[np.asarray(step.samples, dtype=bool)]
+        else:
+            sample_idx = np.asarray(plan.rows, dtype=np.int64)
         seq_lens = np.asarray(starts, dtype=np.int64) + q_lens
         return StepBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
@@ -650,6 +822,7 @@ class ContinuousDecodeLoop:
             sample_indices=torch.from_numpy(sample_idx).to(device),
             seq_ids=tuple(rids),
             sampling=step.samples,
+            sample_rows=None if plan is None else torch.tensor(plan.sample_rows, dtype=torch.int64, device=device),
         )
 
     # ------------------------------------------------------------------ tuning (batchkit.adaptive.TunableTarget)

@@ -31,6 +31,7 @@ from .._clock import Clock, MonotonicClock
 from .._errors import DeadlineExceeded, KVCacheExhausted
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary, SampleWindow
+from .logprobs import TokenLogprobs
 from .sampling import DecodedText, SamplingParams, find_stop
 
 __all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "SchedulerStatistics", "TokenEvent"]
@@ -61,6 +62,8 @@ class Request:
         "params",
         "priority",
         "prompt_len",
+        "prompt_logprobs",
+        "prompt_logprobs_done",
         "request_id",
         "status",
         "stop_text",
@@ -99,6 +102,15 @@ class Request:
         self.num_preemptions = 0
         self.generator: Any = None
         self.stop_text: DecodedText | None = None  # the output's text, for stop strings
+        # params.prompt_logprobs: the prompt tokens' entries not yet handed out, and how many of
+        # the prompt's positions (from 1 on) have theirs.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs_done = 0
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether this request still wants logits at prompt positions (``prompt_logprobs``)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs_done < self.prompt_len - 1
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.order)
@@ -144,6 +156,8 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None = None
     error: BaseException | None = None
+    logprobs: TokenLogprobs | None = None  # the token's, when its request asked (``logprobs=``)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the prompt's (``prompt_logprobs=``), with the first token
 
 
 @dataclass(frozen=True)
@@ -593,7 +607,10 @@ class Scheduler:
                     continue
                 if not a.can_allocate(total, tenant=req.tenant):
                     break
-                cached = a.allocate(req.request_id, req.tokens, tenant=req.tenant)
+                # Cached tokens have no logits: a request that wants its prompt's logprobs
+                # neither hits the prefix cache nor fills it (its length alone is allocated).
+                prompt: Sequence[int] | int = len(req.tokens) if req.needs_prompt_logits else req.tokens
+                cached = a.allocate(req.request_id, prompt, tenant=req.tenant)
                 self.waiting.pop(j)
                 req.num_computed = cached
                 req.status = RequestStatus.RUNNING
@@ -647,10 +664,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def update(self, step: ScheduledStep, sampled: Sequence[int]) -> list[TokenEvent]:
-        """Apply a step's results: one sampled token per sequence that sampled, in order.
+    def update(
+        self,
+        step: ScheduledStep,
+        sampled: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None] | None = None,
+    ) -> list[TokenEvent]:
+        """Apply a step's results: one sampled token per sequence that sampled, in order (and,
+        with ``logprobs``, each one's :class:`TokenLogprobs` or None, in the same order).
 
-        Finished sequences leave at once and free their blocks.
+        Finished sequences leave at once and free their blocks. A token's event carries its
+        logprobs, and the first token's the prompt's (``Request.prompt_logprobs``).
 
         Raises:
             ValueError: ``sampled`` does not hold one token per sampling sequence (nothing is
@@ -665,10 +689,13 @@ class Scheduler:
         prefix = a.enable_prefix_caching
         bs = a.block_size
         it = iter(sampled)
+        lps = iter(logprobs) if logprobs is not None else None
         for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
             if req.status != RequestStatus.RUNNING:
                 if samples:
                     next(it, None)  # aborted mid-step: drop its token
+                    if lps is not None:
+                        next(lps, None)
                 continue
             was_prompt = req.num_computed < req.prompt_len
             before = req.num_computed
@@ -681,6 +708,7 @@ class Scheduler:
             if not samples:
                 continue
             token = next(it)
+            token_lp = next(lps) if lps is not None else None
             req.tokens.append(token)
             req.output.append(token)
             self._generated += 1
@@ -703,7 +731,11 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = reason
                 self._finished += 1
-            events.append(TokenEvent(req.request_id, token, reason is not None, reason))
+            if token_lp is None and not req.prompt_logprobs:
+                events.append(TokenEvent(req.request_id, token, reason is not None, reason))
+            else:
+                prompt_lps, req.prompt_logprobs = tuple(req.prompt_logprobs), []
+                events.append(TokenEvent(req.request_id, token, reason is not None, reason, None, token_lp, prompt_lps))
         return events + self.take_events()
 
     def _stop_reason(self, req: Request, token: int) -> str | None:

@@ -7,10 +7,13 @@ chunks (many tokens of one prompt) and decodes (one token each). For sequence ``
 are ``input_ids[query_start[i]:query_start[i + 1]]`` at ``positions`` of the same range; their
 K/V go to ``slot_mapping`` of the same range (write them with ``kv.scatter`` before attending);
 the sequence's context after this step is ``seq_lens[i]`` tokens addressed by
-``block_tables[i]``. The step returns logits ``[len(sample_indices), vocab]``: one row per
-sequence that samples this step, taken at its last token (``sample_indices`` index into the
-flattened tokens). A sequence still mid-prefill (a chunk that does not end its prompt) does not
-sample.
+``block_tables[i]``. The step returns logits ``[len(sample_indices), vocab]``, one row per entry
+of ``sample_indices`` (which index into the flattened tokens): each sequence that samples this
+step gets a row at its last token. A sequence still mid-prefill (a chunk that does not end its
+prompt) does not sample. A sequence that asks for its prompt's logprobs
+(``SamplingParams(prompt_logprobs=)``) also gets a row at every token of its prefill chunk; then
+``sample_rows`` tells which rows of the logits are the sampling ones (None: every row is), and a
+step that computes logits at exactly ``sample_indices`` serves both without knowing.
 
 Worked example: sequences A (prompt of 5, first chunk of 3) and B (decoding at position 9)::
 
@@ -50,6 +53,7 @@ class StepBatch:
     sample_indices: Tensor  # [num_sampling] int64, rows of the flattened tokens to sample at
     seq_ids: tuple[Hashable, ...]  # the scheduled sequences, in order
     sampling: tuple[bool, ...]  # whether each scheduled sequence samples this step
+    sample_rows: Tensor | None = None  # [num_sampling] int64 rows of the logits that sample; None: all
 
     @property
     def num_tokens(self) -> int:
@@ -72,8 +76,9 @@ def check_logits(logits: Any, batch: StepBatch, vocab_size: int | None = None) -
     n = int(batch.sample_indices.shape[0])
     if logits.dim() != 2 or logits.shape[0] != n or (n and logits.shape[1] == 0):
         raise ValueError(
-            f"the step function must return logits [num_sampling={n}, vocab] (one row per sequence in "
-            f"batch.sample_indices), got shape {tuple(logits.shape)}"
+            f"the step function must return logits [len(batch.sample_indices)={n}, vocab] (one row per sequence "
+            "that samples, and per prompt token asking for logprobs: per entry of batch.sample_indices), got "
+            f"shape {tuple(logits.shape)}"
         )
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
