@@ -45,6 +45,7 @@ FLOORS: dict[str, int] = {
     "_cuda": 0,
     "continuous.sampling": 0,
     "continuous.step": 0,
+    "continuous.logprobs": 0,
     "_queue_core": 1,
     "adaptive": 1,
     "kv.quotas": 1,
