@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from llm_real import QUESTIONS  # the chat prompts of the end-to-end comparison this step explains
 
-from batchkit.continuous import Request, SamplingParams, in_fresh_thread
+from batchkit.continuous import ContinuousDecodeLoop, Request, SamplingParams, in_fresh_thread
 from batchkit.models.pretrained import PretrainedLM, load_pretrained
 
 
@@ -52,15 +52,22 @@ class Timers:
             post.remove()
 
 
+def decoding_loop(lm: PretrainedLM, rows: int, steps: int) -> ContinuousDecodeLoop:
+    """A loop whose next ``steps`` steps are decodes of ``rows`` chat prompts (``ignore_eos``):
+    every prompt prefilled and a first decode step run, none of it timed. Close it after use."""
+    loop = lm.make_loop(1024, max_num_seqs=rows, max_num_batched_tokens=4096)
+    for i in range(rows):
+        prompt = lm.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        loop.scheduler.add(Request(i, prompt, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)))
+    loop.step_once()  # the prefill of every prompt (the budget holds them all)
+    loop.step_once()  # a first decode step
+    return loop
+
+
 def measure(lm: PretrainedLM, rows: int, steps: int) -> dict[str, float]:
     """Mean seconds per decode step of ``rows`` sequences: the step, the forward, the linears."""
-    loop = lm.make_loop(1024, max_num_seqs=rows, max_num_batched_tokens=4096)
+    loop = decoding_loop(lm, rows, steps)
     try:
-        for i in range(rows):
-            prompt = lm.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-            loop.scheduler.add(Request(i, prompt, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)))
-        loop.step_once()  # the prefill of every prompt (the budget holds them all)
-        loop.step_once()  # a first decode step, not timed
         timers = Timers(lm.model)
         try:
             t0 = time.perf_counter()

@@ -78,3 +78,18 @@ def test_plan_refuses_inconsistent_lengths() -> None:
     plan = plan_attention(tables, torch.tensor([3]), torch.tensor([2]), 4)
     with pytest.raises(ValueError, match="plan was made for 2"):
         planned_attention(torch.zeros(3, 2, 4), torch.zeros(4, 4, 1, 4), torch.zeros(4, 4, 1, 4), plan)
+
+
+def test_bfloat16_pages_are_attended_without_a_float32_copy() -> None:
+    """bfloat16 query and pages go to SDPA as they are (it accumulates in float32): no dtype copy
+    of a layer's pages, and the result is as close to the float32 truth as an upcast one."""
+    q, k, v, tables, seq_lens, query_lens = _case(3, [1, 1, 1], [9, 30, 17])
+    plan = plan_attention(tables, seq_lens, query_lens, block_size=4)
+    truth = planned_attention(q, k, v, plan)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = planned_attention(qb, kb, vb, plan)
+    assert "aten::_to_copy" not in {e.key for e in prof.key_averages()}
+    assert got.dtype == torch.bfloat16
+    upcast = paged_attention(qb, kb, vb, tables, seq_lens, query_lens).double()
+    assert float((got.double() - truth).abs().max()) <= 2 * float((upcast - truth).abs().max()) + 1e-2

@@ -40,3 +40,103 @@ def test_a_plain_llama_config_is_taken_field_by_field() -> None:
 def test_what_the_model_does_not_implement_is_a_value_error(extra: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LlamaConfig.from_hf(transformers.LlamaConfig(**SMALL, **extra))
+
+
+def _op_counts(fn: Any) -> dict[str, int]:
+    """How many times each operator ran in ``fn()`` (torch.profiler's names, e.g. aten::mm)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def _decode_step(layers: int) -> tuple[Any, Any, Any]:
+    """A tiny LlamaModel, its cache and a decode batch of 3 sequences (prefilled)."""
+    import torch
+
+    from batchkit.continuous import ContinuousDecodeLoop, Request, SamplingParams
+    from batchkit.models import LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(**{**SMALL, "num_hidden_layers": layers}))
+    loop = ContinuousDecodeLoop(model, model.make_cache(num_blocks=16, block_size=4), max_num_seqs=3)
+    for i in range(3):
+        loop.scheduler.add(Request(i, [1, 2, 3 + i], SamplingParams(max_new_tokens=4)))
+    loop.step_once()
+    batches = []
+
+    def step(batch: Any, kv: Any) -> Any:
+        batches.append(batch)
+        return model(batch, kv)
+
+    loop.step_fn = step
+    loop.step_once()
+    return model, batches[0], loop.kv
+
+
+def test_a_layer_runs_four_matmuls_qkv_and_gate_up_each_stacked() -> None:
+    """q/k/v are one matmul and so are the MLP's gate and up (weights stacked at load): a decode
+    step of a 2-layer model runs 2 x 4 linear layers and the LM head, not 2 x 7 + 1."""
+    import torch
+
+    model, batch, kv = _decode_step(layers=2)
+    for prepack in (False, True):
+        model.prepack_weights = prepack
+        with torch.inference_mode():
+            counts = _op_counts(lambda: model(batch, kv))
+        matmuls = counts.get("aten::mm", 0) + counts.get("aten::addmm", 0)
+        matmuls += counts.get("mkldnn::_linear_pointwise", 0)
+        assert matmuls == 2 * 4 + 1, counts
+
+
+def test_on_a_cpu_the_linear_layers_run_on_weights_reordered_once_for_onednn() -> None:
+    """With prepack_weights (the default) every linear layer of a CPU step goes through oneDNN on
+    a copy of its weight reordered at first use; logits match the plain matmuls to rounding."""
+    import torch
+
+    model, batch, kv = _decode_step(layers=2)
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        pytest.skip("this torch has no oneDNN")
+    with torch.inference_mode():
+        model.prepack_weights = False
+        plain = model(batch, kv)
+        model.prepack_weights = True
+        counts = _op_counts(lambda: model(batch, kv))
+        packed = model(batch, kv)
+    assert counts.get("mkldnn::_linear_pointwise") == 2 * 4 + 1, counts
+    assert counts.get("aten::mm", 0) == 0, counts
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reordered_weight_follows_the_weights_loaded_after_it() -> None:
+    """Weights loaded after a step (load_hf_state_dict writes into the parameters) are the ones
+    the next step uses: a stale oneDNN copy is never served."""
+    import torch
+
+    from batchkit.models import LlamaModel
+
+    model, batch, kv = _decode_step(layers=1)
+    torch.manual_seed(1)
+    other = LlamaModel(model.config)
+    with torch.inference_mode():
+        model(batch, kv)  # reorders the first weights
+    model.load_hf_state_dict(other.state_dict())
+    with torch.inference_mode():
+        other.prepack_weights = False
+        torch.testing.assert_close(model(batch, kv), other(batch, kv), rtol=1e-5, atol=1e-5)
+
+
+def test_the_state_dict_keeps_hugging_face_names_and_a_missing_part_is_named() -> None:
+    """The stacked projections save and load under q_proj/k_proj/v_proj/gate_proj/up_proj; a
+    state dict lacking one of them is refused naming it, not the stacked weight."""
+    from batchkit.models import LlamaModel
+
+    model = LlamaModel(LlamaConfig(**SMALL))
+    state = model.state_dict()
+    for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert f"model.layers.0.{part}.weight" in state
+    assert not [k for k in state if "qkv" in k or "gate_up" in k]
+    del state["model.layers.0.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model\.layers\.0\.self_attn\.k_proj\.weight'\], unexpected \[\]"):
+        model.load_hf_state_dict(state)

@@ -28,6 +28,7 @@ class _Group:
     mask: Tensor  # [S, 1, q_max, nb * block_size] bool, True where a query may attend
     out_rows: Tensor  # [n] rows of the flattened output that real queries fill
     out_select: Tensor  # [n] their positions in the flattened [S * q_max] result
+    whole: bool  # one query per sequence, every query of the step, in order: no gather or scatter
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, b
                 mask=mask[:, None].to(device),
                 out_rows=query_index.reshape(-1)[flat_valid].to(device),
                 out_select=torch.nonzero(flat_valid).reshape(-1).to(device),
+                whole=q_max == 1 and len(members) == len(q_lens),
             )
         )
     return AttentionPlan(num_tokens=total, groups=tuple(groups))
@@ -116,7 +118,9 @@ def planned_attention(
         scale: softmax scale (default ``head_dim ** -0.5``).
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype (computed in float32 at least).
+        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype (accumulated in float32 at
+        least: bfloat16 and float16 pages go to SDPA as they are, whose kernels accumulate them
+        in float32; other dtypes are computed in float32 or wider).
 
     Raises:
         ValueError: a query that does not match the plan, or heads that do not group.
@@ -130,8 +134,11 @@ def planned_attention(
     if num_heads % num_kv:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv})")
     scale = head_dim**-0.5 if scale is None else scale
-    acc = torch.promote_types(query.dtype, torch.float32)
-    out = torch.empty_like(query)
+    # bfloat16 and float16 go to SDPA as they are: its kernels accumulate them in float32, and a
+    # float32 copy of every page of every layer cost more than the attention itself.
+    low = query.dtype in (torch.bfloat16, torch.float16) and key_cache.dtype == query.dtype
+    acc = query.dtype if low else torch.promote_types(query.dtype, torch.float32)
+    out = None if len(plan.groups) == 1 and plan.groups[0].whole else torch.empty_like(query)
     for g in plan.groups:
         s_, q_max = g.query_index.shape
         width = g.mask.shape[-1]
@@ -139,11 +146,13 @@ def planned_attention(
         # index_select on dim 0, not advanced indexing: a row copy, several times faster on CPU.
         k = key_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
         v = value_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
-        q = query.index_select(0, g.query_index.reshape(-1)).view(s_, q_max, num_heads, head_dim)
-        q = q.to(acc).transpose(1, 2)  # [S, H, q_max, D]
+        q = query if g.whole else query.index_select(0, g.query_index.reshape(-1))
+        q = q.view(s_, q_max, num_heads, head_dim).to(acc).transpose(1, 2)  # [S, H, q_max, D]
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv
         )
-        o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim)
-        out.index_copy_(0, g.out_rows, o.index_select(0, g.out_select).to(query.dtype))
+        o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim).to(query.dtype)
+        if out is None:  # the one group holds every query in order: its output is the step's
+            return o
+        out.index_copy_(0, g.out_rows, o.index_select(0, g.out_select))
     return out
