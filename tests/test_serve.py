@@ -1554,3 +1554,90 @@ def test_a_stop_string_ends_the_text_before_it() -> None:
     pieces.append(d.push(3))
     assert d.stopped
     assert "".join(pieces) + d.finish() == "Hell"
+
+
+# ----------------------------------------------------------------------------- logprobs, echo, prompts, tokenizer
+
+
+def test_chat_logprobs_reach_the_openai_client_sync_async_and_streamed(client: Any, live: LiveServer) -> None:
+    """Greedy chat with logprobs/top_logprobs: each token's logprob is its top entry's (greedy),
+    the streamed chunks carry the same entries, and the async client reads the same."""
+    import asyncio
+
+    kwargs: dict[str, Any] = {
+        "model": CHAT,
+        "messages": QUESTION,
+        "temperature": 0,
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    r = client.chat.completions.create(**kwargs)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3
+        assert c.logprob == c.top_logprobs[0].logprob
+        assert c.bytes == list(c.token.encode())
+    streamed = [
+        item
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        if chunk.choices
+        if chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+    async def read() -> Any:
+        async with openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0) as a:
+            return await a.chat.completions.create(**kwargs)
+
+    again = asyncio.run(read()).choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in again] == [(c.token, c.logprob) for c in content]
+
+
+def test_echoed_prompt_logprobs_of_several_prompts_come_back_as_choices_by_index(client: Any, live: LiveServer) -> None:
+    """/v1/completions with echo, logprobs and max_tokens=0 for two prompts (a string and token
+    ids): each choice holds its prompt's text and a logprob per token, the first None."""
+    tokenized = httpx.post(f"{live.url}/tokenize", json={"prompt": "Paris is in France"}, timeout=DEADLINE_S).json()
+    ids = tokenized["tokens"]
+    assert tokenized["count"] == len(ids)
+    r = client.completions.create(
+        model=CHAT, prompt=["The capital of France is", ids], echo=True, logprobs=2, max_tokens=0
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[1].text == "Paris is in France"
+    lp = r.choices[1].logprobs
+    assert len(lp.tokens) == len(ids)
+    assert (lp.token_logprobs[0], lp.top_logprobs[0]) == (None, None)
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert r.usage.completion_tokens == 0
+    back = httpx.post(f"{live.url}/detokenize", json={"tokens": ids}, timeout=DEADLINE_S).json()
+    assert back == {"prompt": "Paris is in France"}
+    info = httpx.get(f"{live.url}/tokenizer_info", timeout=DEADLINE_S).json()
+    assert info["eos_token"]
+    assert info["chat_template"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": CHAT, "messages": QUESTION, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"model": CHAT, "prompt": "Hi", "logprobs": 2.5}, "logprobs"),
+        ("/v1/completions", {"model": CHAT, "prompt": ["Hi", [10**7]]}, "prompt[1]"),
+        ("/tokenize", {"prompt": 3}, "prompt"),
+        ("/detokenize", {"tokens": [10**7]}, "tokens"),
+    ],
+)
+def test_bad_new_fields_get_400_with_openai_bodies(live: LiveServer, path: str, body: Any, param: str) -> None:
+    """A count over the cap, a non-integer, a token id past the vocabulary: 400 naming the field."""
+    r = httpx.post(f"{live.url}{path}", json=body, timeout=DEADLINE_S)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["code"] == "invalid_value"

@@ -154,3 +154,39 @@ def test_json_nested_deeper_than_the_parser_goes_is_422_invalid_json() -> None:
         parse_body(b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     assert (info.value.status, info.value.code) == (422, "invalid_json")
     assert "nested too deeply" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "param"),
+    [
+        (parse_chat, {"model": "m", "messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (parse_chat, {"model": "m", "messages": HI, "logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+        (parse_chat, {"model": "m", "messages": HI, "top_logprobs": 2}, "top_logprobs"),
+        (parse_chat, {"model": "m", "messages": HI, "logprobs": 3}, "logprobs"),
+        (parse_completion, {"model": "m", "prompt": "Hi", "logprobs": 21}, "logprobs"),
+        (parse_completion, {"model": "m", "prompt": "Hi", "logprobs": -1}, "logprobs"),
+        (parse_completion, {"model": "m", "prompt": "Hi", "logprobs": True}, "logprobs"),
+        (parse_completion, {"model": "m", "prompt": "Hi", "echo": "yes"}, "echo"),
+        (parse_completion, {"model": "m", "prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+        (parse_completion, {"model": "m", "prompt": ["Hi", ""]}, "prompt[1]"),
+        (parse_completion, {"model": "m", "prompt": ["Hi", [1, "x"]]}, "prompt[1]"),
+        (parse_completion, {"model": "m", "prompt": ["Hi"] * 65}, "prompt"),
+    ],
+)
+def test_bad_logprobs_echo_and_prompt_lists_are_refused_naming_the_field(
+    parse: Any, body: dict[str, Any], param: str
+) -> None:
+    """Counts over 20, non-integers, top_logprobs without logprobs, max_tokens=0 without echo,
+    an empty or mixed prompt in a list, more prompts than the cap: 400 invalid_value."""
+    err = _refusal(body, parse)
+    assert (err.param, err.code) == (param, "invalid_value")
+
+
+def test_logprobs_echo_and_several_prompts_are_read() -> None:
+    """Chat's logprobs/top_logprobs become one count; completions' logprobs is the count itself;
+    a list of prompts (strings or token-id lists) is kept in order; echo allows max_tokens=0."""
+    chat = parse_chat({"model": "m", "messages": HI, "logprobs": True, "top_logprobs": 3})
+    assert chat.logprobs == 3
+    assert parse_chat({"model": "m", "messages": HI, "logprobs": False}).logprobs is None
+    req = parse_completion({"model": "m", "prompt": ["a", [1, 2]], "logprobs": 0, "echo": True, "max_tokens": 0})
+    assert (req.prompts, req.logprobs, req.echo, req.max_tokens) == (("a", [1, 2]), 0, True, 0)

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -47,25 +47,33 @@ from starlette.types import Receive, Scope, Send
 
 from .._errors import BatcherClosed, CircuitOpen, DeadlineExceeded, KVCacheExhausted, QueueFull
 from ..adaptive import CircuitBreaker
+from ..continuous.logprobs import TokenLogprobs
 from ..continuous.loop import ContinuousDecodeLoop
 from ..decorator import BatchedFunction, batched
 from .metrics import BatchkitCollector
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
+    MAX_PROMPTS_PER_REQUEST,
     MAX_REQUEST_BYTES,
     ApiError,
     GenerationRequest,
     IncrementalDetokenizer,
+    TokenText,
     chat_chunk,
+    chat_logprobs,
     chat_response,
+    completion_choice,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     embedding_response,
     new_id,
     parse_body,
     parse_chat,
     parse_completion,
+    parse_detokenize,
     parse_embedding,
+    parse_tokenize,
     usage,
 )
 
@@ -82,6 +90,8 @@ MAX_TENANT_LENGTH = 64
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+T = TypeVar("T")
 
 ModelSource = Any  # a PretrainedLM / SentenceEncoder, or a source for load_pretrained / load_encoder
 
@@ -131,18 +141,28 @@ class _ServerMetrics:
 
 
 class _Generation:
-    """One accepted generation request: its token stream, text, timings and outcome."""
+    """One accepted generation (one prompt): its token stream, text, logprobs, timings and outcome.
+
+    With ``detailed``, the stream's items are :class:`TokenLogprobs` (the prompt's first, when
+    echoed with logprobs), kept as text entries until a chunk or the response takes them. A
+    ``max_tokens`` of 0 (an echoed prompt alone) reads the first token's event only for the
+    prompt's logprobs: the token itself is not part of the answer.
+    """
 
     def __init__(
         self,
         server: ModelServer,
         route: str,
-        tokens: AsyncIterator[int],
+        tokens: AsyncIterator[Any],
         prompt_tokens: int,
         max_tokens: int,
         stop: Sequence[str],
         stop_token_ids: Sequence[int],
         t_arrival: float,
+        *,
+        detailed: bool = False,
+        index: int = 0,
+        rid: str | None = None,
     ) -> None:
         lm = server.lm
         assert lm is not None
@@ -157,18 +177,31 @@ class _Generation:
         self.t_last: float | None = None
         self.completion_tokens = 0
         self.last_token: int | None = None
-        self.rid = new_id("chatcmpl" if route == "chat" else "cmpl")
+        self.rid = rid or new_id("chatcmpl" if route == "chat" else "cmpl")
         self.status = 200  # of a stream: the status of the error event that ended it, if any
         self.created = int(time.time())
+        self.detailed = detailed
+        self.index = index
+        self.prompt_logprobs: list[TokenText] = []
+        self.pending_logprobs: list[TokenText] = []  # the generated tokens' not yet sent
+        self.ended = False
 
     async def next_text(self) -> str | None:
         """The next piece of text (possibly empty), or None once the request has ended."""
-        if self.tail.stopped:
+        if self.tail.stopped or self.ended:
             return None
         try:
-            token = await self.tokens.__anext__()
+            item = await self.tokens.__anext__()
+            while self.detailed and item.prompt:
+                self.prompt_logprobs.append(self.server.token_text(item))
+                item = await self.tokens.__anext__()
         except StopAsyncIteration:
             return None
+        if self.max_tokens == 0:
+            self.ended = True
+            await self.close()
+            return None
+        token = item.token if self.detailed else item
         now = time.perf_counter()
         m = self.server.metrics
         if self.t_last is None:
@@ -178,11 +211,17 @@ class _Generation:
         self.t_last = now
         self.completion_tokens += 1
         self.last_token = token
+        if self.detailed:
+            self.pending_logprobs.append(self.server.token_text(item))
         m.generation_tokens.labels(self.route).inc()
         text = self.tail.push(token)
         if self.tail.stopped:
             await self.close()  # the loop stops it at the same token; this frees it at once regardless
         return text
+
+    def take_logprobs(self) -> list[TokenText]:
+        out, self.pending_logprobs = self.pending_logprobs, []
+        return out
 
     @property
     def finish_reason(self) -> str:
@@ -297,6 +336,8 @@ class ModelServer:
             requests of the most inputs one may carry (2048); a smaller queue lowers that limit
             to its own size (400 beyond it), so that no request is refused for ever as "busy".
         retry_after_s: the ``Retry-After`` header of 503 answers.
+        max_prompts_per_request: the most prompts one ``/v1/completions`` request may carry (400
+            beyond it); each runs as its own sequence, answered as ``choices`` by index.
         max_request_bytes: the largest request body taken; a longer one gets 413 as soon as its
             ``Content-Length`` or the bytes read so far pass it (the rest is not read).
         engine: the decode loop's ``engine``: ``"thread"`` (it steps the model on its own thread)
@@ -335,6 +376,7 @@ class ModelServer:
         embedding_max_queue: int = 2 * MAX_EMBEDDING_INPUTS,
         retry_after_s: int = 1,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
         request_timeout_s: float | None = None,
         shutdown_grace_s: float = 10.0,
         warmup: bool = True,
@@ -374,6 +416,14 @@ class ModelServer:
         self.embedding_max_inputs = min(MAX_EMBEDDING_INPUTS, embedding_max_queue)
         self.retry_after_s = retry_after_s
         self.max_request_bytes = max_request_bytes
+        if (
+            isinstance(max_prompts_per_request, bool)
+            or not isinstance(max_prompts_per_request, int)
+            or max_prompts_per_request < 1
+        ):
+            raise ValueError(f"max_prompts_per_request must be an int >= 1, got {max_prompts_per_request!r}")
+        self.max_prompts_per_request = max_prompts_per_request
+        self._token_strings: dict[int, str] = {}
         self.request_timeout_s = request_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.warmup = warmup
@@ -734,6 +784,68 @@ class ModelServer:
             ApiError(404, f"the model {wanted!r} does not exist; this server serves {served}", code="model_not_found")
         )
 
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` (vLLM's): ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+        return await self._answer(request, "tokenize", self._tokenize)
+
+    async def _tokenize(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
+        self._check_available("chat")
+        req = parse_tokenize(body)
+        self._check_model(req.model, self.model_name)
+        lm = self.prompt_lm
+        assert lm is not None
+
+        def run() -> list[int]:
+            if req.messages is not None:
+                try:
+                    return lm.chat_prompt(req.messages)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+            with lm.lock:
+                return list(lm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+
+        tokens = await anyio.to_thread.run_sync(run, limiter=self._prompt_limiter)
+        assert self.lm is not None
+        strs = [self._token_string(t) for t in tokens] if req.return_token_strs else None
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": self.lm.max_model_len, "tokens": tokens, "token_strs": strs}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` (vLLM's): ``{"prompt": text}``."""
+        return await self._answer(request, "detokenize", self._detokenize)
+
+    async def _detokenize(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
+        self._check_available("chat")
+        lm = self.prompt_lm
+        assert lm is not None
+        model, tokens = parse_detokenize(body, lm.model.config.vocab_size)
+        self._check_model(model, self.model_name)
+        text = await anyio.to_thread.run_sync(lm.decode, tokens, limiter=self._prompt_limiter)
+        return JSONResponse({"prompt": text})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """``GET /tokenizer_info`` (vLLM's): the tokenizer's class, special tokens and chat
+        template, what lm-evaluation-harness's remote tokenizer reads instead of downloading one."""
+        try:
+            self._check_available("chat")
+        except ApiError as err:
+            return _error_response(err)
+        lm = self.lm
+        assert lm is not None
+        tok = lm.tokenizer
+        info: dict[str, Any] = {
+            "tokenizer_class": type(tok).__name__,
+            "model_max_length": lm.max_model_len,
+            "vocab_size": lm.model.config.vocab_size,
+        }
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = getattr(tok, name, None)
+            info[name] = value if isinstance(value, str) else None
+        template = getattr(tok, "chat_template", None)
+        info["chat_template"] = template if isinstance(template, str) else None
+        return JSONResponse(info)
+
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, "chat", self._generate)
 
@@ -762,7 +874,7 @@ class ModelServer:
 
     async def _generate(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
         self._check_available("chat")
-        req = parse_chat(body) if route == "chat" else parse_completion(body)
+        req = parse_chat(body) if route == "chat" else parse_completion(body, self.max_prompts_per_request)
         self._check_model(req.model, self.model_name)
         priority, tenant = self._routing(request)
         lm, loop = self.lm, self.loop
@@ -770,12 +882,13 @@ class ModelServer:
         assert loop is not None
         # Off the event loop: a long prompt takes seconds to tokenize, and every other client's
         # stream (and /health) would stand still meanwhile.
-        prompt = await anyio.to_thread.run_sync(self._prompt_ids, req, limiter=self._prompt_limiter)
-        prompt_param = "messages" if req.messages is not None else "prompt"
-        max_tokens = self._limit(len(prompt), req.max_tokens, prompt_param, req.max_tokens_param, tenant)
+        prompts = await anyio.to_thread.run_sync(self._all_prompt_ids, req, limiter=self._prompt_limiter)
+        limits = [
+            self._limit(len(p), req.max_tokens, self._prompt_param(req, i), req.max_tokens_param, tenant)
+            for i, p in enumerate(prompts)
+        ]
         stop_ids = () if req.ignore_eos else lm.stop_token_ids
         sampling: dict[str, Any] = {
-            "max_new_tokens": max_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
             "top_k": req.top_k,
@@ -785,46 +898,161 @@ class ModelServer:
         }
         if req.stop:
             sampling["stop"] = req.stop
-        tokens = loop.generate(prompt, priority=priority, tenant=tenant, deadline_s=self.request_timeout_s, **sampling)
-        gen = _Generation(self, route, tokens, len(prompt), max_tokens, req.stop, stop_ids, t_arrival)
+        detailed = req.logprobs is not None
+        if detailed:
+            sampling["logprobs"] = req.logprobs
+            if req.echo:
+                sampling["prompt_logprobs"] = req.logprobs
+        generate = loop.generate_logprobs if detailed else loop.generate
+        rid = new_id("chatcmpl" if route == "chat" else "cmpl")
+        gens = [
+            _Generation(
+                self,
+                route,
+                # max_tokens=0 (echo alone) still runs the prompt: its last position's logits
+                # sample one token, which the answer leaves out.
+                generate(
+                    prompt,
+                    priority=priority,
+                    tenant=tenant,
+                    deadline_s=self.request_timeout_s,
+                    max_new_tokens=max(1, limit),
+                    **sampling,
+                ),
+                len(prompt),
+                limit,
+                req.stop,
+                stop_ids,
+                t_arrival,
+                detailed=detailed,
+                index=i,
+                rid=rid,
+            )
+            for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))
+        ]
         self._enter()
         handed_over = False
         try:
-            # The first token is awaited before the response starts, so that refusals (queue
+            # The first tokens are awaited before the response starts, so that refusals (queue
             # full, a prompt the pool can never hold) get their own status code.
-            first = await _unless_disconnected(request, self._first_text(gen))
-            if first is None:  # the client left
+            firsts = await _unless_disconnected(request, self._each(gens, self._first_text))
+            if firsts is None:  # the client left
                 return Response(status_code=499)
-            self.metrics.prompt_tokens.labels(route).inc(len(prompt))
+            self.metrics.prompt_tokens.labels(route).inc(sum(len(p) for p in prompts))
             if req.stream:
                 handed_over = True
 
                 async def on_close(sent: bool) -> None:
                     # 499 for a client that left mid-stream; a stream that ended with an error
                     # event counts under that error's status.
-                    self.metrics.requests.labels(route, str(gen.status if sent else 499)).inc()
-                    await gen.close()
+                    self.metrics.requests.labels(route, str(gens[0].status if sent else 499)).inc()
+                    for gen in gens:
+                        await gen.close()
                     await self._leave()
 
                 def on_abort() -> bytes:
                     err = self._stopped_by_the_http_server()
-                    gen.status = err.status
+                    gens[0].status = err.status
                     return _sse(err.body()) + _sse("[DONE]")
 
-                return _EventStream(self._stream(gen, req, first), on_close, on_abort)
-            collected = await _unless_disconnected(request, self._collect(gen, first))
-            if collected is None:
+                return _EventStream(self._stream(gens, req, prompts, firsts), on_close, on_abort)
+            texts = await _unless_disconnected(
+                request, self._each(gens, lambda gen: self._collect(gen, firsts[gen.index]))
+            )
+            if texts is None:
                 return Response(status_code=499)
-            make = chat_response if route == "chat" else completion_response
             self.metrics.e2e.labels(route).observe(time.perf_counter() - t_arrival)
-            return JSONResponse(make(gen.rid, self.model_name or "", collected, gen.finish_reason, gen.usage()))
+            model = self.model_name or ""
+            if route == "chat":
+                gen = gens[0]
+                logprobs = chat_logprobs(gen.take_logprobs()) if detailed else None
+                return JSONResponse(chat_response(rid, model, texts[0], gen.finish_reason, gen.usage(), logprobs))
+            choices = [
+                completion_choice(
+                    gen.index,
+                    self._echo_text(req, prompts, gen.index) + text,
+                    gen.finish_reason,
+                    completion_logprobs([*self._echoed_logprobs(req, prompts, gen), *gen.take_logprobs()])
+                    if detailed
+                    else None,
+                )
+                for gen, text in zip(gens, texts, strict=True)
+            ]
+            return JSONResponse(completion_response(rid, model, choices, self._usage_of(gens)))
         finally:
             if not handed_over:
-                await gen.close()
+                for gen in gens:
+                    await gen.close()
                 await self._leave()
 
-    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
-        """The prompt's token ids (in a worker thread: tokenizes on :attr:`prompt_lm`).
+    async def _each(self, gens: list[_Generation], work: Callable[[_Generation], Awaitable[T]]) -> list[T]:
+        """``work`` on every generation of a request at once; the first ApiError raised is the answer."""
+        if len(gens) == 1:
+            return [await work(gens[0])]
+        results: list[Any] = [None] * len(gens)
+        errors: list[ApiError] = []
+        async with anyio.create_task_group() as tg:
+
+            async def one(gen: _Generation) -> None:
+                try:
+                    results[gen.index] = await work(gen)
+                except ApiError as err:
+                    errors.append(err)
+                    tg.cancel_scope.cancel()
+
+            for gen in gens:
+                tg.start_soon(one, gen)
+        if errors:
+            raise errors[0]
+        return results
+
+    @staticmethod
+    def _usage_of(gens: list[_Generation]) -> dict[str, int]:
+        return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens))
+
+    def token_text(self, item: TokenLogprobs) -> TokenText:
+        """A token's logprob entry as text: its own text, logprob and alternatives."""
+        text = self._token_string
+        return text(item.token), item.logprob, [(text(t), v) for t, v in item.top_logprobs]
+
+    def _token_string(self, token: int) -> str:
+        """One token's text alone (cached: a response may name the same tokens many times)."""
+        cache = self._token_strings
+        text = cache.get(token)
+        if text is None:
+            lm = self.lm
+            assert lm is not None
+            text = cache[token] = lm.decode([token])
+        return text
+
+    def _echo_text(self, req: GenerationRequest, prompts: list[list[int]], index: int) -> str:
+        """The prompt's text that ``echo`` puts before the output ('' without echo)."""
+        if not req.echo:
+            return ""
+        given = req.prompts[index]
+        if isinstance(given, str):
+            return given
+        lm = self.lm
+        assert lm is not None
+        return lm.decode(prompts[index])
+
+    def _echoed_logprobs(
+        self, req: GenerationRequest, prompts: list[list[int]], gen: _Generation
+    ) -> list[TokenText | str]:
+        """With echo, the prompt's logprob entries: its first token (which no context predicts,
+        so without a logprob), then the others'."""
+        if not req.echo:
+            return []
+        return [self._token_string(prompts[gen.index][0]), *gen.prompt_logprobs]
+
+    @staticmethod
+    def _prompt_param(req: GenerationRequest, index: int) -> str:
+        if req.messages is not None:
+            return "messages"
+        return "prompt" if len(req.prompts) == 1 else f"prompt[{index}]"
+
+    def _all_prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
+        """Every prompt's token ids (in a worker thread: tokenizes on :attr:`prompt_lm`).
 
         Raises:
             ApiError: 400 for a model without a chat template, or a token id past the vocabulary.
@@ -833,16 +1061,21 @@ class ModelServer:
         assert lm is not None
         if req.messages is not None:
             try:
-                return lm.chat_prompt(req.messages)
+                return [lm.chat_prompt(req.messages)]
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
-        if isinstance(req.prompt, str):
-            return lm.encode(req.prompt)
-        prompt = list(req.prompt or ())
         vocab = lm.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
-        return prompt
+        out = []
+        for i, prompt in enumerate(req.prompts):
+            if isinstance(prompt, str):
+                out.append(lm.encode(prompt))
+                continue
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise ApiError(
+                    400, f"token ids must be in [0, {vocab})", param=self._prompt_param(req, i), code="invalid_value"
+                )
+            out.append(list(prompt))
+        return out
 
     def _generation_error(self, exc: Exception) -> ApiError:
         """The answer for an exception a generation raised (at submit or from its stream)."""
@@ -878,46 +1111,64 @@ class ModelServer:
         parts.append(gen.tail.finish())
         return "".join(parts)
 
-    async def _stream(self, gen: _Generation, req: GenerationRequest, first: list[str]) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, gens: list[_Generation], req: GenerationRequest, prompts: list[list[int]], firsts: list[list[str]]
+    ) -> AsyncIterator[bytes]:
+        """The events of a streamed request: its choices one after the other (all of them were
+        submitted together: a later one's tokens wait in its stream meanwhile)."""
         model = self.model_name or ""
-        chat = gen.route == "chat"
+        lead = gens[0]
+        chat = lead.route == "chat"
 
-        def piece(text: str) -> bytes:
+        def piece(gen: _Generation, text: str, echoed: bool = False) -> bytes:
             if chat:
-                return _sse(chat_chunk(gen.rid, gen.created, model, {"content": text}))
-            return _sse(completion_chunk(gen.rid, gen.created, model, text))
+                lps = chat_logprobs(gen.take_logprobs()) if gen.detailed else None
+                return _sse(chat_chunk(lead.rid, lead.created, model, {"content": text}, None, None, lps))
+            lps = None
+            if gen.detailed:
+                entries = self._echoed_logprobs(req, prompts, gen) if echoed else gen.take_logprobs()
+                lps = completion_logprobs(entries)
+            return _sse(completion_chunk(lead.rid, lead.created, model, completion_choice(gen.index, text, None, lps)))
 
         try:
             if chat:
-                yield _sse(chat_chunk(gen.rid, gen.created, model, {"role": "assistant", "content": ""}))
-            for text in first:
-                if text:
-                    yield piece(text)
-            try:
-                while (more := await gen.next_text()) is not None:
-                    if more:
-                        yield piece(more)
-            except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in the stream
-                err = self._generation_error(exc)
-                gen.status = err.status
-                yield _sse(err.body())
-                yield _sse("[DONE]")
-                return
-            rest = gen.tail.finish()
-            if rest:
-                yield piece(rest)
-            final_usage = None if req.include_usage else gen.usage()
-            if chat:
-                yield _sse(chat_chunk(gen.rid, gen.created, model, {}, gen.finish_reason, final_usage))
-            else:
-                yield _sse(completion_chunk(gen.rid, gen.created, model, "", gen.finish_reason, final_usage))
+                yield _sse(chat_chunk(lead.rid, lead.created, model, {"role": "assistant", "content": ""}))
+            for gen in gens:
+                if req.echo:
+                    yield piece(gen, self._echo_text(req, prompts, gen.index), echoed=True)
+                for text in firsts[gen.index]:
+                    if text or gen.pending_logprobs:
+                        yield piece(gen, text)
+                try:
+                    while (more := await gen.next_text()) is not None:
+                        if more or gen.pending_logprobs:
+                            yield piece(gen, more)
+                except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in the stream
+                    err = self._generation_error(exc)
+                    lead.status = err.status
+                    yield _sse(err.body())
+                    yield _sse("[DONE]")
+                    return
+                rest = gen.tail.finish()
+                if rest or gen.pending_logprobs:
+                    yield piece(gen, rest)
+                # Without include_usage, the usage rides on the last choice's final chunk.
+                final_usage = None if req.include_usage or gen is not gens[-1] else self._usage_of(gens)
+                if chat:
+                    yield _sse(chat_chunk(lead.rid, lead.created, model, {}, gen.finish_reason, final_usage))
+                else:
+                    choice = completion_choice(gen.index, "", gen.finish_reason)
+                    yield _sse(completion_chunk(lead.rid, lead.created, model, choice, final_usage))
             if req.include_usage:
-                make = chat_chunk if chat else completion_chunk
-                yield _sse(make(gen.rid, gen.created, model, None, None, gen.usage()))
+                if chat:
+                    yield _sse(chat_chunk(lead.rid, lead.created, model, None, None, self._usage_of(gens)))
+                else:
+                    yield _sse(completion_chunk(lead.rid, lead.created, model, None, self._usage_of(gens)))
             yield _sse("[DONE]")
-            self.metrics.e2e.labels(gen.route).observe(time.perf_counter() - gen.t_arrival)
+            self.metrics.e2e.labels(lead.route).observe(time.perf_counter() - lead.t_arrival)
         finally:
-            await gen.close()
+            for gen in gens:
+                await gen.close()
 
     async def _embeddings(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
         self._check_available("embeddings")
@@ -1145,7 +1396,8 @@ def create_app(model: ModelSource = None, **options: Any) -> Starlette:
     ``max_waiting``, ...). The server object is ``app.state.batchkit``.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
-    ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /ready``, ``GET /metrics``.
+    ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
+    ``GET /tokenizer_info``, ``GET /health``, ``GET /ready``, ``GET /metrics``.
     """
     server = ModelServer(model, **options)
     routes = [
@@ -1153,6 +1405,9 @@ def create_app(model: ModelSource = None, **options: Any) -> Starlette:
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/embeddings", server.embeddings, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/ready", server.readiness, methods=["GET"]),

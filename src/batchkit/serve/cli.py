@@ -109,6 +109,12 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
     )
     s.add_argument("--retry-after-s", type=_positive_int, default=1, help="Retry-After of 503 answers")
     s.add_argument(
+        "--max-prompts-per-request",
+        type=_positive_int,
+        default=64,
+        help="most prompts one /v1/completions request may carry (400 beyond it)",
+    )
+    s.add_argument(
         "--request-timeout-s",
         type=_positive_float,
         default=None,
@@ -251,6 +257,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
         embedding_max_wait_ms=args.embedding_max_wait_ms,
         retry_after_s=args.retry_after_s,
         max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
         request_timeout_s=args.request_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
         dtype=getattr(torch, args.dtype),

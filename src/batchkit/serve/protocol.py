@@ -18,29 +18,36 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..continuous.sampling import DecodedText, find_stop
+from ..continuous.sampling import MAX_LOGPROBS, DecodedText, find_stop
 
 __all__ = [
     "ApiError",
     "EmbeddingRequest",
     "GenerationRequest",
     "IncrementalDetokenizer",
+    "TokenizeRequest",
     "chat_chunk",
     "chat_response",
+    "chat_logprobs",
+    "completion_choice",
     "completion_chunk",
+    "completion_logprobs",
     "completion_response",
     "embedding_response",
     "new_id",
     "parse_body",
     "parse_chat",
     "parse_completion",
+    "parse_detokenize",
     "parse_embedding",
+    "parse_tokenize",
     "usage",
 ]
 
 MAX_STOP_STRINGS = 4
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch generator takes
 MAX_EMBEDDING_INPUTS = 2048
+MAX_PROMPTS_PER_REQUEST = 64  # prompts of one /v1/completions request (--max-prompts-per-request)
 # As Hugging Face's TGI and TEI servers (--payload-limit): room for a long-context prompt or a
 # full embedding request of short texts, and a bound on what one request makes the process hold.
 MAX_REQUEST_BYTES = 2_000_000
@@ -204,20 +211,20 @@ class GenerationRequest:
     top_k: int = 0
     ignore_eos: bool = False
     messages: list[dict[str, Any]] | None = None
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | None = None  # the first of ``prompts``
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (errors name it)
+    # Alternatives per token (chat's top_logprobs, completions' logprobs); None: no logprobs.
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt's text (and its logprobs) before the output
+    prompts: tuple[str | list[int], ...] = ()  # completions: every prompt, answered as choices by index
 
 
-def _common(
-    body: Mapping[str, Any], max_tokens_names: Sequence[str], logprobs_neutral: Sequence[Any]
-) -> dict[str, Any]:
+def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_tokens: int = 1) -> dict[str, Any]:
     n = _opt_int(body, "n", lo=1)
     if n not in (None, 1):
         raise ApiError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         _unsupported(body, name, (None, 0, 0.0))
-    _unsupported(body, "logprobs", logprobs_neutral)
-    _unsupported(body, "top_logprobs", (None, 0))
     _unsupported(body, "logit_bias", (None, {}))
     # Tools and structured output: silently ignored, the model would answer in plain text.
     for name in ("tools", "functions"):
@@ -230,7 +237,7 @@ def _common(
     _unsupported(body, "modalities", (None, ["text"]))
     _unsupported(body, "web_search_options", (None,))
     # Each is checked, the first given wins (max_completion_tokens, OpenAI's newer name).
-    limits = [(name, _opt_int(body, name, lo=1)) for name in max_tokens_names]
+    limits = [(name, _opt_int(body, name, lo=min_max_tokens)) for name in max_tokens_names]
     max_tokens_param, max_tokens = next(((n, v) for n, v in limits if v is not None), ("max_tokens", None))
     stop_value = body.get("stop")
     if stop_value is None:
@@ -305,31 +312,112 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         if m.get("content") is None and m["role"] != "assistant":  # as OpenAI: only an assistant's may be absent
             raise _invalid(f"messages[{i}].content", f"a {m['role']} message needs a 'content'")
         clean.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
-    return GenerationRequest(messages=clean, **_common(body, ("max_completion_tokens", "max_tokens"), (None, False)))
+    # As OpenAI: logprobs is a boolean; top_logprobs (0 to 20) the alternatives, only with it.
+    top_logprobs = _opt_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    logprobs: int | None = None
+    if _opt_bool(body, "logprobs"):
+        logprobs = top_logprobs or 0
+    elif top_logprobs is not None:
+        raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return GenerationRequest(
+        messages=clean, logprobs=logprobs, **_common(body, ("max_completion_tokens", "max_tokens"))
+    )
 
 
-def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
-    """Validate a ``/v1/completions`` body (``prompt``: a string, or a list of token ids; one prompt).
+def parse_completion(body: Mapping[str, Any], max_prompts: int = MAX_PROMPTS_PER_REQUEST) -> GenerationRequest:
+    """Validate a ``/v1/completions`` body. ``prompt``: a string, a list of token ids, or a list
+    of at most ``max_prompts`` of either (answered as ``choices`` by index).
 
     Raises:
         ApiError: 400 naming the offending field.
     """
-    _unsupported(body, "echo", (None, False))
     _unsupported(body, "best_of", (None, 1))
     _unsupported(body, "suffix", (None, ""))
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _invalid("prompt", "'prompt' must not be empty")
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompt = [int(t) for t in prompt]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt)):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        items = prompt
     else:
-        raise _invalid("prompt", "'prompt' must be one non-empty string or one list of token ids (n=1)")
-    # max_completion_tokens too, as on chat: the docs promise the same sampling fields on both routes.
-    # logprobs is a count here: 0 still asks for the sampled tokens' logprobs, so only null is neutral.
-    return GenerationRequest(prompt=prompt, **_common(body, ("max_completion_tokens", "max_tokens"), (None,)))
+        raise _invalid(
+            "prompt", "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either"
+        )
+    if len(items) > max_prompts:
+        raise _invalid(
+            "prompt", f"at most {max_prompts} prompts per request (--max-prompts-per-request), got {len(items)}"
+        )
+    prompts: list[str | list[int]] = []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise _invalid(where, f"'{where}' must not be empty")
+            prompts.append(item)
+        elif item and all(_is_token(t) for t in item):
+            prompts.append([int(t) for t in item])
+        else:
+            raise _invalid(where, f"'{where}' must be a non-empty string or a non-empty list of token ids")
+    echo = _opt_bool(body, "echo")
+    # logprobs is a count here: 0 still asks for the sampled tokens' own logprobs.
+    logprobs = _opt_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+    # max_completion_tokens too, as on chat: the docs promise the same sampling fields on both
+    # routes. With echo, max_tokens=0 asks for the prompt alone (its logprobs, for scoring).
+    common = _common(body, ("max_completion_tokens", "max_tokens"), 0 if echo else 1)
+    return GenerationRequest(prompt=prompts[0], prompts=tuple(prompts), logprobs=logprobs, echo=echo, **common)
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A validated ``/tokenize`` body (vLLM's): a ``prompt`` or chat ``messages``."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Mapping[str, Any]) -> TokenizeRequest:
+    """Validate a ``/tokenize`` body: ``prompt`` (text) or ``messages`` (rendered with the chat
+    template), ``add_special_tokens`` (default true, as vLLM), ``return_token_strs``; ``model``
+    optional (as vLLM: these routes serve the one model).
+
+    Raises:
+        ApiError: 400 naming the offending field.
+    """
+    model = _model(body) if body.get("model") is not None else None
+    prompt = body.get("prompt")
+    messages = None
+    if "messages" in body:
+        messages = parse_chat({**body, "model": model or ""}).messages
+    elif not isinstance(prompt, str):
+        raise _invalid("prompt", "'prompt' must be a string (or send 'messages' to tokenize a chat)")
+    add = body.get("add_special_tokens", True)
+    if not isinstance(add, bool):
+        raise _invalid("add_special_tokens", f"'add_special_tokens' must be a boolean, got {add!r}")
+    return TokenizeRequest(
+        model, prompt if messages is None else None, messages, add, _opt_bool(body, "return_token_strs")
+    )
+
+
+def parse_detokenize(body: Mapping[str, Any], vocab_size: int) -> tuple[str | None, list[int]]:
+    """Validate a ``/detokenize`` body: ``tokens``, a list of token ids in ``[0, vocab_size)``.
+
+    Raises:
+        ApiError: 400 naming the offending field.
+    """
+    model = _model(body) if body.get("model") is not None else None
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token(t) for t in tokens):
+        raise _invalid("tokens", "'tokens' must be a list of token ids (integers)")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise _invalid("tokens", f"token ids must be in [0, {vocab_size}), got {bad[0]}")
+    return model, [int(t) for t in tokens]
 
 
 @dataclass(frozen=True)
@@ -451,9 +539,12 @@ def chat_chunk(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion.chunk``; ``delta`` None gives the usage-only chunk (no choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    choices = (
+        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+    )
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -464,7 +555,14 @@ def chat_chunk(
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict[str, int]) -> dict[str, Any]:
+def chat_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -474,7 +572,7 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: d
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -482,35 +580,90 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: d
     }
 
 
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def completion_chunk(
     rid: str,
     created: int,
     model: str,
-    text: str | None,
-    finish_reason: str | None = None,
+    choice: dict[str, Any] | None,
     usage_: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """A streamed ``text_completion``; ``text`` None gives the usage-only chunk (no choices)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    """A streamed ``text_completion`` of one choice; ``choice`` None gives the usage-only chunk."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": choices,
+        "choices": [] if choice is None else [choice],
         "usage": usage_,
     }
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict[str, int]) -> dict[str, Any]:
+def completion_response(
+    rid: str, model: str, choices: Sequence[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": list(choices),
         "usage": usage_,
     }
+
+
+# A logprob of -inf is no JSON number: clamped as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+TokenText = tuple[str, float, Sequence[tuple[str, float]]]  # a token's text, logprob and top alternatives
+
+
+def chat_logprobs(entries: Sequence[TokenText]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {
+        "content": [
+            {
+                "token": text,
+                "logprob": _logprob(lp),
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": t, "logprob": _logprob(v), "bytes": list(t.encode())} for t, v in top],
+            }
+            for text, lp, top in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: Sequence[TokenText | str], text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``); a bare string is a token without a logprob (an echoed prompt's first)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for entry in entries:
+        offsets.append(text_offset)
+        if isinstance(entry, str):
+            tokens.append(entry)
+            token_logprobs.append(None)
+            tops.append(None)
+            text_offset += len(entry)
+            continue
+        text, lp, top = entry
+        tokens.append(text)
+        token_logprobs.append(_logprob(lp))
+        tops.append({t: _logprob(v) for t, v in top})
+        text_offset += len(text)
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
 
 
 def embedding_response(
