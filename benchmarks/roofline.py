@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from llm_step import decoding_loop  # the step benchmark's rows: chat prompts, all decoding
+from llm_step import checked_sizes, decoding_loop  # the step benchmark's rows: chat prompts, all decoding
 
 from batchkit.continuous import in_fresh_thread
 from batchkit.models.pretrained import PretrainedLM, load_pretrained
@@ -104,15 +104,7 @@ def main() -> None:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not dtypes or any(d not in DTYPES for d in dtypes):
         ap.error(f"--dtypes must be comma-separated names of {', '.join(DTYPES)}, got {args.dtypes!r}")
-    try:
-        sizes = [int(x) for x in args.rows.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        ap.error(f"--rows must be comma-separated ints >= 1, got {args.rows!r}")
-    for name in ("steps", "repeat", "threads", "peak_size"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    sizes = checked_sizes(ap, args, ("steps", "repeat", "threads", "peak_size"))
     if not 0 < args.target <= 1:
         ap.error(f"--target must be a fraction in (0, 1], got {args.target}")
     torch.set_num_threads(args.threads)

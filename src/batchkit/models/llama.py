@@ -250,8 +250,9 @@ class LlamaModel(nn.Module):
     projections (their weights stacked at load; the state dict keeps Hugging Face's names).
     On a CPU with oneDNN, :attr:`prepack_weights` (on by default) runs every linear layer on a
     copy of its weight reordered once for oneDNN, the first time it is used and again after the
-    weight changes: decode steps of 16-48 rows run about 1.2x faster, for twice the weights'
-    memory. Set it to False to keep only the weights (then the reordered copies are dropped).
+    weight changes: decode steps of SmolLM2-135M of 16-48 rows ran 1.1-1.2x faster (see
+    docs/benchmarks.md), for twice the weights' memory. Set it to False to keep only the
+    weights (the reordered copies are then dropped at the next step).
 
     >>> model = LlamaModel(LlamaConfig(), dtype=torch.float32)
     >>> kv = model.make_cache(num_blocks=256, block_size=16)
