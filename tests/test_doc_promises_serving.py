@@ -131,8 +131,6 @@ def test_every_documented_role_and_text_content_parts_are_taken(client: Any) -> 
 
 
 UNSUPPORTED = [
-    ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 2),
     ("/v1/chat/completions", "logit_bias", {"15": 5}),
     ("/v1/chat/completions", "presence_penalty", 0.5),
     ("/v1/chat/completions", "frequency_penalty", 1.0),
@@ -144,8 +142,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "web_search_options", {}),
-    ("/v1/completions", "logprobs", 2),
-    ("/v1/completions", "echo", True),
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "suffix", "!"),
     ("/v1/completions", "presence_penalty", 1.0),
@@ -616,6 +612,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
         "embedding_max_wait_ms": 1.0,
         "retry_after_s": 2,
         "max_request_bytes": 100_000,
+        "max_prompts_per_request": 8,
         "request_timeout_s": 30.0,
         "shutdown_grace_s": 1.0,
         "model_name": "chat",

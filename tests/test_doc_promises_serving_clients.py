@@ -457,9 +457,7 @@ def test_a_stop_string_completed_by_a_token_ending_mid_character_is_not_sent() -
 # ----------------------------------------------------------------------------- refused fields and prompts
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("n", 2), ("logprobs", True), ("presence_penalty", 0.5), ("logit_bias", {"15": 3})]
-)
+@pytest.mark.parametrize(("field", "value"), [("n", 2), ("presence_penalty", 0.5), ("logit_bias", {"15": 3})])
 def test_the_openai_client_gets_bad_request_for_an_unimplemented_field_streamed_or_not(
     client: Any, field: str, value: Any
 ) -> None:
@@ -471,16 +469,22 @@ def test_the_openai_client_gets_bad_request_for_an_unimplemented_field_streamed_
         assert (err.value.status_code, err.value.code, err.value.param) == (400, "unsupported_parameter", field)
 
 
-def test_logprobs_0_on_completions_asks_for_logprobs_and_is_refused(client: Any) -> None:
+def test_logprobs_0_on_completions_returns_the_sampled_tokens_logprobs(client: Any) -> None:
     """On /v1/completions `logprobs` is a count, and 0 still asks for the sampled tokens' log
-    probabilities (OpenAI: "may return up to logprobs+1 elements"): not the neutral value, so
-    400 `unsupported_parameter` naming it, from the openai client too (0 passed as equal to
-    `false`, and the answer came without the logprobs asked for). A field's neutral value is
-    that value, not one equal to it in Python: `best_of: true` is refused as well."""
-    for field, value in (("logprobs", 0), ("best_of", True), ("echo", 0)):
-        with pytest.raises(openai.BadRequestError) as err:
-            client.completions.create(model=CHAT, prompt="Hi", max_tokens=1, **{field: value})
-        assert (err.value.code, err.value.param) == ("unsupported_parameter", field)
+    probabilities (OpenAI: "may return up to logprobs+1 elements"): each token comes with its
+    logprob and no alternatives. A field's neutral value is that value, not one equal to it in
+    Python: `best_of: true` is refused, and `echo: 0` is not a boolean."""
+    r = client.completions.create(model=CHAT, prompt="Hi", max_tokens=2, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == 2
+    assert all(x <= 0 for x in lp.token_logprobs)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=CHAT, prompt="Hi", max_tokens=1, best_of=True)
+    assert (err.value.code, err.value.param) == ("unsupported_parameter", "best_of")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=CHAT, prompt="Hi", max_tokens=1, echo=0)
+    assert (err.value.code, err.value.param) == ("invalid_value", "echo")
     assert client.completions.create(model=CHAT, prompt="Hi", max_tokens=1, logprobs=None).choices[0].logprobs is None
 
 
