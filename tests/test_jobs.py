@@ -549,6 +549,25 @@ class TestAResumeChecksWhatResultsDependOn:
             run(double, src, tmp_path / "out.jsonl", id_field=None)
         assert sorted(line["output"] for line in read_jsonl(tmp_path / "out.jsonl")) == [2 * i for i in range(10)]
 
+    def test_reruns_after_a_record_moved_write_each_result_once(self, tmp_path: Path) -> None:
+        """A line added at the top of a finished id job moves its records; the rerun computes only
+        the new one, and later reruns of the same input compute nothing and write nothing twice
+        (the new record committed at a moved record's old line used to hide that record)."""
+        calls: list[str] = []
+
+        def shout(records: list[dict[str, Any]]) -> list[str]:
+            calls.extend(r["id"] for r in records)
+            return [r["id"].upper() for r in records]
+
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a"}, {"id": "b"}])
+        run(shout, src, tmp_path / "out.jsonl", max_wait_ms=0)
+        write_jsonl(src, [{"id": "x"}, {"id": "a"}, {"id": "b"}])
+        run(shout, src, tmp_path / "out.jsonl", max_wait_ms=0)
+        for _ in range(2):
+            run(shout, src, tmp_path / "out.jsonl", max_wait_ms=0)
+        assert calls == ["a", "b", "x"]
+        assert sorted(line["id"] for line in read_jsonl(tmp_path / "out.jsonl")) == ["a", "b", "x"]
+
     def test_switching_to_another_function_is_refused(self, tmp_path: Path) -> None:
         """A resume with another function is another job: refused naming both functions."""
         src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(5)])

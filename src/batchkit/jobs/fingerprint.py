@@ -95,50 +95,58 @@ class InputCheck:
     def __init__(self, committed: list[Committed], *, keyed_by_line: bool, key_of: Callable[[int, bytes], Any]) -> None:
         self.keyed_by_line = keyed_by_line
         self.key_of = key_of
-        self._by_line = {line: (key, digest) for key, line, digest in committed}
-        self._by_key = (
-            {} if keyed_by_line else {key: (line, digest) for key, line, digest in committed if key is not None}
-        )
-        self._matched: set[int] = set()  # lines of the committed records matched so far
+        self._committed = committed
+        # Committed records by the line they were read from: several when one moved away and
+        # another was later committed at its old line (an id job whose input grew above it).
+        self._by_line: dict[int, list[int]] = {}
+        for i, (_, line, _) in enumerate(committed):
+            self._by_line.setdefault(line, []).append(i)
+        self._by_key = {} if keyed_by_line else {key: i for i, (key, _, _) in enumerate(committed) if key is not None}
+        self._matched: set[int] = set()  # indices of the committed records matched so far
         self.found: dict[int, Any] = {}  # input line -> key of the committed record found there
         # Every committed record is matched: the rest of the input cannot change the verdict.
         # (An attribute, not a property: a resume asks once per input line.)
-        self.done = not self._by_line
+        self.done = not committed
 
-    def _match(self, committed_line: int, line: int, key: Any) -> None:
-        self._matched.add(committed_line)
-        self.found[line] = key
-        self.done = len(self._matched) == len(self._by_line)
+    def _match(self, index: int, line: int) -> None:
+        self._matched.add(index)
+        self.found[line] = self._committed[index][0]
+        self.done = len(self._matched) == len(self._committed)
 
     def feed(self, line: int, content: bytes) -> str | None:
         """Take the next input line; return why the input no longer holds a committed record, or
         None."""
         digest = content_digest(content)
         matched = self._matched
-        at = self._by_line.get(line)
-        if at is not None and line not in matched:
-            if at[1] == digest:
-                self._match(line, line, at[0])  # where it was, as it was
+        committed = self._committed
+        here = [i for i in self._by_line.get(line, ()) if i not in matched]
+        for i in here:
+            if committed[i][2] == digest:
+                self._match(i, line)  # where it was, as it was
                 return None
-            if self.keyed_by_line or at[0] is None:
-                return _changed(at[0], line, self.keyed_by_line)
+        for i in here:
+            key = committed[i][0]
+            if self.keyed_by_line or key is None:  # such a record cannot move: it changed
+                return _changed(key, line, self.keyed_by_line)
         if self.keyed_by_line:
             return None  # a line after the committed ones
         key = self.key_of(line, content)
-        if key is None or (c := self._by_key.get(key)) is None or c[0] in matched:
+        if key is None or (moved := self._by_key.get(key)) is None or moved in matched:
             return None  # no id, a new record, or a repeat of an id matched above
-        if c[1] != digest:
-            return _changed(key, c[0], self.keyed_by_line)
-        self._match(c[0], line, key)  # the record moved (lines were added or removed above it)
+        if committed[moved][2] != digest:
+            return _changed(key, committed[moved][1], self.keyed_by_line)
+        self._match(moved, line)  # the record moved (lines were added or removed above it)
         return None
 
     def finish(self) -> str | None:
         """The input ended: return why, if a committed record was not found in it."""
-        missing = sorted(set(self._by_line) - self._matched)
+        missing = sorted(
+            ((line, key) for i, (key, line, _) in enumerate(self._committed) if i not in self._matched),
+            key=lambda m: m[0],
+        )
         if not missing:
             return None
-        line = missing[0]
-        key = self._by_line[line][0]
+        line, key = missing[0]
         what = f"line {line}" if self.keyed_by_line or key is None else f"the record with id {key!r} (line {line})"
         more = f" (and {len(missing) - 1:,} more)" if len(missing) > 1 else ""
         return f"{what}{more} is no longer in the input"
@@ -167,11 +175,24 @@ def _changed(key: Any, line: int, keyed_by_line: bool) -> str:
 
 def canonical_json(record: object) -> bytes:
     """The content a record from an iterable or a Parquet file is fingerprinted by: its JSON with
-    sorted keys (values JSON cannot hold by ``tolist()`` or ``repr()``)."""
-    text = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=_jsonable)
+    sorted keys (keys of mixed types sorted by type name, then text), a set as its sorted items,
+    other values JSON cannot hold by ``tolist()`` or ``repr()`` (an object whose repr holds its
+    address fingerprints differently in every process: such a resume is refused, never wrong)."""
+    text = json.dumps(_canonical(record), ensure_ascii=False, separators=(",", ":"), default=_jsonable)
     return text.encode("utf-8", "surrogatepass")
+
+
+def _canonical(obj: object) -> Any:
+    if isinstance(obj, dict):
+        items = sorted(obj.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0])))
+        return {str(k) if not isinstance(k, str) else k: _canonical(v) for k, v in items}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted((_canonical(v) for v in obj), key=lambda v: json.dumps(v, default=_jsonable))
+    return obj
 
 
 def _jsonable(obj: object) -> Any:
     tolist = getattr(obj, "tolist", None)
-    return tolist() if callable(tolist) else repr(obj)
+    return _canonical(tolist()) if callable(tolist) else repr(obj)
