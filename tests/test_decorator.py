@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import threading
 
 import anyio
@@ -265,6 +266,48 @@ class TestAsyncDefWhereItRuns:
         assert threads == [threading.main_thread()]
         assert echo.loop_batcher is not None
         echo.close()
+
+    def test_a_call_handed_to_another_loop_leaves_its_own_loop_served(self) -> None:
+        """A coroutine made on loop A and awaited on loop B (another thread) runs where it is
+        awaited; A's own calls still run on A. The function stays an async def for frameworks
+        that ask ``inspect.iscoroutinefunction``."""
+
+        @batched(max_batch=4, max_wait_ms=1)
+        async def echo(xs: list[int]) -> list[int]:
+            return xs
+
+        assert inspect.iscoroutinefunction(type(echo).__call__)
+        other = asyncio.new_event_loop()
+        runner = threading.Thread(target=other.run_forever, daemon=True)
+        runner.start()
+
+        async def main() -> tuple[int, int]:
+            handed = asyncio.run_coroutine_threadsafe(echo(1), other)
+            return await asyncio.wait_for(asyncio.wrap_future(handed), WAIT), await asyncio.wait_for(echo(2), WAIT)
+
+        try:
+            assert asyncio.run(main()) == (1, 2)
+        finally:
+            other.call_soon_threadsafe(other.stop)
+            runner.join(WAIT)
+            other.close()
+        echo.close()
+
+    def test_close_from_a_task_of_the_owning_loop_refuses_the_next_call_at_once(self) -> None:
+        """close() called in a coroutine of the loop it serves starts the drain there, and a call
+        right after it raises BatcherClosed."""
+
+        @batched(max_batch=4, max_wait_ms=1)
+        async def echo(xs: list[int]) -> list[int]:
+            return xs
+
+        async def main() -> None:
+            assert await echo(1) == 1
+            echo.close()
+            with pytest.raises(batchkit.BatcherClosed):
+                await echo(2)
+
+        asyncio.run(asyncio.wait_for(main(), WAIT))
 
     def test_a_new_loop_after_the_first_closed_is_served_on_the_new_loop(self) -> None:
         """Two ``asyncio.run`` one after the other: each run's calls run on its own loop."""

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar, overload
 import anyio.to_thread
 from typing_extensions import Unpack
 
-from ._errors import QueueFull
+from ._errors import BatcherClosed, QueueFull
 from ._progress import progress_bar
 from .async_batcher import AsyncBatcher
 from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, check_batcher_options, is_async_callable
@@ -247,7 +247,7 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
             loop = asyncio.get_running_loop()
         except RuntimeError:  # trio, or no loop
             return None
-        if self._owner is loop:
+        if self._owner is loop and not self._closed:
             return self._on_loop
         with self._lock:
             if self._closed:
@@ -264,24 +264,20 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
             self._owner = loop
             return self._on_loop
 
-    def __call__(self, item: T, **kwargs: Any) -> Coroutine[Any, Any, R]:
-        # Called from a task of the loop: the on-loop batcher's own coroutine, not one wrapping
-        # it (a frame less per call, on a path that costs a few microseconds in all).
-        b = self._batcher_here()
-        if b is not None:
-            return b.submit(item, **kwargs)
-        return self._call_when_awaited(item, kwargs)
-
-    async def _call_when_awaited(self, item: T, kwargs: dict[str, Any]) -> R:
-        # Decided where it is awaited: ``asyncio.run(f(x))`` makes the coroutine before the loop.
+    async def __call__(self, item: T, **kwargs: Any) -> R:
+        # Decided where the call is awaited, not where the coroutine was made (asyncio.run(f(x))
+        # makes it before its loop runs; a coroutine may be handed to another loop), and an
+        # async def, so that frameworks that ask inspect.iscoroutinefunction see one.
+        if self._closed:  # at once, also while close() still drains the on-loop batcher
+            raise BatcherClosed(f"{self.batcher.name}: the batcher is closed; create a new one to submit")
         b = self._batcher_here()
         if b is not None:
             return await b.submit(item, **kwargs)
         return await self.batcher.asubmit(item, **kwargs)
 
-    def acall(self, item: T, **kwargs: Any) -> Coroutine[Any, Any, R]:
+    async def acall(self, item: T, **kwargs: Any) -> R:
         """Await the result for ``item``: ``await f(item)``."""
-        return self(item, **kwargs)
+        return await self(item, **kwargs)
 
     def flush(self) -> None:
         b, owner = self._on_loop, self._owner
@@ -297,14 +293,19 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
         :class:`~batchkit.BatcherClosed`. Called from a task of the loop the on-loop batcher
         serves, that batcher's close is started and not waited for (use :meth:`aclose` there)."""
         b, owner = self._close_on_loop()
-        if b is not None and owner is not None:
-            if _running_loop() is owner:
-                owner.create_task(b.aclose(**kwargs))
-            elif owner.is_running():
-                asyncio.run_coroutine_threadsafe(b.aclose(**kwargs), owner).result()
-            else:
-                owner.run_until_complete(b.aclose(**kwargs))
-        super().close(**kwargs)
+        try:
+            if b is not None and owner is not None:
+                here = _running_loop()
+                if here is owner:
+                    owner.create_task(b.aclose(**kwargs))
+                elif owner.is_running():
+                    _wait_while_running(asyncio.run_coroutine_threadsafe(b.aclose(**kwargs), owner), owner)
+                elif here is None:
+                    owner.run_until_complete(b.aclose(**kwargs))
+                # Else the owner is idle and another loop runs here: what waits on the owner is
+                # drained when it runs again (new calls are refused already).
+        finally:
+            super().close(**kwargs)
 
     async def aclose(self, **kwargs: Any) -> None:
         b, owner = self._close_on_loop()
@@ -312,7 +313,8 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
             if _running_loop() is owner:
                 await b.aclose(**kwargs)
             elif owner.is_running():
-                await anyio.to_thread.run_sync(asyncio.run_coroutine_threadsafe(b.aclose(**kwargs), owner).result)
+                fut = asyncio.run_coroutine_threadsafe(b.aclose(**kwargs), owner)
+                await anyio.to_thread.run_sync(_wait_while_running, fut, owner)
         await super().aclose(**kwargs)
 
     def _close_on_loop(self) -> tuple[AsyncBatcher[T, R] | None, asyncio.AbstractEventLoop | None]:
@@ -332,6 +334,21 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
         if b is not None and (self._batcher is None or self._batcher.statistics().submitted == 0):
             return b.statistics()
         return super().statistics()
+
+
+def _wait_while_running(fut: concurrent.futures.Future[None], loop: asyncio.AbstractEventLoop) -> None:
+    """Wait for ``fut``, a coroutine run on ``loop`` from another thread, while that loop runs: a
+    loop that stops first drops it (it would never finish), and a loop that shuts down cancels it."""
+    while True:
+        try:
+            fut.result(timeout=0.05)
+            return
+        except concurrent.futures.TimeoutError:
+            if loop.is_closed() or not loop.is_running():
+                fut.cancel()
+                return
+        except concurrent.futures.CancelledError:
+            return
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
