@@ -277,6 +277,22 @@ def test_a_long_embedding_input_reaches_the_encoder_cut_and_embeds_as_the_whole_
     assert r.json()["usage"]["prompt_tokens"] == counts[0] == encoder.max_seq_length
 
 
+def test_an_encoder_that_truncates_on_the_left_gets_its_long_inputs_whole(models: tuple[Any, Any]) -> None:
+    """A tokenizer with ``truncation_side="left"`` keeps a text's last tokens, which no prefix
+    holds: its inputs are never cut (a cut one embedded as another text)."""
+    import copy
+
+    from batchkit.serve.app import _InputCutter
+
+    _, encoder = models
+    tokenizer = copy.deepcopy(encoder.tokenizer)
+    cutter = _InputCutter(tokenizer, encoder.max_seq_length)
+    text = " ".join(f"word{i}" for i in range(20_000))
+    assert len(cutter.cut(text)) < len(text)
+    tokenizer.truncation_side = "left"
+    assert cutter.cut(text) == text
+
+
 def _ascii_json(body: Any) -> bytes:
     """``body`` as JSON with every non-ASCII character escaped, so that a lone surrogate travels as
     the escape ``\\ud800`` (httpx's ``json=`` would fail to encode it as UTF-8)."""

@@ -1248,11 +1248,15 @@ class _InputCutter:
     def __init__(self, tokenizer: Any, max_seq_length: int) -> None:
         self.max_seq_length = max_seq_length
         self.min_chars = 8 * max_seq_length  # below it a text is cheap to tokenize whole: left alone
+        self.tokenizer = tokenizer
         self.backend = _prefix_stable_copy(tokenizer)
         self.lock = threading.Lock()
 
     def would_cut(self, text: str) -> bool:
-        return self.backend is not None and len(text) > self.min_chars
+        # A tokenizer that truncates on the left keeps the text's last tokens: no prefix holds them
+        # (read at each cut: the attribute may be changed after the server started).
+        right = getattr(self.tokenizer, "truncation_side", "right") == "right"
+        return right and self.backend is not None and len(text) > self.min_chars
 
     def cut(self, text: str) -> str:
         """``text``, or a prefix of it that the encoder turns into the same tokens."""
