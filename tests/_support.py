@@ -29,6 +29,21 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120.0,
         time.sleep(every)
 
 
+def wait_for_ready(proc: Any, url: str, log: Any, what: str = "batchkit serve to be ready") -> None:
+    """Wait until the ``batchkit serve`` subprocess ``proc`` answers ``GET {url}/ready`` with 200;
+    AssertionError with its stderr (the file ``log``) if it exits first."""
+    import httpx
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text()
+        try:
+            return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, what)
+
+
 class LiveServer:
     """An ASGI app served by uvicorn in a thread on a free loopback port (needs the ``serve``
     extra). Entered: running, and warm (``GET /ready`` answers 200) unless ``ready=False``, which

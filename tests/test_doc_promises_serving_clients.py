@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from _support import LiveServer, installed
+from _support import LiveServer, installed, wait_for_ready
 from _support import wait_until as _wait_until
 
 pytest.importorskip("torch")
@@ -693,15 +693,7 @@ def test_ctrl_c_lets_streams_run_on_and_a_second_one_ends_them_with_an_error_eve
         concurrent.futures.ThreadPoolExecutor(1) as pool,
     ):
         try:
-
-            def ready() -> bool:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
-                except httpx.TransportError:
-                    return False
-
-            _wait_until(ready, "batchkit serve to be ready")
+            wait_for_ready(proc, url, log, "batchkit serve to be ready")
             with (
                 openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as client,
                 httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=WAIT_S) as raw,

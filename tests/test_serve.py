@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 
-from _support import LiveServer, installed
+from _support import LiveServer, installed, wait_for_ready
 from _support import wait_until as _wait_until
 
 pytest.importorskip("torch")
@@ -1069,15 +1069,7 @@ def test_serve_command_serves_until_sigterm_then_stops_cleanly(tmp_path: Path) -
     command = _serve_command("--embedding-model", EMBED, "--port", str(port), "--log-level", "warning")
     with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc:
         try:
-
-            def ready() -> bool:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
-                except httpx.TransportError:
-                    return False
-
-            _wait_until(ready, "batchkit serve to report ready")
+            wait_for_ready(proc, url, log, "batchkit serve to report ready")
             r = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED, "input": "hello"}, timeout=30)
             assert r.status_code == 200
             assert len(r.json()["data"][0]["embedding"]) == 384
@@ -1103,15 +1095,7 @@ def test_serve_command_steps_the_chat_model_in_the_main_thread_and_stops_on_sigt
     command = _serve_command("--model", CHAT, "--port", str(port), "--log-level", "warning", "--num-blocks", "64")
     with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc:
         try:
-
-            def ready() -> bool:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
-                except httpx.TransportError:
-                    return False
-
-            _wait_until(ready, "batchkit serve to report ready")
+            wait_for_ready(proc, url, log, "batchkit serve to report ready")
             body = {
                 "model": CHAT,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}],

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from _support import wait_until
+from _support import wait_for_ready
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -88,15 +88,7 @@ def server(qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     command += ["--num-blocks", "64", "--max-num-seqs", "4", "--log-level", "warning"]
     with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err) as proc:
         try:
-
-            def ready() -> bool:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    return bool(httpx.get(f"{url}/ready", timeout=5).status_code == 200)
-                except httpx.TransportError:
-                    return False
-
-            wait_until(ready, "batchkit serve to be ready")
+            wait_for_ready(proc, url, log, "batchkit serve to be ready")
             yield url
         finally:
             proc.terminate()
