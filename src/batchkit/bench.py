@@ -32,6 +32,7 @@ import importlib
 import json
 import math
 import random
+import signal
 import sys
 import threading
 import time
@@ -402,13 +403,33 @@ def run_point(
         # Every request is bounded by the queue wait and timeout_s per batch; this guard is the last resort.
         limit = duration_s + max_wait_ms / 1e3 + 3 * timeout_s + 10.0
 
+        interrupted = False
+
+        async def on_ctrl_c(scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+            # Ctrl-C read by the event loop, not the host task's native cancel that asyncio's runner
+            # sends: anyio's cancel scopes can swallow that one, leaving the run hanging.
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT) as signals:
+                task_status.started()
+                async for _ in signals:
+                    interrupted = True
+                    scope.cancel()
+                    return
+
         async def guarded() -> bool:
-            with anyio.move_on_after(limit):
-                await main()
-                return True
+            async with anyio.create_task_group() as tg:
+                if threading.current_thread() is threading.main_thread() and sys.platform != "win32":
+                    await tg.start(on_ctrl_c, tg.cancel_scope)
+                with anyio.move_on_after(limit):
+                    await main()
+                    tg.cancel_scope.cancel()
+                    return True
+                tg.cancel_scope.cancel()
             return False
 
         finished = anyio.run(guarded)
+        if interrupted:
+            raise KeyboardInterrupt
         seconds = time.perf_counter() - t0
         stats = b.statistics()
     except BaseException:
