@@ -1,6 +1,6 @@
 """The CUDA kernels on a real device, compared bit for bit with the torch reference.
 
-Run on a machine with a GPU: ``pytest -m gpu tests/gpu`` (or ``bash benchmarks/gpu_check.sh``).
+Run on a machine with a GPU: ``pytest -m gpu tests/cuda`` (or ``bash benchmarks/gpu_check.sh``).
 Every cache here is built with ``backend="cuda"``: with ``"auto"`` a CuPy that cannot compile
 the kernels would fall back to torch and these tests would pass without testing the kernels.
 """

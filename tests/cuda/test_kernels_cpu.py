@@ -257,7 +257,7 @@ def test_extras_offer_one_cupy_per_cuda_major_version() -> None:
     """``cuda12`` and ``cuda13`` each bring one CuPy and the toolkit parts it compiles with;
     ``cuda`` stays an alias of ``cuda12`` for older instructions."""
     tomllib = pytest.importorskip("tomllib")
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if not pyproject.is_file():
         pytest.skip("not run from a source checkout")
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
