@@ -1,4 +1,4 @@
-"""AdaptiveBatchController, CircuitBreaker, out-of-memory backoff and the AdaptiveTuner."""
+"""CircuitBreaker: its states on a clock, and a batcher that fails fast behind an open circuit, probes and recovers."""
 
 from __future__ import annotations
 
@@ -9,86 +9,17 @@ from typing import Any
 
 import pytest
 
-import batchkit
 from _support import DUE_BY_REASON, DUE_BY_REASON_OPTIONS, wait_until
 from batchkit import (
-    AdaptiveBatchController,
-    AdaptiveTuner,
     BatchSizeMismatch,
     BatchTimeout,
     CircuitBreaker,
     CircuitOpen,
     DynamicBatcher,
 )
-from batchkit.adaptive import TunableTarget
 from batchkit.testing import MockClock
 
 WAIT = 10
-
-
-def ctl(**kw: object) -> AdaptiveBatchController:
-    args: dict[str, object] = {"target_queue": 4, "min_batch": 1, "max_batch": 8, "initial": 4, "clock": MockClock()}
-    args.update(kw)
-    return AdaptiveBatchController(**args)  # type: ignore[arg-type]
-
-
-def test_clipped_sign_rule() -> None:
-    """B moves by eta towards the queue target, clipped to [min, max]; each decision has a reason."""
-    c = ctl(eta=2)
-    assert c.update(10).batch_size == 6
-    assert c.update(10).batch_size == 8
-    assert c.update(10).batch_size == 8  # clipped
-    d = c.update(0)
-    assert (d.batch_size, d.reason) == (6, "queue_down")
-    for _ in range(5):
-        c.update(0)
-    assert c.batch_size == 1
-    assert [d.reason for d in list(c.decisions)[:2]] == ["queue_up", "queue_up"]
-
-
-def test_deadband_and_cooldown_prevent_oscillation() -> None:
-    """Inside the deadband nothing changes; after a change, the cooldown holds the size."""
-    clock = MockClock()
-    c = ctl(deadband=1, cooldown_s=1.0, clock=clock)
-    assert c.update(5).reason == "deadband"
-    assert c.update(9).batch_size == 5
-    assert c.update(9).reason == "cooldown"
-    clock.advance(1.0)
-    assert c.update(9).batch_size == 6
-
-
-def test_latency_guard_steps_down_near_the_slo() -> None:
-    """High recent latency without a backlog, or slow batches without a backlog, step the size down."""
-    clock = MockClock()
-    c = ctl(latency_slo_ms=100, clock=clock)
-    c.observe_latencies([0.09] * 50)
-    assert c.update(4).reason == "latency"
-    assert c.batch_size == 3
-    clock.advance(10)  # the window forgets old samples
-    assert c.update(10).reason == "queue_up"
-    c.observe_batch(4, 0.045)  # 2 * 45 ms >= 0.9 * 100 ms
-    assert c.update(4).reason == "latency"
-
-
-def test_memory_guard_and_oom_ceiling() -> None:
-    """Low memory headroom steps down; an OOM halves the ceiling below the failed batch."""
-    headroom = {"free": 0.5}
-    c = ctl(memory_headroom=lambda: headroom["free"], min_headroom=0.2)
-    assert c.update(10).reason == "queue_up"
-    headroom["free"] = 0.1
-    assert c.update(10).reason == "memory"
-    c.on_oom(4)
-    assert c.ceiling == 2
-    assert c.batch_size <= 2
-    assert c.update(100).batch_size <= 2 or c.decisions[-1].reason == "memory"
-
-
-def test_controller_validates_its_limits() -> None:
-    """Inconsistent limits are ValueErrors."""
-    with pytest.raises(ValueError, match="min_batch <= max_batch"):
-        AdaptiveBatchController(target_queue=1, min_batch=4, max_batch=2)
-    with pytest.raises(ValueError, match="initial"):
-        AdaptiveBatchController(target_queue=1, max_batch=2, initial=3)
 
 
 def test_circuit_breaker_opens_probes_and_closes() -> None:
@@ -139,22 +70,6 @@ def test_a_state_read_racing_the_probe_does_not_let_a_second_probe_through() -> 
     br.record(False)
     clock.advance(5)
     assert br.allow_dispatch(), "the next opening has its own probe"
-
-
-def test_out_of_memory_splits_the_batch_and_lowers_the_ceiling() -> None:
-    """A batch function that runs out of memory above 2 items still answers everyone."""
-
-    def fn(xs: list[int]) -> list[int]:
-        if len(xs) > 2:
-            raise MemoryError("too big")
-        return [x * 2 for x in xs]
-
-    c = AdaptiveBatchController(target_queue=0, max_batch=8, initial=8, clock=MockClock())
-    with DynamicBatcher(fn, max_batch_size=8, max_wait_ms=1e6, controller=c, clock=MockClock()) as b:
-        futs = [b.submit(i) for i in range(8)]
-        assert [f.result(WAIT) for f in futs] == [2 * i for i in range(8)]
-        assert c.ceiling <= 4
-        assert b.max_batch_size <= 4
 
 
 def test_circuit_breaker_in_a_batcher_fails_fast_then_recovers() -> None:
@@ -301,42 +216,6 @@ def test_a_probe_of_another_batcher_sharing_the_breaker_does_not_strand_a_closin
         b.close(timeout=WAIT)
 
 
-def test_controller_grows_the_batch_under_backlog_in_a_batcher() -> None:
-    """Plugged into a batcher, the controller raises max_batch_size while a backlog remains."""
-    c = AdaptiveBatchController(target_queue=0, max_batch=16, initial=1, clock=MockClock())
-    with DynamicBatcher(lambda xs: xs, max_wait_ms=1e6, controller=c, clock=MockClock()) as b:
-        futs = [b.submit(i) for i in range(40)]
-        b.flush()
-        concurrent.futures.wait(futs, timeout=WAIT)
-        assert max(x.size for x in b.recent_batches()) > 1
-        assert [f.result() for f in futs] == list(range(40))
-
-
-def test_tuner_applies_a_policy_to_a_batcher_and_a_decode_loop() -> None:
-    """AdaptiveTuner reads the target's statistics and sets its live limit; any policy object works."""
-    # max_batch_size above the 10 items and a clock that never moves: nothing is dispatched, the depth is exact.
-    b = DynamicBatcher(lambda xs: xs, max_batch_size=64, max_wait_ms=1e6, clock=MockClock())
-    for i in range(10):
-        b.submit(i)
-    seen = []
-
-    class Policy:
-        def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int:
-            seen.append(queue_depth)
-            return 16
-
-    assert AdaptiveTuner(b, Policy()).step() == 16
-    assert b.max_batch_size == 16
-    assert seen == [10.0]
-    b.close()
-    torch = pytest.importorskip("torch")
-    kv = batchkit.PagedKVCache(1, 16, 4, 1, 4)
-    loop = batchkit.ContinuousDecodeLoop(lambda batch, kv: torch.zeros(len(batch.sample_indices), 8), kv)
-    tuner = AdaptiveTuner(loop, AdaptiveBatchController(target_queue=1, max_batch=64, initial=32))
-    assert tuner.step() == 31  # nothing waiting: step down
-    assert loop.scheduler.max_num_seqs == 31
-
-
 @pytest.mark.parametrize(
     "bad_result",
     [lambda xs: xs + xs, lambda xs: 42],
@@ -399,82 +278,6 @@ def test_a_probe_that_never_ran_frees_the_half_open_slot() -> None:
     br.release_probe()
     assert br.state == "half_open"
     assert br.allow_dispatch()
-
-
-def test_tuner_drives_any_tunable_target_through_its_public_protocol() -> None:
-    """AdaptiveTuner reads queue_depth() and the new latency samples of a TunableTarget and applies
-    the policy's size with set_batch_limit(); it passes each sample to the policy once."""
-
-    class Target:
-        def __init__(self) -> None:
-            self.samples = [0.1, 0.2]
-            self.limit = 0
-
-        def queue_depth(self) -> int:
-            return 7
-
-        def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
-            return self.samples[since:], len(self.samples)
-
-        def set_batch_limit(self, size: int) -> None:
-            self.limit = size
-
-    seen: list[tuple[float, list[float]]] = []
-
-    class Policy:
-        def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int:
-            seen.append((queue_depth, latencies_s))
-            return 5
-
-    target = Target()
-    assert isinstance(target, TunableTarget)
-    tuner = AdaptiveTuner(target, Policy(), clock=MockClock())
-    assert tuner.step() == 5
-    target.samples.append(0.3)
-    tuner.step()
-    assert seen == [(7.0, [0.1, 0.2]), (7.0, [0.3])]
-    assert target.limit == 5
-
-
-def test_tuner_refuses_a_target_it_cannot_drive() -> None:
-    """A target that is neither a TunableTarget nor a decode loop is a TypeError naming the protocol."""
-    with pytest.raises(TypeError, match="needs a TunableTarget"):
-        AdaptiveTuner(object(), AdaptiveBatchController(target_queue=1))
-
-
-def test_a_batcher_is_a_tunable_target() -> None:
-    """DynamicBatcher implements TunableTarget: its queue depth, each answered caller's latency
-    once, and set_batch_limit setting max_batch_size."""
-    clock = MockClock()
-    with DynamicBatcher(lambda xs: xs, max_batch_size=2, max_wait_ms=1e6, clock=clock) as b:
-        assert isinstance(b, TunableTarget)
-        futures = [b.submit(i) for i in range(2)]
-        assert [f.result(WAIT) for f in futures] == [0, 1]
-        assert b.latency_samples(0) == ([0.0, 0.0], 2)
-        assert b.latency_samples(2) == ([], 2)
-        b.submit(9)
-        assert b.queue_depth() == 1
-        b.set_batch_limit(5)
-        assert b.max_batch_size == 5
-
-
-def test_slow_batches_do_not_shrink_the_batch_under_a_backlog() -> None:
-    """The batch-time guard shrinks the batch when one batch takes half the SLO, but not while a
-    backlog grows: there, shrinking would cut throughput and let queueing delay explode. The
-    previous controller shrank in both cases."""
-    clock = MockClock()
-    ctl = AdaptiveBatchController(
-        target_queue=4, eta=2, min_batch=1, max_batch=64, initial=8, latency_slo_ms=80, cooldown_s=0, clock=clock
-    )
-    ctl.observe_batch(8, 0.050)  # 50 ms >= 0.9 * 80 / 2
-    clock.advance(1)
-    assert ctl.update(queue_depth=4).reason == "latency"  # no backlog: shrink
-    assert ctl.batch_size == 6
-    clock.advance(1)
-    ctl.observe_batch(6, 0.050)
-    d = ctl.update(queue_depth=100)  # a backlog: grow for throughput instead
-    assert d.reason == "queue_up"
-    assert ctl.batch_size == 8
 
 
 class _Flaky:

@@ -1,0 +1,129 @@
+"""AdaptiveTuner: a policy applied to any tunable target (a batcher, a decode loop) through its public protocol."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchkit
+from batchkit import (
+    AdaptiveBatchController,
+    AdaptiveTuner,
+    DynamicBatcher,
+)
+from batchkit.adaptive import TunableTarget
+from batchkit.testing import MockClock
+
+WAIT = 10
+
+
+def test_tuner_applies_a_policy_to_a_batcher_and_a_decode_loop() -> None:
+    """AdaptiveTuner reads the target's statistics and sets its live limit; any policy object works."""
+    # max_batch_size above the 10 items and a clock that never moves: nothing is dispatched, the depth is exact.
+    b = DynamicBatcher(lambda xs: xs, max_batch_size=64, max_wait_ms=1e6, clock=MockClock())
+    for i in range(10):
+        b.submit(i)
+    seen = []
+
+    class Policy:
+        def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int:
+            seen.append(queue_depth)
+            return 16
+
+    assert AdaptiveTuner(b, Policy()).step() == 16
+    assert b.max_batch_size == 16
+    assert seen == [10.0]
+    b.close()
+    torch = pytest.importorskip("torch")
+    kv = batchkit.PagedKVCache(1, 16, 4, 1, 4)
+    loop = batchkit.ContinuousDecodeLoop(lambda batch, kv: torch.zeros(len(batch.sample_indices), 8), kv)
+    tuner = AdaptiveTuner(loop, AdaptiveBatchController(target_queue=1, max_batch=64, initial=32))
+    assert tuner.step() == 31  # nothing waiting: step down
+    assert loop.scheduler.max_num_seqs == 31
+
+
+def test_tuner_drives_any_tunable_target_through_its_public_protocol() -> None:
+    """AdaptiveTuner reads queue_depth() and the new latency samples of a TunableTarget and applies
+    the policy's size with set_batch_limit(); it passes each sample to the policy once."""
+
+    class Target:
+        def __init__(self) -> None:
+            self.samples = [0.1, 0.2]
+            self.limit = 0
+
+        def queue_depth(self) -> int:
+            return 7
+
+        def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+            return self.samples[since:], len(self.samples)
+
+        def set_batch_limit(self, size: int) -> None:
+            self.limit = size
+
+    seen: list[tuple[float, list[float]]] = []
+
+    class Policy:
+        def decide(self, queue_depth: float, latencies_s: list[float], now: float) -> int:
+            seen.append((queue_depth, latencies_s))
+            return 5
+
+    target = Target()
+    assert isinstance(target, TunableTarget)
+    tuner = AdaptiveTuner(target, Policy(), clock=MockClock())
+    assert tuner.step() == 5
+    target.samples.append(0.3)
+    tuner.step()
+    assert seen == [(7.0, [0.1, 0.2]), (7.0, [0.3])]
+    assert target.limit == 5
+
+
+def test_tuner_refuses_a_target_it_cannot_drive() -> None:
+    """A target that is neither a TunableTarget nor a decode loop is a TypeError naming the protocol."""
+    with pytest.raises(TypeError, match="needs a TunableTarget"):
+        AdaptiveTuner(object(), AdaptiveBatchController(target_queue=1))
+
+
+def test_a_batcher_is_a_tunable_target() -> None:
+    """DynamicBatcher implements TunableTarget: its queue depth, each answered caller's latency
+    once, and set_batch_limit setting max_batch_size."""
+    clock = MockClock()
+    with DynamicBatcher(lambda xs: xs, max_batch_size=2, max_wait_ms=1e6, clock=clock) as b:
+        assert isinstance(b, TunableTarget)
+        futures = [b.submit(i) for i in range(2)]
+        assert [f.result(WAIT) for f in futures] == [0, 1]
+        assert b.latency_samples(0) == ([0.0, 0.0], 2)
+        assert b.latency_samples(2) == ([], 2)
+        b.submit(9)
+        assert b.queue_depth() == 1
+        b.set_batch_limit(5)
+        assert b.max_batch_size == 5
+
+
+class _Policy:
+    def __init__(self, choice: Any) -> None:
+        self.choice = choice
+
+    def decide(self, queue_depth: float, latencies_s: Any, now: float) -> Any:
+        return self.choice
+
+
+class TestAPolicysAnswerIsCheckedBeforeItIsApplied:
+    """What an ``AdaptiveTuner`` policy returns is checked before it reaches the target: a bool, a
+    string ``int()`` would parse, None or NaN is a ValueError and the batch size stays."""
+
+    @pytest.mark.parametrize("choice", [True, "8", None, float("nan"), float("inf")], ids=repr)
+    def test_a_policy_choice_that_is_not_a_number_is_refused(self, choice: Any) -> None:
+        with batchkit.DynamicBatcher(lambda xs: xs, max_batch_size=4, max_wait_ms=1) as b:
+            tuner = batchkit.AdaptiveTuner(b, _Policy(choice))
+            with pytest.raises(ValueError, match="policy chose batch size"):
+                tuner.step()
+            assert b.max_batch_size == 4
+            assert b(1) == 1
+
+    @pytest.mark.parametrize("choice", [6, 6.0, np.int64(6), np.float32(6.5)], ids=repr)
+    def test_a_policy_choice_that_is_a_number_is_applied(self, choice: Any) -> None:
+        with batchkit.DynamicBatcher(lambda xs: xs, max_batch_size=4, max_wait_ms=1) as b:
+            assert batchkit.AdaptiveTuner(b, _Policy(choice)).step() == 6
+            assert b.max_batch_size == 6
