@@ -10,7 +10,10 @@ the waiting queue with its generated tokens as part of its prompt; with prefix c
 its own cached blocks) or by swap (its blocks move to the CPU pool). A waiting request of better
 priority may preempt a worse running one. Finished sequences free their blocks in the same step.
 
-Nothing here calls the model, sleeps or takes a lock: the runtime (``ContinuousDecodeLoop``) does.
+Nothing here calls the model, sleeps, takes a lock or reads a clock of its own: the runtime
+(``ContinuousDecodeLoop``) does, and tells ``add``, ``schedule`` and ``update`` the time (``now``;
+left out, they read the scheduler's ``clock``). A request's life is :data:`TRANSITIONS`, one
+table; :meth:`Scheduler._move` is the only code that changes a request's status.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import heapq
 import math
 import numbers
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -34,17 +38,78 @@ from ..metrics import LatencySummary, SampleWindow
 from .logprobs import TokenLogprobs
 from .sampling import DecodedText, SamplingParams, find_stop
 
-__all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "SchedulerStatistics", "TokenEvent"]
+__all__ = [
+    "HOLDS_BLOCKS",
+    "TRANSITIONS",
+    "Request",
+    "RequestStatus",
+    "ScheduledStep",
+    "Scheduler",
+    "SchedulerStatistics",
+    "TokenEvent",
+    "Transition",
+]
 
 PreemptionMode = Literal["recompute", "swap"]
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is: each live one is in the scheduler's list of that name."""
+
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
     ABORTED = "aborted"
+
+
+class Transition(enum.Enum):
+    """What moves a request from one :class:`RequestStatus` to another (:data:`TRANSITIONS`)."""
+
+    ADMIT = "admit"  # its prompt's blocks allocated
+    SWAP_OUT = "swap_out"  # its blocks moved to the CPU pool
+    SWAP_IN = "swap_in"  # back from the CPU pool
+    RECOMPUTE = "recompute"  # its blocks freed: it waits again, its output part of its prompt
+    FINISH = "finish"  # a stop condition
+    FAIL = "fail"  # an error (a deadline, an outgrown cache or quota, a failing detokenize)
+    ABORT = "abort"
+
+
+_WAITING, _RUNNING, _SWAPPED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED
+_FINISHED, _ABORTED = RequestStatus.FINISHED, RequestStatus.ABORTED
+
+#: The request state machine, whole: ``TRANSITIONS[status][transition]`` is the next status; a
+#: transition a status does not list is a scheduler bug. Every request starts ``WAITING``
+#: (``Scheduler.add``); ``FINISHED`` and ``ABORTED`` are final.
+TRANSITIONS: Mapping[RequestStatus, Mapping[Transition, RequestStatus]] = MappingProxyType(
+    {
+        _WAITING: MappingProxyType(
+            {Transition.ADMIT: _RUNNING, Transition.FAIL: _FINISHED, Transition.ABORT: _ABORTED}
+        ),
+        _RUNNING: MappingProxyType(
+            {
+                Transition.SWAP_OUT: _SWAPPED,
+                Transition.RECOMPUTE: _WAITING,
+                Transition.FINISH: _FINISHED,
+                Transition.FAIL: _FINISHED,
+                Transition.ABORT: _ABORTED,
+            }
+        ),
+        _SWAPPED: MappingProxyType(
+            {
+                Transition.SWAP_IN: _RUNNING,
+                Transition.RECOMPUTE: _WAITING,
+                Transition.FAIL: _FINISHED,
+                Transition.ABORT: _ABORTED,
+            }
+        ),
+        _FINISHED: MappingProxyType({}),
+        _ABORTED: MappingProxyType({}),
+    }
+)
+#: The statuses whose requests hold blocks (the device's, or the CPU pool's when swapped): a
+#: transition out of them to a status not in this set frees the request's blocks.
+HOLDS_BLOCKS: frozenset[RequestStatus] = frozenset({_RUNNING, _SWAPPED})
 
 
 class Request:
@@ -185,6 +250,29 @@ class SchedulerStatistics:
     queue_wait_recent: LatencySummary
 
 
+@dataclass(eq=False, slots=True)
+class _StepPlan:
+    """The step :meth:`Scheduler.schedule` is deciding, filled in by its phases in turn."""
+
+    budget: int  # tokens left of max_num_batched_tokens
+    requests: list[Request] = field(default_factory=list)  # scheduled, in order
+    counts: list[int] = field(default_factory=list)  # each one's new tokens
+    slots: list[np.ndarray] = field(default_factory=list)  # the slots of each one's new tokens
+    scheduled: set[int] = field(default_factory=set)  # id() of each one, for the victim search
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swapped_here: list[Request] = field(default_factory=list)  # swapped out by this step
+    preempted: bool = False  # by the limit or for blocks: then nothing comes back or is admitted
+
+    def take(self, req: Request, n: int, slots: np.ndarray) -> None:
+        """Schedule ``n`` new tokens of ``req`` into ``slots``."""
+        self.requests.append(req)
+        self.counts.append(n)
+        self.slots.append(slots)
+        self.scheduled.add(id(req))
+        self.budget -= n
+
+
 class Scheduler:
     """Iteration-level scheduling over a :class:`PagedKVAllocator`.
 
@@ -193,7 +281,8 @@ class Scheduler:
         max_num_seqs: at most this many requests run (>= 1).
         max_num_batched_tokens: token budget per step, shared by prefill chunks and decodes.
         preemption_mode: ``"recompute"`` (default) or ``"swap"`` (needs ``num_cpu_blocks``).
-        clock: time for the metrics.
+        clock: the time ``add``, ``schedule`` and ``update`` read when they are not told
+            ``now`` (arrivals, deadlines and the metrics).
         detokenize: ``detokenize(token_ids) -> str``, needed for stop strings.
 
     Raises:
@@ -228,7 +317,12 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival order)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self._requests: dict[Hashable, Request] = {}
+        self._queues: dict[RequestStatus, list[Request]] = {
+            RequestStatus.WAITING: self.waiting,
+            RequestStatus.RUNNING: self.running,
+            RequestStatus.SWAPPED: self.swapped,
+        }
+        self._requests: dict[Hashable, Request] = {}  # the live requests: in exactly one of the lists
         self._order = 0
         self._steps = 0
         self._preemptions = 0
@@ -246,8 +340,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: Request) -> None:
-        """Queue a request.
+    def add(self, request: Request, now: float | None = None) -> None:
+        """Queue a request that arrives at ``now`` (its ``arrival``; None: the scheduler's clock).
 
         Raises:
             TypeError: not a :class:`Request`, its ``params`` not a :class:`SamplingParams`, or
@@ -255,41 +349,8 @@ class Scheduler:
             ValueError: a duplicate id or an empty prompt.
             KVCacheExhausted: the prompt can never be admitted (cache or tenant quota too small).
         """
-        if not isinstance(request, Request):
-            raise TypeError(f"add() takes a batchkit.continuous.Request, got {request!r}")
-        if not isinstance(request.params, SamplingParams):
-            raise TypeError(
-                f"request {request.request_id!r}: params must be a batchkit.SamplingParams, got {request.params!r}"
-            )
-        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
-            raise TypeError(
-                f"request {request.request_id!r}: priority must be an int (lower is served first), "
-                f"got {request.priority!r}"
-            )
-        deadline = request.deadline
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, numbers.Real) or math.isnan(deadline)
-        ):
-            raise TypeError(
-                f"request {request.request_id!r}: deadline must be a time on the scheduler's clock (a number) "
-                f"or None, got {deadline!r}"
-            )
-        if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not request.tokens:
-            raise ValueError("a prompt needs at least one token")
-        if request.params.stop and self.detokenize is None:
-            raise ValueError(
-                f"request {request.request_id!r} has stop strings {request.params.stop!r} but the scheduler has no "
-                "detokenize hook to match them; pass detokenize= (token ids -> text) to the ContinuousDecodeLoop "
-                "or Scheduler, or use stop_token_ids"
-            )
-        # The prompt must fit the cache above the watermark; a request that later outgrows the
-        # whole cache on its own ends with KVCacheExhausted then.
-        problem = self._never_fits(request, request.prompt_len)
-        if problem is not None:
-            raise KVCacheExhausted(f"{problem}; shorten the prompt or give the cache more blocks")
-        request.arrival = self.clock.now()
+        self._check_request(request)
+        request.arrival = self.clock.now() if now is None else now
         self._order += 1
         request.order = self._order
         request.status = RequestStatus.WAITING
@@ -302,27 +363,78 @@ class Scheduler:
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.order, request))
 
+    def _check_request(self, request: Request) -> None:
+        """Refuse, as :meth:`add` documents, a request this scheduler could never serve."""
+        if not isinstance(request, Request):
+            raise TypeError(f"add() takes a batchkit.continuous.Request, got {request!r}")
+        rid = request.request_id
+        if not isinstance(request.params, SamplingParams):
+            raise TypeError(f"request {rid!r}: params must be a batchkit.SamplingParams, got {request.params!r}")
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise TypeError(
+                f"request {rid!r}: priority must be an int (lower is served first), got {request.priority!r}"
+            )
+        deadline = request.deadline
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, numbers.Real) or math.isnan(deadline)
+        ):
+            raise TypeError(
+                f"request {rid!r}: deadline must be a time on the scheduler's clock (a number) "
+                f"or None, got {deadline!r}"
+            )
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not request.tokens:
+            raise ValueError("a prompt needs at least one token")
+        if request.params.stop and self.detokenize is None:
+            raise ValueError(
+                f"request {rid!r} has stop strings {request.params.stop!r} but the scheduler has no "
+                "detokenize hook to match them; pass detokenize= (token ids -> text) to the ContinuousDecodeLoop "
+                "or Scheduler, or use stop_token_ids"
+            )
+        # The prompt must fit the cache above the watermark; a request that later outgrows the
+        # whole cache on its own ends with KVCacheExhausted then.
+        problem = self._never_fits(request, request.prompt_len)
+        if problem is not None:
+            raise KVCacheExhausted(f"{problem}; shorten the prompt or give the cache more blocks")
+
     def abort(self, request_id: Hashable) -> bool:
         """Drop a request wherever it is and free its blocks. False if it is not known (done)."""
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None:
             return False
-        self._detach(req)
-        req.status = RequestStatus.ABORTED
+        self._move(req, Transition.ABORT)
         req.finish_reason = "abort"
-        self._aborted += 1
         return True
 
-    def _detach(self, req: Request) -> None:
-        """Take ``req`` out of whichever queue holds it, and free its blocks if it has any."""
-        if req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+    def _move(self, req: Request, transition: Transition) -> None:
+        """Apply ``transition`` to a live request (:data:`TRANSITIONS`): move it to the list of
+        its new status (none when it ends), free its blocks when it leaves :data:`HOLDS_BLOCKS`
+        for a status outside it, and count it when it ends. Block moves (swap out, swap in) are
+        the caller's, before the move; so is ``num_computed`` past a (re)start from 0.
+
+        Raises:
+            RuntimeError: the table has no such transition from the request's status (a bug).
+        """
+        old = req.status
+        new = TRANSITIONS[old].get(transition)
+        if new is None:
+            raise RuntimeError(f"request {req.request_id!r}: no {transition.value!r} transition from {old.value!r}")
+        self._queues[old].remove(req)
+        if old in HOLDS_BLOCKS and new not in HOLDS_BLOCKS:
             self.allocator.free(req.request_id)
-        elif req.status == RequestStatus.SWAPPED:
-            self.swapped.remove(req)
-            self.allocator.free(req.request_id)
+        req.status = new
+        if new is RequestStatus.WAITING:
+            req.num_computed = 0
+            bisect.insort(self.waiting, req, key=Request.sort_key)
+        elif new in self._queues:
+            self._queues[new].append(req)
+        else:
+            del self._requests[req.request_id]
+            if new is RequestStatus.FINISHED:
+                self._finished += 1
+            else:
+                self._aborted += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -355,8 +467,6 @@ class Scheduler:
 
     def _outgrown(self, req: Request) -> None:
         """End a running request that no longer fits the cache even on its own."""
-        self.running.remove(req)
-        self.allocator.free(req.request_id)
         problem = self._never_fits(req, len(req.tokens)) or f"request {req.request_id!r} alone no longer fits"
         self._fail(
             req,
@@ -387,43 +497,36 @@ class Scheduler:
         freed = sum(1 for block, n in held.items() if a.ref_count(block) == n)
         return a.num_free_blocks + freed - a.watermark_blocks
 
-    def _preempt(self, req: Request, swap_out: list[tuple[int, int]], *, allow_swap: bool = True) -> bool:
-        """Take ``req`` off the running list: swapped out (True; its copies added to
-        ``swap_out``) or back to the waiting queue, recomputed (False)."""
-        self.running.remove(req)
+    def _preempt(self, req: Request, plan: _StepPlan, *, allow_swap: bool = True) -> None:
+        """Take ``req`` off the running list: swapped out (its copies added to the plan's
+        ``swap_out``) or, without CPU room or ``allow_swap``, back to the waiting queue."""
         self._preemptions += 1
         req.num_preemptions += 1
         if self.preemption_mode == "swap" and allow_swap:
             try:
-                swap_out.extend(self.allocator.swap_out(req.request_id))
+                copies = self.allocator.swap_out(req.request_id)
             except KVCacheExhausted:
                 pass  # no CPU room: recompute instead
             else:
-                req.status = RequestStatus.SWAPPED
-                self.swapped.append(req)
-                return True
-        self.allocator.free(req.request_id)
-        req.num_computed = 0
-        req.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, req, key=Request.sort_key)
-        return False
+                plan.swap_out.extend(copies)
+                plan.swapped_here.append(req)
+                self._move(req, Transition.SWAP_OUT)
+                return
+        self._move(req, Transition.RECOMPUTE)
 
     def _fail(self, req: Request, error: BaseException) -> None:
-        """End a request with an error; the caller has taken it off its list and freed its blocks."""
-        self._requests.pop(req.request_id, None)
-        req.status = RequestStatus.FINISHED
+        """End a live request with an error (its blocks freed); its event waits in :meth:`take_events`."""
+        self._move(req, Transition.FAIL)
         req.finish_reason = "error"
-        self._finished += 1
         self._pending_events.append(TokenEvent(req.request_id, None, True, "error", error))
 
     def _expire(self, now: float) -> None:
-        """Drop every request whose deadline has passed, wherever it is; free its blocks."""
+        """Drop every request whose deadline has passed at ``now``, wherever it is; free its blocks."""
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             _, _, req = heapq.heappop(heap)
             if self._requests.get(req.request_id) is not req:
                 continue  # finished or aborted already
-            self._detach(req)
             self._expired += 1
             self._fail(
                 req,
@@ -433,218 +536,259 @@ class Scheduler:
                 ),
             )
 
-    def schedule(self) -> ScheduledStep:
-        """Decide this step's work (may preempt, swap and admit). Empty when nothing can run.
+    def schedule(self, now: float | None = None) -> ScheduledStep:
+        """Decide the work of a step that starts at ``now`` (None: the scheduler's clock): it may
+        preempt, swap and admit. Empty when nothing can run.
 
         Requests past their deadline are dropped first (their streams get
-        :class:`DeadlineExceeded` through :meth:`take_events`).
+        :class:`DeadlineExceeded` through :meth:`take_events`). Then, in this order: the
+        requests over ``max_num_seqs`` are preempted, a better-priority waiting request may
+        preempt worse running ones, the running requests grow (preempting when blocks run
+        out), swapped requests come back, and waiting ones are admitted.
         """
-        a = self.allocator
-        now = self.clock.now()
+        now = self.clock.now() if now is None else now
         if self._deadlines:
             self._expire(now)
-        budget = self.max_num_batched_tokens
-        chosen: list[Request] = []
-        counts: list[int] = []
-        slots: list[np.ndarray] = []  # the slots of the chosen requests' new tokens, in order
-        scheduled: set[int] = set()
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        swapped_here: list[Request] = []  # swapped out by this step
-        preempted = False
+        plan = _StepPlan(self.max_num_batched_tokens)
+        self._preempt_over_limit(plan)
+        self._preempt_for_waiting(plan)
+        self._grow_running(plan)
+        self._bring_back_swapped(plan)
+        self._admit_waiting(plan, now)
+        self._recompute_lone_swaps(plan)
+        return self._seal(plan)
 
-        # A max_num_seqs lowered while requests run (set_batch_limit, an AdaptiveTuner) holds
-        # from this step on: the worst running requests over it are preempted, as when blocks
-        # run out, and come back when there is room under the limit.
+    def _preempt_over_limit(self, plan: _StepPlan) -> None:
+        """Preempt the worst running requests over ``max_num_seqs``.
+
+        A ``max_num_seqs`` lowered while requests run (``set_batch_limit``, an AdaptiveTuner)
+        holds from this step on, as when blocks run out; they come back when there is room under
+        the limit.
+        """
         while len(self.running) > self.max_num_seqs:
             victim = self._victim(set())
             assert victim is not None  # running is not empty
-            if self._preempt(victim, swap_out):
-                swapped_here.append(victim)
-            preempted = True
+            self._preempt(victim, plan)
+            plan.preempted = True
 
-        # A better-priority waiting request may push out a worse running one, for a seat under
-        # max_num_seqs or for KV room. Only when that lets it in: not past its tenant's quota
-        # (other tenants' blocks would not help), not while swapped requests wait to come back
-        # first (step 3 admits nothing then), not if it can never fit, not if preempting every
-        # worse request would still leave too little room (the better ones hold the blocks).
-        # Victims are recomputed, not swapped, so that they do not block admission in turn.
-        if self.waiting and self.running and not self.swapped:
-            head = self.waiting[0]
-            total = len(head.tokens)
-            worse = [r for r in self.running if r.priority > head.priority]
-            if (
-                worse
-                and a.within_quota(total, head.tenant)
-                and self._never_fits(head, total) is None
-                and self._room_without(worse) >= a.blocks_needed(total)
-            ):
-                if len(self.running) >= self.max_num_seqs:
-                    worst = self._victim(set())
-                    if worst is not None and worst.priority > head.priority:
-                        self._preempt(worst, swap_out, allow_swap=False)
-                while len(self.running) < self.max_num_seqs and not a.can_allocate(total, tenant=head.tenant):
-                    worst = self._victim(set())
-                    if worst is None or worst.priority <= head.priority:
-                        break
-                    self._preempt(worst, swap_out, allow_swap=False)
+    def _preempt_for_waiting(self, plan: _StepPlan) -> None:
+        """Let the head of the waiting queue push out worse-priority running requests, for a seat
+        under ``max_num_seqs`` or for KV room, when that lets it in.
 
-        # 1. Running requests, best first. The common case, every running request decoding one
-        #    token with room for all, is one vectorised allocator call.
+        Not past its tenant's quota (other tenants' blocks would not help), not while swapped
+        requests wait to come back first (admission waits for them), not if it can never fit, not
+        if preempting every worse request would still leave too little room (the better ones
+        hold the blocks). Victims are recomputed, not swapped, so that they do not block
+        admission in turn.
+        """
+        if not (self.waiting and self.running and not self.swapped):
+            return
+        a = self.allocator
+        head = self.waiting[0]
+        total = len(head.tokens)
+        worse = [r for r in self.running if r.priority > head.priority]
+        if not (
+            worse
+            and a.within_quota(total, head.tenant)
+            and self._never_fits(head, total) is None
+            and self._room_without(worse) >= a.blocks_needed(total)
+        ):
+            return
+        if len(self.running) >= self.max_num_seqs:
+            worst = self._victim(set())
+            if worst is not None and worst.priority > head.priority:
+                self._preempt(worst, plan, allow_swap=False)
+        while len(self.running) < self.max_num_seqs and not a.can_allocate(total, tenant=head.tenant):
+            worst = self._victim(set())
+            if worst is None or worst.priority <= head.priority:
+                break
+            self._preempt(worst, plan, allow_swap=False)
+
+    def _grow_running(self, plan: _StepPlan) -> None:
+        """Give each running request, best first, its next tokens within the budget, preempting
+        the worst when blocks run out (:meth:`_make_room`)."""
         self.running.sort(key=Request.sort_key)
+        if self._grow_decodes_at_once(plan):
+            return
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            if self._grow_one(plan, self.running[i]):
+                i += 1
+            # else the list changed (the request ended, or a later one was preempted): look again
+
+    def _grow_decodes_at_once(self, plan: _StepPlan) -> bool:
+        """The common case as one vectorised allocator call: every running request decodes one
+        token, and there is room for all. False (nothing done) when it is not the case."""
+        a = self.allocator
         decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1]
-        if decoding and len(decoding) == len(self.running) and len(decoding) <= budget and not a.has_quotas:
-            handle = a.batch([r.request_id for r in decoding])
-            # A request whose prefill stopped one token short already holds that token's slot:
-            # then the per-request path below runs, which reserves nothing for it. The allocator
-            # holds at least each request's computed tokens, so equal sums mean none is ahead.
-            ahead = int(a.tables.lens[handle.rows].sum()) != sum([r.num_computed for r in decoding])
-            if not ahead and a.blocks_needed_batch(handle) <= a.num_free_blocks:
-                ids = [r.tokens[-1] for r in decoding] if a.enable_prefix_caching else None
-                slots.append(a.append_slots_batch(handle, ids))
-                chosen.extend(decoding)
-                counts.extend([1] * len(decoding))
-                scheduled.update(id(r) for r in decoding)
-                budget -= len(decoding)
-        i = len(chosen)
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(len(req.tokens) - req.num_computed, budget)
-            need = req.num_computed + n - a.num_tokens(req.request_id)
-            if need > 0 and not a.can_append_slots([req.request_id], need):
-                held = a.num_tokens(req.request_id)
-                quota = a.quota_of(req.tenant)
-                if quota is not None and a.blocks_needed(held + need) > quota:
-                    # Its tenant's quota can never hold it: preempting others would not help.
-                    self._outgrown(req)
-                    continue
-                # With room in the pool, what is short is the tenant's quota: only that tenant's
-                # own blocks can give it back, and only freed ones (a swapped-out sequence still
-                # counts against its quota), so the victim is one of its requests, recomputed.
-                short_of_quota = (
-                    quota is not None and a.blocks_needed(held + need) - a.blocks_needed(held) <= a.num_free_blocks
+        if not decoding or len(decoding) != len(self.running) or len(decoding) > plan.budget or a.has_quotas:
+            return False
+        handle = a.batch([r.request_id for r in decoding])
+        # A request whose prefill stopped one token short already holds that token's slot: then
+        # the per-request path runs, which reserves nothing for it. The allocator holds at least
+        # each request's computed tokens, so equal sums mean none is ahead.
+        if int(a.tables.lens[handle.rows].sum()) != sum([r.num_computed for r in decoding]):
+            return False
+        if a.blocks_needed_batch(handle) > a.num_free_blocks:
+            return False
+        ids = [r.tokens[-1] for r in decoding] if a.enable_prefix_caching else None
+        plan.slots.append(a.append_slots_batch(handle, ids))
+        plan.requests.extend(decoding)
+        plan.counts.extend([1] * len(decoding))
+        plan.scheduled.update(id(r) for r in decoding)
+        plan.budget -= len(decoding)
+        return True
+
+    def _grow_one(self, plan: _StepPlan, req: Request) -> bool:
+        """Schedule a running request's next tokens (a decode, or its prompt's next chunk); False
+        if it did not fit and :meth:`_make_room` changed the running list instead."""
+        a = self.allocator
+        n = min(len(req.tokens) - req.num_computed, plan.budget)
+        need = req.num_computed + n - a.num_tokens(req.request_id)
+        if need > 0 and not a.can_append_slots([req.request_id], need):
+            self._make_room(plan, req, need)
+            return False
+        plan.take(req, n, self._reserve(req, n, need))
+        return True
+
+    def _make_room(self, plan: _StepPlan, req: Request, need: int) -> None:
+        """Running request ``req`` needs ``need`` more slots than the blocks give: preempt the
+        worst request not yet scheduled (perhaps ``req`` itself), or end ``req`` if it could
+        never fit."""
+        a = self.allocator
+        held = a.num_tokens(req.request_id)
+        quota = a.quota_of(req.tenant)
+        if quota is not None and a.blocks_needed(held + need) > quota:
+            # Its tenant's quota can never hold it: preempting others would not help.
+            self._outgrown(req)
+            return
+        # With room in the pool, what is short is the tenant's quota: only that tenant's own
+        # blocks can give it back, and only freed ones (a swapped-out sequence still counts
+        # against its quota), so the victim is one of its requests, recomputed.
+        short_of_quota = quota is not None and a.blocks_needed(held + need) - a.blocks_needed(held) <= a.num_free_blocks
+        victim = self._victim(plan.scheduled | {id(req)}, tenant_of=req if short_of_quota else None) or req
+        # Preempting a request that could never be admitted again would park it in the waiting
+        # queue for ever (and block the queue behind it): end it instead.
+        if victim is req and (
+            (not short_of_quota and len(self.running) == 1 and not plan.requests)
+            or self._never_fits(req, len(req.tokens)) is not None
+        ):
+            self._outgrown(req)
+            return
+        self._preempt(victim, plan, allow_swap=not short_of_quota)
+        plan.preempted = True
+
+    def _bring_back_swapped(self, plan: _StepPlan) -> None:
+        """Swap requests back in, oldest swapped first, unless this step preempted any."""
+        if plan.preempted:
+            return
+        while self.swapped and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._bring_back_one(plan, self.swapped[0]):
+                break
+
+    def _bring_back_one(self, plan: _StepPlan, req: Request) -> bool:
+        """Swap ``req`` in and schedule its next tokens, or, when its tenant's quota stands in
+        the way, recompute or end it; False if the blocks have no room for it yet."""
+        a = self.allocator
+        n = min(len(req.tokens) - req.num_computed, plan.budget)
+        held = a.num_tokens(req.request_id)
+        need = req.num_computed + n - held
+        # Room for its blocks and this step's tokens, and a block to grow into while others run
+        # (with nothing running, what it needs is enough: it held no more than the pool less its
+        # preemptor's blocks, so it always fits alone).
+        if a.num_free_blocks < a.blocks_needed(held + max(need, 0)) + (1 if self.running else 0):
+            return False
+        quota = a.quota_of(req.tenant)
+        if quota is not None and need > 0:
+            # A swapped-out sequence keeps its blocks' share of its tenant's quota; the blocks
+            # its next tokens take must fit the quota too.
+            if a.blocks_needed(held + need) > quota:  # never: end it, as a running one
+                why = self._never_fits(req, len(req.tokens)) or f"request {req.request_id!r}"
+                self._fail(
+                    req,
+                    KVCacheExhausted(
+                        f"{why}; it outgrew its tenant's quota while generating after "
+                        f"{len(req.output)} tokens. Lower max_new_tokens or raise the quota"
+                    ),
                 )
-                victim = self._victim(scheduled | {id(req)}, tenant_of=req if short_of_quota else None) or req
-                # Preempting a request that could never be admitted again would park it in the
-                # waiting queue for ever (and block the queue behind it): end it instead.
-                if victim is req and (
-                    (not short_of_quota and len(self.running) == 1 and not chosen)
-                    or self._never_fits(req, len(req.tokens)) is not None
-                ):
-                    self._outgrown(req)
-                    continue
-                if self._preempt(victim, swap_out, allow_swap=not short_of_quota):
-                    swapped_here.append(victim)
-                preempted = True
-                continue  # the list changed: look at position i again
-            slots.append(self._reserve(req, n, need))
-            chosen.append(req)
-            counts.append(n)
-            scheduled.add(id(req))
-            budget -= n
-            i += 1
+                return True
+            if not a.quotas.allows(req.tenant, a.blocks_needed(held + need) - a.blocks_needed(held)):
+                # Its tenant's other requests hold the rest of the quota: give its share back
+                # (recompute) rather than hold it while waiting for theirs.
+                self._move(req, Transition.RECOMPUTE)
+                return True
+        plan.swap_in.extend(a.swap_in(req.request_id))
+        self._move(req, Transition.SWAP_IN)
+        plan.take(req, n, self._reserve(req, n, need, with_ids=False))
+        return True
 
-        # 2. Swapped requests come back first, if nothing was preempted this step.
-        if not preempted:
-            while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.swapped[0]
-                n = min(len(req.tokens) - req.num_computed, budget)
-                held = a.num_tokens(req.request_id)
-                need = req.num_computed + n - held
-                # Room for its blocks and this step's tokens, and a block to grow into while
-                # others run (with nothing running, what it needs is enough: it held no more
-                # than the pool less its preemptor's blocks, so it always fits alone).
-                if a.num_free_blocks < a.blocks_needed(held + max(need, 0)) + (1 if self.running else 0):
-                    break
-                quota = a.quota_of(req.tenant)
-                if quota is not None and need > 0:
-                    # A swapped-out sequence keeps its blocks' share of its tenant's quota; the
-                    # blocks its next tokens take must fit the quota too.
-                    if a.blocks_needed(held + need) > quota:  # never: end it, as a running one
-                        self.swapped.pop(0)
-                        a.free(req.request_id)
-                        why = self._never_fits(req, len(req.tokens)) or f"request {req.request_id!r}"
-                        self._fail(
-                            req,
-                            KVCacheExhausted(
-                                f"{why}; it outgrew its tenant's quota while generating after "
-                                f"{len(req.output)} tokens. Lower max_new_tokens or raise the quota"
-                            ),
-                        )
-                        continue
-                    if not a.quotas.allows(req.tenant, a.blocks_needed(held + need) - a.blocks_needed(held)):
-                        # Its tenant's other requests hold the rest of the quota: give its share
-                        # back (recompute) rather than hold it while waiting for theirs.
-                        self.swapped.pop(0)
-                        a.free(req.request_id)
-                        req.num_computed = 0
-                        req.status = RequestStatus.WAITING
-                        bisect.insort(self.waiting, req, key=Request.sort_key)
-                        continue
-                swap_in.extend(a.swap_in(req.request_id))
-                self.swapped.pop(0)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                slots.append(self._reserve(req, n, need, with_ids=False))
-                chosen.append(req)
-                counts.append(n)
-                budget -= n
+    def _admit_waiting(self, plan: _StepPlan, now: float) -> None:
+        """Admit waiting requests, best first, each with room for its whole prompt, unless this
+        step preempted any or swapped requests wait to come back. A request whose tenant is at
+        its quota waits without holding up other tenants' requests behind it."""
+        if plan.preempted or self.swapped:
+            return
+        a = self.allocator
+        j = 0
+        while j < len(self.waiting) and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[j]
+            total = len(req.tokens)
+            problem = self._never_fits(req, total)
+            if problem is not None:  # grown while others preempted it: it can never come back
+                self._fail(req, KVCacheExhausted(f"{problem}; lower max_new_tokens or give the cache more blocks"))
+                continue
+            if not a.within_quota(total, req.tenant):
+                j += 1
+                continue
+            if not a.can_allocate(total, tenant=req.tenant):
+                break
+            self._admit(plan, req, now)
 
-        # 3. Waiting requests, admitted with room for their whole prompt. A request whose tenant
-        #    is at its quota waits without holding up other tenants' requests behind it.
-        if not preempted and not self.swapped:
-            j = 0
-            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[j]
-                total = len(req.tokens)
-                problem = self._never_fits(req, total)
-                if problem is not None:  # grown while others preempted it: it can never come back
-                    self.waiting.pop(j)
-                    self._fail(req, KVCacheExhausted(f"{problem}; lower max_new_tokens or give the cache more blocks"))
-                    continue
-                if not a.within_quota(total, req.tenant):
-                    j += 1
-                    continue
-                if not a.can_allocate(total, tenant=req.tenant):
-                    break
-                # Cached tokens have no logits: a request that wants its prompt's logprobs
-                # neither hits the prefix cache nor fills it (its length alone is allocated).
-                prompt: Sequence[int] | int = len(req.tokens) if req.needs_prompt_logits else req.tokens
-                cached = a.allocate(req.request_id, prompt, tenant=req.tenant)
-                self.waiting.pop(j)
-                req.num_computed = cached
-                req.status = RequestStatus.RUNNING
-                if req.t_first_scheduled is None:
-                    req.t_first_scheduled = now
-                    self._queue_wait.add(now - req.arrival)
-                self.running.append(req)
-                n = min(total - cached, budget)
-                slots.append(a.slot_mapping(req.request_id, cached, cached + n))
-                chosen.append(req)
-                counts.append(n)
-                budget -= n
+    def _admit(self, plan: _StepPlan, req: Request, now: float) -> None:
+        """Allocate a waiting request's prompt, start it at ``now`` and schedule its first chunk."""
+        a = self.allocator
+        # Cached tokens have no logits: a request that wants its prompt's logprobs neither hits
+        # the prefix cache nor fills it (its length alone is allocated).
+        prompt: Sequence[int] | int = len(req.tokens) if req.needs_prompt_logits else req.tokens
+        cached = a.allocate(req.request_id, prompt, tenant=req.tenant)
+        self._move(req, Transition.ADMIT)
+        req.num_computed = cached
+        if req.t_first_scheduled is None:
+            req.t_first_scheduled = now
+            self._queue_wait.add(now - req.arrival)
+        n = min(len(req.tokens) - cached, plan.budget)
+        plan.take(req, n, a.slot_mapping(req.request_id, cached, cached + n))
 
-        if swap_out and not chosen:
-            # A step that runs no request carries no block moves: a runtime skips such a step
-            # (ContinuousDecodeLoop.step_once does), and the swapped-out K/V would never reach
-            # the CPU pool. This happens when the only request left running after a swap (for a
-            # lowered max_num_seqs) ends at once, outgrown: the requests swapped out here are
-            # recomputed instead.
-            for req in swapped_here:
-                self.swapped.remove(req)
-                a.free(req.request_id)
-                req.num_computed = 0
-                req.status = RequestStatus.WAITING
-                bisect.insort(self.waiting, req, key=Request.sort_key)
-            swap_out = []
-        samples = tuple(r.num_computed + n == len(r.tokens) for r, n in zip(chosen, counts, strict=True))
-        copies = tuple(a.take_copies())
-        if chosen:
+    def _recompute_lone_swaps(self, plan: _StepPlan) -> None:
+        """Recompute, instead, the requests this step swapped out when it runs no request.
+
+        A step that runs no request carries no block moves: a runtime skips such a step
+        (ContinuousDecodeLoop.step_once does), and the swapped-out K/V would never reach the CPU
+        pool. This happens when the only request left running after a swap (for a lowered
+        max_num_seqs) ends at once, outgrown.
+        """
+        if not plan.swap_out or plan.requests:
+            return
+        for req in plan.swapped_here:
+            self._move(req, Transition.RECOMPUTE)
+        plan.swap_out.clear()
+
+    def _seal(self, plan: _StepPlan) -> ScheduledStep:
+        """The step ``plan`` holds, with the allocator's pending copies; counted if it runs anything."""
+        samples = tuple(r.num_computed + n == len(r.tokens) for r, n in zip(plan.requests, plan.counts, strict=True))
+        copies = tuple(self.allocator.take_copies())
+        if plan.requests:
             self._steps += 1
-            self._batch_tokens += sum(counts)
-        slot_mapping = np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)
+            self._batch_tokens += sum(plan.counts)
+        slot_mapping = np.concatenate(plan.slots) if plan.slots else np.empty(0, dtype=np.int64)
         return ScheduledStep(
-            tuple(chosen), tuple(counts), samples, tuple(swap_out), tuple(swap_in), copies, slot_mapping
+            tuple(plan.requests),
+            tuple(plan.counts),
+            samples,
+            tuple(plan.swap_out),
+            tuple(plan.swap_in),
+            copies,
+            slot_mapping,
         )
 
     def _reserve(self, req: Request, n: int, need: int, *, with_ids: bool = True) -> np.ndarray:
@@ -669,9 +813,11 @@ class Scheduler:
         step: ScheduledStep,
         sampled: Sequence[int],
         logprobs: Sequence[TokenLogprobs | None] | None = None,
+        now: float | None = None,
     ) -> list[TokenEvent]:
-        """Apply a step's results: one sampled token per sequence that sampled, in order (and,
-        with ``logprobs``, each one's :class:`TokenLogprobs` or None, in the same order).
+        """Apply the results of a step that ended at ``now`` (None: the scheduler's clock): one
+        sampled token per sequence that sampled, in order (and, with ``logprobs``, each one's
+        :class:`TokenLogprobs` or None, in the same order).
 
         Finished sequences leave at once and free their blocks. A token's event carries its
         logprobs, and the first token's the prompt's (``Request.prompt_logprobs``).
@@ -683,11 +829,8 @@ class Scheduler:
         wanted = sum(1 for s in step.samples if s)
         if len(sampled) != wanted:
             raise ValueError(f"update needs one sampled token per sequence that samples: {wanted}, got {len(sampled)}")
-        now = self.clock.now()
+        now = self.clock.now() if now is None else now
         events = self.take_events()
-        a = self.allocator
-        prefix = a.enable_prefix_caching
-        bs = a.block_size
         it = iter(sampled)
         lps = iter(logprobs) if logprobs is not None else None
         for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
@@ -697,46 +840,48 @@ class Scheduler:
                     if lps is not None:
                         next(lps, None)
                 continue
-            was_prompt = req.num_computed < req.prompt_len
-            before = req.num_computed
-            req.num_computed += n
-            if prefix and before // bs != req.num_computed // bs:
-                # The step wrote these blocks' K/V: only now may they serve as prefix-cache hits.
-                a.mark_computed(req.request_id, req.num_computed)
-            if was_prompt:
-                self._prompt_computed += min(req.num_computed, req.prompt_len) - before
-            if not samples:
-                continue
-            token = next(it)
-            token_lp = next(lps) if lps is not None else None
-            req.tokens.append(token)
-            req.output.append(token)
-            self._generated += 1
-            if req.t_last_token is None:
-                self._ttft.add(now - req.arrival)
-            else:
-                self._tpot.add(now - req.t_last_token)
-            req.t_last_token = now
-            try:
-                reason = self._stop_reason(req, token)
-            except Exception as exc:  # noqa: BLE001 - the detokenize hook failed on this output: fail it alone
-                self.running.remove(req)
-                self.allocator.free(req.request_id)
-                self._fail(req, exc)
-                continue
-            if reason is not None:
-                self.running.remove(req)
-                self.allocator.free(req.request_id)
-                self._requests.pop(req.request_id, None)
-                req.status = RequestStatus.FINISHED
-                req.finish_reason = reason
-                self._finished += 1
-            if token_lp is None and not req.prompt_logprobs:
-                events.append(TokenEvent(req.request_id, token, reason is not None, reason))
-            else:
-                prompt_lps, req.prompt_logprobs = tuple(req.prompt_logprobs), []
-                events.append(TokenEvent(req.request_id, token, reason is not None, reason, None, token_lp, prompt_lps))
+            self._computed(req, n)
+            if samples:
+                event = self._sampled(req, next(it), next(lps) if lps is not None else None, now)
+                if event is not None:
+                    events.append(event)
         return events + self.take_events()
+
+    def _computed(self, req: Request, n: int) -> None:
+        """Record that a step wrote the K/V of a running request's next ``n`` tokens."""
+        a = self.allocator
+        was_prompt = req.num_computed < req.prompt_len
+        before = req.num_computed
+        req.num_computed += n
+        if a.enable_prefix_caching and before // a.block_size != req.num_computed // a.block_size:
+            # The step wrote these blocks' K/V: only now may they serve as prefix-cache hits.
+            a.mark_computed(req.request_id, req.num_computed)
+        if was_prompt:
+            self._prompt_computed += min(req.num_computed, req.prompt_len) - before
+
+    def _sampled(self, req: Request, token: int, token_lp: TokenLogprobs | None, now: float) -> TokenEvent | None:
+        """Append a token sampled at ``now`` to a running request and end it if it stops there;
+        its event (None when the request failed instead: that event waits in :meth:`take_events`)."""
+        req.tokens.append(token)
+        req.output.append(token)
+        self._generated += 1
+        if req.t_last_token is None:
+            self._ttft.add(now - req.arrival)
+        else:
+            self._tpot.add(now - req.t_last_token)
+        req.t_last_token = now
+        try:
+            reason = self._stop_reason(req, token)
+        except Exception as exc:  # noqa: BLE001 - the detokenize hook failed on this output: fail it alone
+            self._fail(req, exc)
+            return None
+        if reason is not None:
+            self._move(req, Transition.FINISH)
+            req.finish_reason = reason
+        if token_lp is None and not req.prompt_logprobs:
+            return TokenEvent(req.request_id, token, reason is not None, reason)
+        prompt_lps, req.prompt_logprobs = tuple(req.prompt_logprobs), []
+        return TokenEvent(req.request_id, token, reason is not None, reason, None, token_lp, prompt_lps)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
