@@ -121,6 +121,44 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int
     return prompt
 
 
+def _checked_loop_args(
+    step_fn: object,
+    kv_cache: object,
+    detokenize: object,
+    eos_token_id: int | None,
+    clock: object,
+    max_waiting: int | None,
+    engine: str,
+) -> int | None:
+    """Refuse the :class:`ContinuousDecodeLoop` arguments it documents as errors; the
+    ``eos_token_id`` as an int (or None).
+
+    Raises:
+        TypeError: a ``step_fn``, ``kv_cache``, ``detokenize``, ``eos_token_id`` or ``clock`` of
+            the wrong kind. ValueError: a ``max_waiting`` or ``engine`` out of range.
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable as step_fn(batch, kv), got {step_fn!r}")
+    if not isinstance(kv_cache, PagedKVCache):
+        raise TypeError(
+            f"kv_cache must be a batchkit.PagedKVCache (e.g. model.make_cache(num_blocks)), got {kv_cache!r}"
+        )
+    if detokenize is not None and not callable(detokenize):
+        raise TypeError(f"detokenize must be callable as detokenize(token_ids) -> str, or None, got {detokenize!r}")
+    if eos_token_id is not None:
+        SamplingParams(eos_token_id=eos_token_id)  # the TypeError every request would raise, now
+        eos_token_id = operator.index(eos_token_id)
+    if clock is not None and not callable(getattr(clock, "now", None)):
+        raise TypeError(f"clock must have a now() method (a batchkit.Clock), got {clock!r}")
+    if max_waiting is not None and (
+        isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
+    ):
+        raise ValueError(f"max_waiting must be an int >= 1 or None (unbounded), got {max_waiting!r}")
+    if engine not in ("thread", "caller"):
+        raise ValueError(f"engine must be 'thread' or 'caller', got {engine!r}")
+    return eos_token_id
+
+
 @dataclass(frozen=True, slots=True)
 class _LogitsPlan:
     """A step's logits rows when some request wants its prompt's logprobs: ``rows`` index the
@@ -195,26 +233,8 @@ class ContinuousDecodeLoop:
         engine: Literal["thread", "caller"] = "thread",
         clock: Clock | None = None,
     ) -> None:
-        if not callable(step_fn):
-            raise TypeError(f"step_fn must be callable as step_fn(batch, kv), got {step_fn!r}")
-        if not isinstance(kv_cache, PagedKVCache):
-            raise TypeError(
-                f"kv_cache must be a batchkit.PagedKVCache (e.g. model.make_cache(num_blocks)), got {kv_cache!r}"
-            )
-        if detokenize is not None and not callable(detokenize):
-            raise TypeError(f"detokenize must be callable as detokenize(token_ids) -> str, or None, got {detokenize!r}")
-        if eos_token_id is not None:
-            SamplingParams(eos_token_id=eos_token_id)  # the TypeError every request would raise, now
-            eos_token_id = operator.index(eos_token_id)
-        if clock is not None and not callable(getattr(clock, "now", None)):
-            raise TypeError(f"clock must have a now() method (a batchkit.Clock), got {clock!r}")
-        if max_waiting is not None and (
-            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
-        ):
-            raise ValueError(f"max_waiting must be an int >= 1 or None (unbounded), got {max_waiting!r}")
+        eos_token_id = _checked_loop_args(step_fn, kv_cache, detokenize, eos_token_id, clock, max_waiting, engine)
         self.max_waiting = max_waiting
-        if engine not in ("thread", "caller"):
-            raise ValueError(f"engine must be 'thread' or 'caller', got {engine!r}")
         self.engine = engine
         self.step_fn = step_fn
         self.kv = kv_cache
@@ -235,7 +255,7 @@ class ContinuousDecodeLoop:
             clock=self.clock,
             detokenize=detokenize,
         )
-        self.cpu_cache: PagedKVCache | None = None
+        self.cpu_cache: PagedKVCache | None = None  # the CPU swap pool's tensors
         if num_cpu_blocks:
             self.cpu_cache = PagedKVCache(
                 kv_cache.num_layers,
@@ -589,14 +609,8 @@ class ContinuousDecodeLoop:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 self._admitting = len(inbox)
-            wake: list[Any] = []
-            for req, stream in inbox:
-                try:
-                    self.scheduler.add(req)
-                except Exception as exc:  # noqa: BLE001 - the caller gets it on its stream
-                    wake.append(stream.push(TokenEvent(req.request_id, None, True, "error", exc)))
-                    continue
-                self._streams[req.request_id] = stream
+            now = self.clock.now()  # the step's time: its arrivals' and its scheduling's
+            wake = self._add_inbox(inbox, now)
             if inbox:
                 with self._cond:
                     self._admitting = 0
@@ -605,20 +619,43 @@ class ContinuousDecodeLoop:
                     aborted = self._streams.pop(rid, None)
                     if aborted is not None:
                         wake.append(aborted.push(TokenEvent(rid, None, True, "abort")))
-            step, events = self.step_once()
-            for ev in events:
-                target = self._streams.get(ev.request_id)
-                if target is None:
-                    continue
-                if ev.finished:
-                    del self._streams[ev.request_id]
-                wake.append(target.push(ev))
+            step, events = self._step(now)
+            wake += self._route(events)
             wake_all(w for w in wake if w is not None)
             if not step.requests and not inbox and not aborts:
                 with self._cond:  # nothing could run (e.g. waiting on room): wait for news
                     self._cond.wait(0.01)
-        # What is left is aborted in the scheduler too (this is its thread): its blocks go back to
-        # the pool and statistics() counts it aborted, not running or waiting for ever.
+        self._shut_down(pending, unadmitted)
+
+    def _add_inbox(self, inbox: list[tuple[Request, _Stream]], now: float) -> list[Any]:
+        """Hand the requests taken from the inbox to the scheduler, arrived at ``now``; the
+        waiters to wake of those it refused (their streams get the error)."""
+        wake: list[Any] = []
+        for req, stream in inbox:
+            try:
+                self.scheduler.add(req, now)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it on its stream
+                wake.append(stream.push(TokenEvent(req.request_id, None, True, "error", exc)))
+                continue
+            self._streams[req.request_id] = stream
+        return wake
+
+    def _route(self, events: list[TokenEvent]) -> list[Any]:
+        """Push each event to its request's stream (a finished one leaves); the waiters to wake."""
+        wake: list[Any] = []
+        for ev in events:
+            target = self._streams.get(ev.request_id)
+            if target is None:
+                continue
+            if ev.finished:
+                del self._streams[ev.request_id]
+            wake.append(target.push(ev))
+        return wake
+
+    def _shut_down(self, pending: list[tuple[Hashable, _Stream]], unadmitted: list[Request]) -> None:
+        """End what the closed engine leaves: abort it in the scheduler (this is its thread), so
+        that its blocks go back to the pool and statistics() counts it aborted, not running or
+        waiting for ever; its callers get BatcherClosed."""
         sched = self.scheduler
         for req in [*sched.running, *sched.swapped, *sched.waiting]:
             sched.abort(req.request_id)
@@ -639,8 +676,6 @@ class ContinuousDecodeLoop:
             BatcherClosed: after :meth:`close` of a loop no engine thread ran (close aborted
                 what was left).
         """
-        import torch
-
         engine = self._thread
         if engine is None and self._closing:
             raise BatcherClosed("the decode loop was closed: step_once() has nothing left to run")
@@ -649,10 +684,16 @@ class ContinuousDecodeLoop:
                 f"the engine runs in thread {engine.name!r}; step_once() drives a loop whose generate()/"
                 "submit() API is unused (add requests with scheduler.add), or use engine='caller'"
             )
+        return self._step(self.clock.now())
+
+    def _step(self, now: float) -> tuple[ScheduledStep, list[TokenEvent]]:
+        """One iteration that starts at ``now``: the aborts asked for, schedule, run, update."""
+        import torch
+
         with self._cond:  # aborts asked for with abort() (the engine thread drains its own first)
             aborts, self._aborts = self._aborts, []
         dropped = [TokenEvent(rid, None, True, "abort") for rid in aborts if self.scheduler.abort(rid)]
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(now)
         events = dropped + self.scheduler.take_events()
         if step.requests:
             try:
@@ -665,58 +706,78 @@ class ContinuousDecodeLoop:
         return step, events
 
     def _run_step(self, step: ScheduledStep) -> list[TokenEvent]:
-        import torch
-
-        kv = self.kv
-        if step.swap_out:
-            assert self.cpu_cache is not None
-            kv.swap_blocks(self.cpu_cache, step.swap_out)
-        if step.swap_in:
-            assert self.cpu_cache is not None
-            self.cpu_cache.swap_blocks(kv, step.swap_in)
-        if step.copies:
-            kv.copy_blocks(step.copies)
+        """Run a scheduled step: block moves, the model, sampling, then the scheduler's update."""
+        self._move_blocks(step)
         plan = self._logits_plan(step)
-        batch = self._build_batch(step, kv.device, plan)
+        batch = self._build_batch(step, self.kv.device, plan)
         t0 = self.clock.now()
-        all_logits = check_logits(self.step_fn(batch, kv), batch, self._vocab_size())
+        all_logits = check_logits(self.step_fn(batch, self.kv), batch, self._vocab_size())
         logits = all_logits if batch.sample_rows is None else all_logits.index_select(0, batch.sample_rows)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
-        # A row no token can be drawn from (a NaN, or every logit -inf: a broken model state
-        # there) fails its own request, not its neighbours': the row is sampled from zeros so
-        # that the others go on, then dropped. One reduction finds both: a row's max is NaN if
-        # the row holds a NaN (max propagates it), and -inf only if every logit is -inf.
-        row_max = logits.amax(dim=1)
-        nan_rows = torch.isnan(row_max) | torch.isneginf(row_max)
-        broken = [sampling[i].request_id for i in nan_rows.nonzero().flatten().tolist()] if nan_rows.any() else []
-        if broken:
-            logits = logits.masked_fill(nan_rows[:, None], 0.0)
+        logits, broken = self._mask_bad_rows(logits, sampling)
         tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
         token_lps = None
         if plan is not None or any(r.params.logprobs is not None for r in sampling):
             token_lps = self._logprobs(all_logits, plan, sampling, tokens)
-        now = self.clock.now()
-        self._step_time.add(now - t0)
+        done = self.clock.now()
+        self._record_step(t0, done, len(tokens))
+        events = self.scheduler.update(step, tokens, token_lps, done)
+        return self._fail_bad_rows(events, broken) if broken else events
+
+    def _move_blocks(self, step: ScheduledStep) -> None:
+        """Perform the step's block moves, in the order :class:`ScheduledStep` gives."""
+        kv, cpu = self.kv, self.cpu_cache
+        if step.swap_out or step.swap_in:
+            assert cpu is not None  # the scheduler swaps only with num_cpu_blocks > 0
+            if step.swap_out:
+                kv.swap_blocks(cpu, step.swap_out)
+            if step.swap_in:
+                cpu.swap_blocks(kv, step.swap_in)
+        if step.copies:
+            kv.copy_blocks(step.copies)
+
+    @staticmethod
+    def _mask_bad_rows(logits: Any, sampling: list[Request]) -> tuple[Any, list[Hashable]]:
+        """The sampling logits with each row no token can be drawn from (a NaN, or every logit
+        -inf: a broken model state there) set to zeros, and the ids of those rows' requests.
+
+        Such a row fails its own request, not its neighbours': sampled from zeros so that the
+        others go on, its token is then dropped. One reduction finds both: a row's max is NaN
+        if the row holds a NaN (max propagates it), and -inf only if every logit is -inf.
+        """
+        import torch
+
+        row_max = logits.amax(dim=1)
+        nan_rows = torch.isnan(row_max) | torch.isneginf(row_max)
+        if not nan_rows.any():
+            return logits, []
+        broken = [sampling[i].request_id for i in nan_rows.nonzero().flatten().tolist()]
+        return logits.masked_fill(nan_rows[:, None], 0.0), broken
+
+    def _record_step(self, t0: float, done: float, num_tokens: int) -> None:
+        """Count a step that ran from ``t0`` to ``done`` and sampled ``num_tokens`` tokens."""
+        self._step_time.add(done - t0)
         self._steps += 1
-        self._generated += len(tokens)
+        self._generated += num_tokens
         if self._t_first is None:
             self._t_first = t0
-        self._t_last = now
-        events = self.scheduler.update(step, tokens, token_lps)
-        if broken:
-            gone = set(broken)
-            events = [ev for ev in events if ev.request_id not in gone]
-            for rid in broken:
-                self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
-                events.append(
-                    TokenEvent(
-                        rid,
-                        None,
-                        True,
-                        "error",
-                        FloatingPointError("the step's logits for this request are NaN or all -inf"),
-                    )
+        self._t_last = done
+
+    def _fail_bad_rows(self, events: list[TokenEvent], broken: list[Hashable]) -> list[TokenEvent]:
+        """``events`` with the requests of bad rows failed instead (FloatingPointError)."""
+        gone = set(broken)
+        events = [ev for ev in events if ev.request_id not in gone]
+        for rid in broken:
+            self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
+            events.append(
+                TokenEvent(
+                    rid,
+                    None,
+                    True,
+                    "error",
+                    FloatingPointError("the step's logits for this request are NaN or all -inf"),
                 )
+            )
         return events
 
     def _logits_plan(self, step: ScheduledStep) -> _LogitsPlan | None:
