@@ -25,11 +25,20 @@ from ._errors import (
     QueueEmpty,
     QueueFull,
 )
-from .adaptive import AdaptiveBatchController, AdaptiveTuner, CircuitBreaker, Decision
-from .async_batcher import AsyncBatcher
-from .batcher import BatcherStatistics, BatchInfo, DynamicBatcher
 from .continuous import ContinuousDecodeLoop, SamplingParams, Scheduler, StepBatch
-from .decorator import AsyncBatchedFunction, BatchedFunction, batched
+from .control import AdaptiveBatchController, AdaptiveTuner, CircuitBreaker, Decision
+from .dynamic import (
+    AsyncBatchedFunction,
+    AsyncBatcher,
+    BatchedFunction,
+    BatcherStatistics,
+    BatchInfo,
+    BoundedQueue,
+    DynamicBatcher,
+    QueueEntry,
+    QueueStatistics,
+    batched,
+)
 from .kv import (
     AllocatorStatistics,
     InvalidBlock,
@@ -41,7 +50,6 @@ from .kv import (
     kv_cache_bytes,
 )
 from .metrics import LatencySummary
-from .queue import BoundedQueue, QueueEntry, QueueStatistics
 
 if TYPE_CHECKING:  # for type checkers: the real imports are lazy (see __getattr__)
     from . import bench as bench

@@ -44,7 +44,7 @@ from typing import Any
 import anyio
 
 from ._errors import QueueFull
-from .batcher import DynamicBatcher, is_async_callable
+from .dynamic.batcher import DynamicBatcher, is_async_callable
 from .metrics import percentiles
 
 __all__ = ["BenchPoint", "BenchReport", "MAX_QUEUE", "load_callable", "run_point", "sweep"]
@@ -523,7 +523,7 @@ def sweep(
         raise ValueError("batch_sizes is empty")
     bar = None
     if progress:
-        from ._progress import progress_bar
+        from .dynamic._progress import progress_bar
 
         bar = progress_bar(len(sizes), "bench")
     points = []

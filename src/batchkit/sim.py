@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import CircuitOpen, QueueFull
-from ._queue_core import QueueCore, QueueEntry
-from .adaptive import AdaptiveBatchController, CircuitBreaker
-from .former import BatchFormer, FormedBatch
+from .control import AdaptiveBatchController, CircuitBreaker
+from .dynamic._queue_core import QueueCore, QueueEntry
+from .dynamic.former import BatchFormer, FormedBatch
 from .metrics import LatencySummary, summarize
 
 __all__ = [

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import BatcherClosed
-from ..batcher import DynamicBatcher
+from ..dynamic.batcher import DynamicBatcher
 from ..metrics import percentiles
 
 __all__ = [

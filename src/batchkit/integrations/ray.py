@@ -46,9 +46,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import QueueFull
-from ..adaptive import CircuitBreaker
-from ..batcher import BatcherShell, DynamicBatcher
-from ..decorator import AsyncBatchedFunction, BatchedFunction
+from ..control import CircuitBreaker
+from ..dynamic.batcher import BatcherShell, DynamicBatcher
+from ..dynamic.decorator import AsyncBatchedFunction, BatchedFunction
 
 __all__ = [
     "deployment_options",

@@ -24,7 +24,7 @@ from typing import Any
 
 from .._clock import Clock, MonotonicClock
 from .._errors import BatchTimeout, JobStateError, QueueFull
-from ..decorator import progress_bar
+from ..dynamic.decorator import progress_bar
 from .fingerprint import Fingerprints, InputCheck, canonical_json, content_digest, is_id, record_key
 from .generate import GenerateFunction, Generation, qualified_name
 from .parquet import export_parquet, is_parquet, open_parquet, parquet_rows, read_parquet, require_pyarrow
@@ -151,9 +151,9 @@ class _Target:
 def _make_target(
     fn: Any, *, max_batch: int, max_wait_ms: float, concurrency: int, batch_timeout_s: float | None, owned_queue: int
 ) -> _Target:
-    from ..batcher import DynamicBatcher
     from ..continuous.loop import ContinuousDecodeLoop
-    from ..decorator import AsyncBatchedFunction, BatchedFunction
+    from ..dynamic.batcher import DynamicBatcher
+    from ..dynamic.decorator import AsyncBatchedFunction, BatchedFunction
 
     def no_close(drain: bool) -> None:
         pass
@@ -230,7 +230,7 @@ def _make_target(
 
 def _fn_identity(fn: Any) -> tuple[str, dict[str, Any]]:
     """The function's name and the settings that shape its results, as the journal records them."""
-    from ..batcher import DynamicBatcher
+    from ..dynamic.batcher import DynamicBatcher
 
     if isinstance(fn, GenerateFunction):
         return "batchkit.jobs:generate_fn", fn.settings()

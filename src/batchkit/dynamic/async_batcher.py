@@ -1,0 +1,622 @@
+"""AsyncBatcher: dynamic batching on one asyncio event loop, with no thread and no lock.
+
+When the callers and the batch function live on the same asyncio loop (an ASGI app, an
+``async def`` handler per request), :class:`~batchkit.DynamicBatcher`'s threads only add hops:
+each batch crosses to a worker thread and each result back. ``AsyncBatcher`` drives the very same
+:class:`~batchkit.former.BatchFormer` (so the same flush policy, deadlines, priorities, groups,
+costs, adaptive controller and circuit breaker) from loop callbacks:
+
+- ``await submit(item)`` admits the item and parks the task on a future of the loop;
+- a due batch is started as a task at once (an arrival that fills a batch dispatches it in the
+  same loop iteration); a timer on the loop fires at the former's ``wake_at`` otherwise;
+- the batch function is awaited on the loop (``async def``), called on the loop (a plain
+  function: the loop waits for it, as with any blocking call; this is how a model on the event
+  loop runs, in the process's main thread), or with ``offload=True`` called in the batcher's own
+  worker thread (the loop stays free; the same thread every time, so a torch model keeps one
+  thread pool);
+- results go straight into the callers' futures.
+
+It belongs to the loop of its first ``submit``; callers on other loops or threads use
+``DynamicBatcher``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import threading
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+
+from .._clock import Clock, ListenableClock, MonotonicClock
+from .._errors import BatcherClosed, BatchTimeout, DeadlineExceeded, QueueFull
+from ..control import AdaptiveBatchController, CircuitBreaker
+from ._queue_core import Drop, QueueCore, QueueEntry
+from .batcher import (
+    BatcherShell,
+    check_batcher_options,
+    is_async_callable,
+    malformed_results,
+)
+from .former import FormedBatch
+from .queue import OnFull
+
+__all__ = ["AsyncBatcher"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_NO_FALLBACK: Any = object()
+_get_running_loop = asyncio.get_running_loop
+
+# The AsyncBatcher whose ``async def`` batch function the current task runs, or a task it started
+# (tasks copy the context they are created in): its aclose() must not wait for its own batch.
+_running_batch_of: contextvars.ContextVar[object] = contextvars.ContextVar("batchkit_running_batch_of", default=None)
+
+
+class _Entry(QueueEntry[Any]):
+    """One caller's item and the future of the loop that answers it (the queue entry itself)."""
+
+    __slots__ = ("fallback", "future")
+
+    def __init__(self, item: Any, future: asyncio.Future[Any], fallback: Any) -> None:
+        # The queue fields are filled in by QueueCore.add on admission.
+        self.item = item
+        self.future = future
+        self.fallback = fallback
+
+
+_Batch = FormedBatch[_Entry]
+
+
+class _LoopWake(threading.Condition):
+    """What a :class:`ListenableClock` notifies when it advances: a call of the pump on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pump: Callable[[], None]) -> None:
+        super().__init__()
+        self._loop = loop
+        self._pump = pump
+
+    def notify_all(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._pump)
+
+
+class AsyncBatcher(BatcherShell[T, R]):
+    """Collects items from the tasks of one asyncio event loop into batches; no threads.
+
+    Args:
+        fn: ``fn(items: list[T]) -> Sequence[R]``, or an ``async def`` equivalent; one result
+            per item, in order; an :class:`Exception` in a slot fails only that item's caller.
+            An ``async def`` runs on the loop; a plain function runs on the loop too (the loop
+            waits for it) unless ``offload`` is set.
+        max_batch_size, max_wait_ms, max_queue, on_full, max_concurrent_batches, size_fn,
+        max_batch_cost, group_by, isolate_errors, batch_timeout_s, controller,
+        circuit_breaker, clock, name: as for :class:`~batchkit.DynamicBatcher`. With
+            ``on_full="block"``, :meth:`submit` waits (on the loop) for room.
+        offload: call a plain ``fn`` in the batcher's worker threads
+            (``max_concurrent_batches`` of them, started on first use) instead of on the loop.
+
+    Raises:
+        ValueError: as ``DynamicBatcher``; ``batch_timeout_s`` with a plain ``fn`` on the
+            loop (a call that holds the loop cannot be timed out: pass ``offload=True``);
+            ``offload=True`` with an ``async def`` ``fn``.
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``controller`` or
+            ``circuit_breaker`` is not of its type, or ``clock`` has no ``now()`` (see
+            :func:`~batchkit.batcher.check_batcher_options`).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[list[T]], Sequence[R]] | Callable[[list[T]], Awaitable[Sequence[R]]],
+        *,
+        max_batch_size: int = 32,
+        max_wait_ms: float = 5.0,
+        max_queue: int = 4096,
+        on_full: OnFull = "reject",
+        max_concurrent_batches: int = 1,
+        size_fn: Callable[[T], float] | None = None,
+        max_batch_cost: float | None = None,
+        group_by: Callable[[T], Hashable] | None = None,
+        isolate_errors: bool = False,
+        batch_timeout_s: float | None = None,
+        controller: AdaptiveBatchController | None = None,
+        circuit_breaker: CircuitBreaker | None = None,
+        offload: bool = False,
+        clock: Clock | None = None,
+        name: str | None = None,
+    ) -> None:
+        check_batcher_options(
+            fn,
+            max_batch_size,
+            max_wait_ms,
+            {
+                "max_queue": max_queue,
+                "on_full": on_full,
+                "max_concurrent_batches": max_concurrent_batches,
+                "size_fn": size_fn,
+                "max_batch_cost": max_batch_cost,
+                "group_by": group_by,
+                "batch_timeout_s": batch_timeout_s,
+                "controller": controller,
+                "circuit_breaker": circuit_breaker,
+                "clock": clock,
+            },
+        )
+        is_async = is_async_callable(fn)
+        if offload and is_async:
+            raise ValueError(
+                "offload=True runs a plain function in a worker thread; an async def batch function "
+                "is awaited on the loop (make it a plain function to offload it)"
+            )
+        if batch_timeout_s is not None and not is_async and not offload:
+            raise ValueError(
+                "batch_timeout_s needs a batch function that can be interrupted: an async def, or "
+                "offload=True for a plain function (on the loop, a stuck call holds the loop)"
+            )
+        core: QueueCore[Any] = QueueCore(max_queue, on_full)
+        super().__init__(
+            fn,
+            core,
+            contextlib.nullcontext(),
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_batch_cost=max_batch_cost,
+            size_fn=size_fn,
+            group_by=group_by,
+            isolate_errors=isolate_errors,
+            max_concurrent_batches=max_concurrent_batches,
+            batch_timeout_s=batch_timeout_s,
+            controller=controller,
+            circuit_breaker=circuit_breaker,
+            clock=clock if clock is not None else MonotonicClock(),
+            name=name,
+            block=on_full == "block",
+        )
+        self._is_async = is_async
+        self.offload = offload
+        # The real clock's now() is time.monotonic: call it without the method frame.
+        self._now = time.monotonic if type(self.clock) is MonotonicClock else self.clock.now
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pump_soon = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tasks: dict[_Batch, asyncio.Task[None]] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # The threads of the current executor (each adds itself as it starts), joined by aclose().
+        self._offload_threads: list[threading.Thread] = []
+        self._room: list[asyncio.Future[None]] = []
+        self._listener: _LoopWake | None = None
+        self._finished: asyncio.Event | None = None
+        core.on_release = self._on_release if self._block else None
+
+    # ------------------------------------------------------------------ submitting
+
+    async def submit(
+        self,
+        item: T,
+        *,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+        fallback: Any = _NO_FALLBACK,
+        timeout: float | None = None,
+    ) -> R:
+        """Queue ``item`` and await its result (from a task of this batcher's loop).
+
+        Args:
+            priority: lower is served first.
+            deadline_ms: if the item still waits this long after submit, it leaves the queue and
+                the call raises :class:`DeadlineExceeded` (or returns ``fallback``).
+            fallback: value to return instead of raising on deadline expiry.
+            timeout: with ``on_full="block"``, seconds to wait for room in the queue.
+
+        Cancelling the awaiting task removes the item if its batch has not started, and
+        discards its result otherwise.
+
+        Raises:
+            BatcherClosed: after :meth:`aclose` began.
+            QueueFull: the queue refused the item.
+            CircuitOpen: the circuit breaker is open.
+            RuntimeError: called from another event loop than the first submit's.
+        """
+        try:
+            loop = _get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                f"{self.name}: AsyncBatcher.submit runs in a task of an asyncio event loop; from "
+                "threads or trio, use a DynamicBatcher (submit, asubmit)"
+            ) from None
+        if loop is not self._loop:
+            self._bind(loop)
+        fut: asyncio.Future[Any] = loop.create_future()
+        entry = _Entry(item, fut, fallback)
+        if self._plain and priority == 0 and deadline_ms is None and not self._closing:
+            drops, replan = self._admit_plain(entry)
+            if drops:
+                self._resolve_drops(drops)
+            if replan and not self._pump_soon:
+                self._pump_soon = True
+                loop.call_soon(self._pump)
+        else:
+            key_cost = self._key_and_cost(item, priority, deadline_ms)  # once, however long it waits
+            if not self._enqueue(entry, priority, deadline_ms, key_cost):
+                await self._wait_for_room(entry, priority, deadline_ms, timeout, key_cost)
+        try:
+            return await fut  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            if fut.cancelled() or not fut.done():
+                self._cancel(entry)
+            raise
+
+    __call__ = submit
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError(
+                f"{self.name}: this AsyncBatcher serves the event loop of its first submit; callers "
+                "on other loops or threads need a DynamicBatcher (or one AsyncBatcher per loop)"
+            )
+        if self._listener is not None and isinstance(self.clock, ListenableClock):
+            self.clock.remove_listener(self._listener)
+            self._listener = None
+        # Whatever was scheduled on a closed loop will never run: start afresh on this one.
+        self._loop = loop
+        self._pump_soon = False
+        self._timer = None
+        self._timer_at = None
+        self._finished = asyncio.Event()
+        self._t_first = self._now()
+        if isinstance(self.clock, ListenableClock):
+            self._listener = _LoopWake(loop, self._pump)
+            self.clock.add_listener(self._listener)
+
+    def _enqueue(
+        self, entry: _Entry, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float]
+    ) -> bool:
+        """Admit ``entry`` (of group key and cost ``key_cost``); False when a ``"block"`` queue
+        has no room (nothing done)."""
+        added = self._admit(entry, priority, deadline_ms, *key_cost)
+        if added is None:
+            return False
+        drops, replan = added
+        if drops:
+            self._resolve_drops(drops)
+        if replan:
+            self._kick()
+        return True
+
+    async def _wait_for_room(
+        self,
+        entry: _Entry,
+        priority: int,
+        deadline_ms: float | None,
+        timeout: float | None,
+        key_cost: tuple[Hashable, float],
+    ) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    room = loop.create_future()
+                    self._room.append(room)
+                    try:
+                        await room
+                    except BaseException:
+                        if room in self._room:
+                            self._room.remove(room)
+                        elif room.done() and not room.cancelled():
+                            # Woken for a freed slot, then cancelled (or timed out) before it could
+                            # take it: pass the slot on, or the next waiter sleeps beside room.
+                            self._on_release(1)
+                        raise
+                    if room in self._room:  # woken by aclose(), which leaves the list to the waiters
+                        self._room.remove(room)
+                    if self._enqueue(entry, priority, deadline_ms, key_cost):
+                        return
+        except TimeoutError:
+            self._rejected += 1
+            self._core.count_rejection()
+            raise QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s") from None
+
+    def _on_release(self, n: int) -> None:
+        """The core freed ``n`` slots: wake as many tasks waiting for room."""
+        while n > 0 and self._room:
+            room = self._room.pop(0)
+            if not room.done():
+                room.set_result(None)
+                n -= 1
+
+    def _cancel(self, entry: _Entry) -> None:
+        """The caller gave up: its item leaves the queue if it still waits."""
+        if self._core.cancel(entry):
+            self._cancelled += 1
+            self._kick()
+        elif not entry.future.done() or entry.future.cancelled():
+            self._cancelled += 1  # taken: its result will find no one waiting
+
+    # ------------------------------------------------------------------ the pump
+
+    def _kick(self) -> None:
+        if not self._pump_soon and self._loop is not None:
+            self._pump_soon = True
+            self._loop.call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Expire, time out, start every due batch, and set the timer for the next decision."""
+        self._pump_soon = False
+        former = self.former
+        now = self._now()
+        drops = former.expire(now)
+        if drops:
+            self._resolve_drops(drops)
+        for b in former.timed_out(now):
+            self._abandon(b)
+        while True:
+            batch, wake_at = former.next_batch(now)
+            if batch is None:
+                break
+            task = self._loop.create_task(self._run(batch))  # type: ignore[union-attr]
+            self._tasks[batch] = task
+        if former.finished:
+            if self._finished is not None:
+                self._finished.set()
+            return
+        self._arm(wake_at, now)
+
+    def _arm(self, wake_at: float | None, now: float) -> None:
+        """Have the pump run again at ``wake_at`` (clock time); a mock clock wakes it instead."""
+        if wake_at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = wake_at
+        if wake_at is None or self._listener is not None:
+            return
+        loop = self._loop
+        assert loop is not None
+        self._timer = loop.call_at(loop.time() + max(wake_at - now, 0.0), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self._pump()
+
+    # ------------------------------------------------------------------ running batches
+
+    async def _run(self, batch: _Batch) -> None:
+        entries = [e for e in batch.entries if not e.future.done()]
+        try:
+            if not entries:
+                self.former.record(batch, 0, 0.0, True, self._now())
+                return
+            t0 = self._now()
+            ok = await self._call_and_deliver(batch, entries)
+            now = self._now()
+            self._batch_time.add(now - t0)
+            self.former.record(batch, len(entries), now - t0, ok, now)
+        finally:
+            self._tasks.pop(batch, None)
+            self.former.complete(batch)
+            self._kick()
+
+    async def _call(self, items: list[Any]) -> Any:
+        if self._is_async:
+            _running_batch_of.set(self)  # this task's own context (see _running_batch_of)
+            return await self.fn(items)
+        if self.offload:
+            if self._executor is None:
+                threads: list[threading.Thread] = []
+                self._offload_threads = threads
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self.max_concurrent_batches,
+                    thread_name_prefix=f"batchkit-{self.name}",
+                    initializer=lambda: threads.append(threading.current_thread()),
+                )
+            result = await self._loop.run_in_executor(self._executor, _call_boxed, self.fn, items)  # type: ignore[union-attr]
+            if type(result) is _GeneratorExitBox:
+                raise result.exc  # raised here, not thrown into the awaiting coroutines (see _call_boxed)
+            return result
+        return self.fn(items)
+
+    async def _call_and_deliver(self, batch: _Batch, entries: list[_Entry]) -> bool:
+        """Run the batch function and answer the callers; False if the batch failed."""
+        try:
+            results = await self._call([e.item for e in entries])
+        except asyncio.CancelledError as exc:
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python >= 3.11
+            if cancelling is not None and not cancelling():
+                # Raised by the batch function itself, nobody cancelled this batch: a failure of
+                # it, also while aclose() drains (its callers are still waiting).
+                self._fail(entries, exc)
+                return False
+            if batch.abandoned or self._closing:
+                return False  # its callers were answered by whoever cancelled it
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
+            if self._split_after(exc, len(entries)):
+                mid = len(entries) // 2
+                first = await self._call_and_deliver(batch, entries[:mid])
+                return await self._call_and_deliver(batch, entries[mid:]) and first
+            self._fail(entries, exc)
+            return False
+        malformed = malformed_results(self.name, results, len(entries))
+        if malformed is not None:
+            self._fail(entries, malformed)
+            return False
+        if batch.abandoned:
+            return False
+        now = self._now()
+        failed = 0
+        answered: list[_Entry] = []
+        for e, v in zip(entries, results, strict=True):
+            fut = e.future
+            if fut.done():
+                continue
+            if isinstance(v, Exception):
+                fut.set_exception(v)
+                failed += 1
+            else:
+                fut.set_result(v)
+            answered.append(e)
+        self._count_answers(len(answered), failed, [now - e.arrival for e in answered], now)
+        return True
+
+    def _fail(self, entries: list[_Entry], exc: BaseException) -> None:
+        now = self._now()
+        latencies = []
+        for e in entries:
+            if not e.future.done():
+                e.future.set_exception(exc)
+                latencies.append(now - e.arrival)
+        self._count_answers(len(latencies), len(latencies), latencies, now)
+
+    def _abandon(self, batch: _Batch) -> None:
+        """A batch ran past ``batch_timeout_s``: its callers fail, its task is cancelled."""
+        self._fail(
+            [e for e in batch.entries if not e.future.done()],
+            BatchTimeout(f"{self.name}: batch function ran past batch_timeout_s={self.batch_timeout_s}"),
+        )
+        task = self._tasks.pop(batch, None)
+        if task is not None:
+            task.cancel()
+        if self.offload and self._executor is not None:
+            # The stuck call keeps its thread; later batches get fresh ones.
+            self._executor.shutdown(wait=False)
+            self._executor = None
+            self._offload_threads = []
+
+    def _resolve_drops(self, drops: Sequence[Drop], count_as: str = "") -> None:
+        """Answer entries that left the queue without running (expired, evicted, closed)."""
+        for entry, exc in drops:
+            e: _Entry = entry  # type: ignore[assignment]
+            fut = e.future
+            if fut.done():
+                continue
+            if e.fallback is not _NO_FALLBACK and isinstance(exc, DeadlineExceeded):  # not on eviction or close
+                fut.set_result(e.fallback)
+            else:
+                fut.set_exception(exc)
+            self._count_drop(exc, count_as)
+
+    # ------------------------------------------------------------------ controls
+
+    def _limit_changed(self) -> None:
+        # An AdaptiveTuner sets the limit from its own thread: reach the loop thread-safely.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if asyncio._get_running_loop() is loop:
+            self._kick()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._kick)
+
+    def flush(self) -> None:
+        """Dispatch everything waiting now without waiting for ``max_wait_ms``."""
+        self.former.flush()
+        self._kick()
+
+    async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item
+        runs (behind an open circuit breaker: fails with :class:`CircuitOpen`, see
+        :meth:`BatchFormer.expire`); without, waiting items fail with :class:`BatcherClosed`. Waits at most
+        ``timeout`` seconds; batches still running then are cancelled (an ``async def`` or
+        offloaded call) and their callers fail with :class:`BatcherClosed`. Idempotent. Awaited in
+        the batch function itself (or in a task it started), it closes and returns without
+        waiting (a later ``aclose()`` from elsewhere waits)."""
+        if not drain:  # also while an earlier aclose() drains: what waits fails now
+            self._resolve_drops(
+                [
+                    (e, BatcherClosed(f"{self.name}: closed before this item ran"))
+                    for e in self.former.drain(self._now())
+                ],
+                count_as="cancelled",
+            )
+        if not self._closing:
+            self._closing = True
+            self.former.close()
+            for room in self._room:
+                if not room.done():
+                    room.set_result(None)
+        if self._loop is None:  # never used
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._pump()
+        if _running_batch_of.get() is self:
+            # From the batch function itself (or a task it started): waiting for the batches to
+            # finish would wait for this one. The rest drains on its own; a later aclose() from
+            # elsewhere waits for it.
+            return
+        finished = self._finished
+        assert finished is not None
+        timed_out = False
+        try:
+            with anyio.fail_after(timeout):
+                await finished.wait()
+        except TimeoutError:
+            timed_out = True
+            closed = BatcherClosed(f"{self.name}: closed with timeout={timeout!r}; this batch was still running")
+            for batch, task in list(self._tasks.items()):
+                self._fail(batch.entries, closed)
+                task.cancel()
+                # Its slot is free now: statistics() stop counting it in flight when aclose returns
+                # (the task ends at a later loop iteration, or never starts if it had not yet).
+                self.former.complete(batch)
+            self._resolve_drops(
+                [(e, closed) for e in self.former.drain(self._now())],
+                count_as="cancelled",
+            )
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._listener is not None and isinstance(self.clock, ListenableClock):
+                self.clock.remove_listener(self._listener)
+                self._listener = None
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+        threads, self._offload_threads = self._offload_threads, []
+        if not timed_out:
+            await _join_idle_threads(threads, deadline)
+
+    async def __aenter__(self) -> AsyncBatcher[T, R]:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def _join_idle_threads(threads: Sequence[threading.Thread], deadline: float | None) -> None:
+    """Wait, without blocking the loop, until the worker threads of a shut-down executor have
+    exited (they were idle: each leaves as soon as it sees the shutdown), or ``deadline`` passes."""
+    delay = 0.0
+    while any(t.is_alive() for t in threads):
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(delay)
+        delay = min(0.01, delay * 2 or 0.0005)
+
+
+class _GeneratorExitBox:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: GeneratorExit) -> None:
+        self.exc = exc
+
+
+def _call_boxed(fn: Callable[[list[Any]], Any], items: list[Any]) -> Any:
+    """``fn(items)`` in an offload thread, a GeneratorExit returned boxed: thrown back into the
+    awaiting task, Python would close the coroutines it awaits through instead of raising it in
+    them, and the batch task would end with it unhandled."""
+    try:
+        return fn(items)
+    except GeneratorExit as exc:
+        return _GeneratorExitBox(exc)

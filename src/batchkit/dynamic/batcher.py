@@ -1,0 +1,1297 @@
+"""DynamicBatcher: many small calls in, few large calls to the model, every caller answered once.
+
+Architecture (see docs/architecture.md):
+
+- The policy is a sans-I/O :class:`~batchkit.former.BatchFormer` over the queue's
+  :class:`~batchkit._queue_core.QueueCore`: it admits requests, decides when a batch is due
+  (``max_batch_size`` reached, ``max_wait_ms`` since the *oldest* waiting item, ``flush()``,
+  ``close()``) and seals it only when a worker slot is free, so that while the model is busy the
+  next batch keeps growing. This module is its threaded shell, and ``batchkit.sim`` drives the
+  same former on virtual time.
+- Callers (threads or async tasks, on asyncio or trio, mixed) admit requests through the former
+  under the queue's lock (``queue.mutex``) and park on a waiter.
+- One dispatcher thread sleeps until the former's ``wake_at`` (or an arrival that changes the
+  plan), expires deadlines, enforces ``batch_timeout_s`` and hands due batches to the workers.
+- ``max_concurrent_batches`` worker threads call the batch function (an async one runs on the
+  batcher's own event loop thread) and deliver results: per-item values or exceptions, one
+  cross-thread wake per caller event loop per batch.
+
+Nothing starts until the first submit; ``close()`` drains and joins everything.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import inspect
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from queue import SimpleQueue
+from time import monotonic as _monotonic
+from typing import Any, Generic, TypedDict, TypeVar
+
+import anyio
+
+from .._clock import Clock, ListenableClock
+from .._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, DeadlineExceeded, QueueFull
+from .._waiters import ThreadWaiter, new_async_waiter, wait_limit, wake_all
+from ..control import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
+from ..metrics import LatencySummary, SampleWindow
+from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
+from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
+from .queue import BoundedQueue, OnFull
+
+__all__ = [
+    "FLUSH_REASONS",
+    "BatchInfo",
+    "BatcherOptions",
+    "BatcherShell",
+    "BatcherStatistics",
+    "DynamicBatcher",
+    "check_batcher_options",
+    "is_async_callable",
+    "item_key_and_cost",
+    "malformed_results",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_NO_FALLBACK: Any = object()
+
+
+class _Request(QueueEntry[Any]):
+    """One caller's item, its place in the queue (it *is* the queue entry) and how to answer it.
+
+    The queue fields (priority, seq, arrival, ...) are filled in when it is admitted; its queue
+    ``state`` says whether it waits or was taken into a batch, ``done`` whether it was answered
+    (or its caller gave up).
+    """
+
+    __slots__ = ("done", "error", "fallback", "notified", "sink", "value")
+
+    def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
+        self.item = item
+        self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
+        self.fallback = fallback
+        self.done = False
+        # A Future sink: set_running_or_notify_cancel() was called (it may be called only once).
+        self.notified = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+_Batch = FormedBatch[_Request]
+
+# A writer waiting for room on a "block" queue tries again at least this often. close() wakes the
+# waiting writers, but one that found the queue full just before close() and starts waiting just
+# after it has missed that wake-up; this bounds how long it waits to learn of the close.
+_ROOM_RECHECK_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherStatistics:
+    """A snapshot of a :class:`DynamicBatcher` (latencies in milliseconds).
+
+    ``pending``: items waiting in the queue; ``in_flight``: items in the batches running now
+    (``running_batches`` of them); ``submitted``: items admitted; ``succeeded`` / ``failed``:
+    callers a batch answered with a result / an exception; ``cancelled``: callers that gave up,
+    and items ``close()`` failed before they ran (``drain=False``, or an open circuit breaker);
+    ``expired``: items whose
+    deadline passed (answered with ``DeadlineExceeded`` or their fallback); ``rejected``: submits
+    refused (``QueueFull``, ``CircuitOpen``) plus items evicted from a full queue.
+
+    ``queue_wait``, ``latency`` and ``batch_time`` cover the whole run (mergeable with
+    ``LatencySummary.merge``); the ``*_recent`` ones the last 10,000 samples of each.
+    """
+
+    pending: int
+    in_flight: int
+    submitted: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    expired: int
+    rejected: int
+    batches: int
+    mean_batch_size: float
+    batch_size_histogram: dict[int, int] = field(default_factory=dict)
+    flush_reasons: dict[str, int] = field(default_factory=dict)
+    queue_wait: LatencySummary | None = None
+    latency: LatencySummary | None = None
+    batch_time: LatencySummary | None = None
+    throughput_rps: float = 0.0
+    running_batches: int = 0
+    queue_wait_recent: LatencySummary | None = None
+    latency_recent: LatencySummary | None = None
+    batch_time_recent: LatencySummary | None = None
+
+
+BatchFn = Callable[[list[T]], Sequence[R]] | Callable[[list[T]], Awaitable[Sequence[R]]]
+
+
+class BatcherOptions(TypedDict, total=False):
+    """The keyword options of :class:`DynamicBatcher` besides ``max_batch_size`` and
+    ``max_wait_ms`` (the ones ``@batched`` passes through); see its docstring for each."""
+
+    queue: BoundedQueue[Any] | None
+    max_queue: int
+    on_full: OnFull
+    max_concurrent_batches: int
+    size_fn: Callable[[Any], float] | None
+    max_batch_cost: float | None
+    group_by: Callable[[Any], Hashable] | None
+    isolate_errors: bool
+    batch_timeout_s: float | None
+    controller: AdaptiveBatchController | None
+    circuit_breaker: CircuitBreaker | None
+    clock: Clock | None
+    name: str | None
+
+
+_OPTION_NAMES = frozenset(BatcherOptions.__annotations__)
+
+
+def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, options: BatcherOptions) -> None:
+    """Raise what ``DynamicBatcher(fn, max_batch_size=..., max_wait_ms=..., **options)`` would
+    raise for these arguments, without building a batcher: nothing is started, and a ``queue``
+    is checked but not claimed (``@batched`` validates at decoration this way). Missing options
+    take their defaults.
+
+    Raises:
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue``,
+            ``controller`` or ``circuit_breaker`` is not of its type, ``clock`` has no ``now()``,
+            or an option name is unknown.
+        ValueError: a value the batcher refuses (the message names the argument and the fix):
+            a size that is not an int >= 1, a ``max_wait_ms`` that is not a number >= 0, a
+            ``max_batch_cost`` or ``batch_timeout_s`` that is not a number > 0.
+    """
+    unknown = options.keys() - _OPTION_NAMES
+    if unknown:
+        raise TypeError(
+            f"unknown batcher option(s) {', '.join(sorted(unknown))}; the options are max_batch_size, "
+            f"max_wait_ms, {', '.join(sorted(_OPTION_NAMES))}"
+        )
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a batch function over a list), got {fn!r}")
+    _check_positive_int("max_batch_size", max_batch_size)
+    _check_positive_int("max_concurrent_batches", options.get("max_concurrent_batches", 1))
+    check_number("max_wait_ms", max_wait_ms, unit="milliseconds")
+    size_fn = options.get("size_fn")
+    max_batch_cost = options.get("max_batch_cost")
+    for what, f in (("size_fn", size_fn), ("group_by", options.get("group_by"))):
+        if f is not None and not callable(f):
+            raise TypeError(f"{what} must be a function of one item, got {f!r}")
+    for what, cls in (("controller", AdaptiveBatchController), ("circuit_breaker", CircuitBreaker)):
+        value = options.get(what)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{what} must be a batchkit.{cls.__name__} (or None), got {value!r}")
+    clock = options.get("clock")
+    if clock is not None and not callable(getattr(clock, "now", None)):
+        raise TypeError(f"clock must have a now() method returning seconds (a batchkit.Clock), got {clock!r}")
+    if max_batch_cost is not None and size_fn is None:
+        raise ValueError("max_batch_cost needs size_fn: pass size_fn=lambda item: cost_of(item)")
+    if max_batch_cost is not None:
+        check_number("max_batch_cost", max_batch_cost, unit="size_fn cost units", positive=True, optional=True)
+    batch_timeout_s = options.get("batch_timeout_s")
+    if batch_timeout_s is not None:
+        check_number("batch_timeout_s", batch_timeout_s, unit="seconds", positive=True, optional=True)
+    queue = options.get("queue")
+    if queue is not None and not isinstance(queue, BoundedQueue):
+        raise TypeError(f"queue must be a batchkit.BoundedQueue (or None for the default one), got {queue!r}")
+    if queue is None:
+        max_queue = options.get("max_queue", 4096)
+        _check_positive_int("max_queue", max_queue)
+        check_queue_options(max_queue, options.get("on_full", "reject"))
+    elif queue.on_drop is not None:
+        if isinstance(getattr(queue.on_drop, "__self__", None), BatcherShell):
+            raise ValueError("queue already belongs to a batcher (its on_drop is set); give each its own")
+        raise ValueError(
+            f"queue has an on_drop callback ({queue.on_drop!r}); a batcher answers the callers of the items "
+            "that leave its queue unserved through on_drop itself: pass a queue without one (the batcher's "
+            "statistics() count the expired, evicted and cancelled items)"
+        )
+    elif options.get("max_queue", 4096) != 4096 or options.get("on_full", "reject") != "reject":
+        raise ValueError(
+            "queue= brings its own capacity and on_full policy; pass either queue or max_queue/on_full, not both"
+        )
+    elif clock is not None and queue.clock is not clock:
+        # Deadlines and waits would be set on one clock and read on the other: the queue's own
+        # expire() (in statistics(), put, get) would fail a caller long before its deadline.
+        raise ValueError(
+            "queue= keeps its own clock: pass clock= to the BoundedQueue (the batcher then uses it), not another "
+            "one to the batcher"
+        )
+
+
+class BatcherShell(Generic[T, R]):
+    """What :class:`DynamicBatcher` (threads) and :class:`~batchkit.AsyncBatcher` (one event
+    loop) share around their :class:`~batchkit.former.BatchFormer`: the settings, the counters,
+    ``statistics()`` and the ``TunableTarget`` methods. ``guard`` is the lock the shell drives
+    its former under (a null context where one event loop is the only driver)."""
+
+    def __init__(
+        self,
+        fn: Any,
+        core: QueueCore[Any],
+        guard: contextlib.AbstractContextManager[Any],
+        *,
+        max_batch_size: int,
+        max_wait_ms: float,
+        max_batch_cost: float | None,
+        size_fn: Callable[[T], float] | None,
+        group_by: Callable[[T], Hashable] | None,
+        isolate_errors: bool,
+        max_concurrent_batches: int,
+        batch_timeout_s: float | None,
+        controller: AdaptiveBatchController | None,
+        circuit_breaker: CircuitBreaker | None,
+        clock: Clock,
+        name: str | None,
+        block: bool,
+    ) -> None:
+        self.fn = fn
+        self.name: str = name or str(getattr(fn, "__qualname__", type(fn).__name__))
+        self.size_fn = size_fn
+        self.group_by = group_by
+        self.isolate_errors = isolate_errors
+        self.clock: Clock = clock
+        self._now = clock.now
+        self._core = core
+        self._guard = guard
+        self._block = block  # on_full="block": a full queue makes the caller wait for room
+        self.former: BatchFormer[Any] = BatchFormer(
+            core,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_batch_cost=max_batch_cost,
+            grouped=group_by is not None,
+            max_concurrent_batches=max_concurrent_batches,
+            batch_timeout_s=batch_timeout_s,
+            controller=controller,
+            circuit_breaker=circuit_breaker,
+        )
+        """The flush policy this batcher drives."""
+        # The settings the former was built with (they do not change; max_batch_size does).
+        self.max_wait_ms = self.former.max_wait_ms
+        self.max_batch_cost = max_batch_cost
+        self.max_concurrent_batches = max_concurrent_batches
+        self.batch_timeout_s = batch_timeout_s
+        self.controller = controller
+        self.circuit_breaker = circuit_breaker
+        self._closing = False
+        self._submitted = 0
+        self._succeeded = 0
+        self._failed = 0
+        self._cancelled = 0
+        self._expired = 0
+        self._rejected = 0
+        self._latency = SampleWindow()
+        self._batch_time = SampleWindow()
+        self._t_first: float | None = None
+        self._t_last = 0.0
+        # No per-item work beyond admission: no key, cost, breaker or waiting for room.
+        self._plain = group_by is None and size_fn is None and circuit_breaker is None and not block
+
+    @property
+    def max_batch_size(self) -> int:
+        """Most items per batch (an adaptive controller or tuner may change it)."""
+        return self.former.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int) -> None:
+        self.set_batch_limit(value)
+
+    @property
+    def closed(self) -> bool:
+        """Whether closing has begun (new submits are refused)."""
+        return self._closing
+
+    def queue_depth(self) -> int:
+        """Items waiting in the queue now (``TunableTarget``)."""
+        return self._core.depth
+
+    def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+        """End-to-end latencies (seconds) of the callers answered after the first ``since``
+        (those still in the window), and the new count to pass next time (``TunableTarget``)."""
+        with self._guard:
+            return self._latency.since(since)
+
+    def set_batch_limit(self, size: int) -> None:
+        """Set ``max_batch_size`` (``TunableTarget``).
+
+        Raises:
+            ValueError: ``size`` is not an int >= 1 (a limit of 0 would never dispatch).
+        """
+        _check_positive_int("max_batch_size", size)
+        with self._guard:
+            if self.former.max_batch_size == size:
+                return  # a tuner's step that keeps the size wakes nobody
+            self.former.max_batch_size = size
+        self._limit_changed()
+
+    def _limit_changed(self) -> None:
+        """``max_batch_size`` changed: have the driver ask the former again (a group that holds
+        the new, smaller limit is due now, not when the oldest item's wait is up)."""
+
+    def _key_and_cost(self, item: Any, priority: int, deadline_ms: float | None) -> tuple[Hashable, float]:
+        """Check a submit's arguments; the item's group key and cost (no guard needed)."""
+        if deadline_ms is not None or type(priority) is not int:
+            check_put_args(priority, deadline_ms)
+        if self.group_by is not None or self.size_fn is not None:
+            return item_key_and_cost(item, self.group_by, self.size_fn)
+        return None, 1
+
+    def _admit(
+        self, entry: QueueEntry[Any], priority: int, deadline_ms: float | None, key: Hashable, cost: float
+    ) -> tuple[Sequence[Drop], bool] | None:
+        """Admit ``entry`` through the former (guard held): the entries evicted for it and
+        whether the plan changed, or None when a ``"block"`` queue has no room (nothing done).
+
+        Raises:
+            BatcherClosed, CircuitOpen, QueueFull: refused (counted).
+        """
+        if self._closing:
+            raise BatcherClosed(f"{self.name}: the batcher is closed; create a new one to submit")
+        now = self._now()
+        if self.circuit_breaker is not None:
+            try:
+                self.circuit_breaker.check(now)
+            except CircuitOpen:
+                self._rejected += 1
+                raise
+        core = self._core
+        if self._block and core.depth >= core.maxsize:
+            return None
+        try:
+            added = self.former.add(entry, now, priority, deadline_ms, key, cost)
+        except QueueFull:
+            self._rejected += 1
+            raise
+        self._submitted += 1
+        if self._t_first is None:
+            self._t_first = now
+        return added
+
+    def _admit_plain(self, entry: QueueEntry[Any]) -> tuple[Sequence[Drop], bool]:
+        """:meth:`_admit` for the common case (guard held, the shell ``_plain``, not closing,
+        priority 0, no deadline, not the first submit): nothing to check but room."""
+        try:
+            added = self.former.add(entry, self._now())
+        except QueueFull:
+            self._rejected += 1
+            raise
+        self._submitted += 1
+        return added
+
+    def _split_after(self, exc: BaseException, size: int) -> bool:
+        """The batch function raised ``exc`` on ``size`` items: tell the controller of an
+        out-of-memory, and answer whether to retry the two halves (out of memory or
+        ``isolate_errors``, more than one item, an ordinary error that is not a close)."""
+        oom = is_out_of_memory(exc)
+        if oom and self.controller is not None:
+            with self._guard:
+                self.former.on_oom(size, self._now())
+        splittable = isinstance(exc, Exception) and not isinstance(exc, BatcherClosed)
+        return (oom or self.isolate_errors) and size > 1 and splittable
+
+    def _count_drop(self, exc: BaseException, count_as: str) -> None:
+        """Count one caller answered without running (guard held)."""
+        if count_as == "cancelled" or isinstance(exc, CircuitOpen):  # CircuitOpen: failed at close, unrun
+            self._cancelled += 1
+        elif isinstance(exc, QueueFull):
+            self._rejected += 1
+        else:
+            self._expired += 1
+
+    def _count_answers(self, answered: int, failed: int, latencies: list[float], now: float) -> None:
+        """Count the callers a batch answered, and their latencies (guard held)."""
+        self._failed += failed
+        self._succeeded += answered - failed
+        if latencies:
+            self._latency.extend(latencies)
+            self.former.observe_latencies(latencies, now)
+            self._t_last = now
+
+    def statistics(self) -> BatcherStatistics:
+        """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
+        former = self.former
+        with self._guard:
+            queue = self._core.statistics()
+            span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
+            done = self._succeeded + self._failed
+            return BatcherStatistics(
+                pending=self._core.depth,
+                in_flight=sum(b.info.size for b in former.running),
+                submitted=self._submitted,
+                succeeded=self._succeeded,
+                failed=self._failed,
+                cancelled=self._cancelled,
+                expired=self._expired,
+                rejected=self._rejected,
+                batches=former.batches,
+                mean_batch_size=former.batched_items / former.batches if former.batches else 0.0,
+                batch_size_histogram=dict(sorted(former.sizes.items())),
+                flush_reasons=dict(former.reasons),
+                queue_wait=queue.wait,
+                latency=self._latency.summary(),
+                batch_time=self._batch_time.summary(),
+                throughput_rps=done / span if span > 0 else 0.0,
+                running_batches=len(former.running),
+                queue_wait_recent=queue.wait_recent,
+                latency_recent=self._latency.recent(),
+                batch_time_recent=self._batch_time.recent(),
+            )
+
+    def recent_batches(self) -> list[BatchInfo]:
+        """The last 64 batches dispatched (size, cost, group key, flush reason), oldest first."""
+        with self._guard:
+            return list(self.former.recent)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else "open"
+        return (
+            f"<{type(self).__name__} {self.name} {state} pending={self._core.depth} "
+            f"in_flight={len(self.former.running)} max_batch_size={self.max_batch_size} "
+            f"max_wait_ms={self.max_wait_ms:g}>"
+        )
+
+
+class DynamicBatcher(BatcherShell[T, R]):
+    """Collects items from many callers into batches for one batch function.
+
+    Args:
+        fn: ``fn(items: list[T]) -> Sequence[R]`` (sync, run in a worker thread) or an
+            ``async def`` equivalent (run on the batcher's event loop thread). Return one result
+            per item, in order; an :class:`Exception` in a slot fails only that item's caller.
+        max_batch_size: most items per batch (>= 1).
+        max_wait_ms: longest the oldest waiting item waits for company before its batch is
+            dispatched (>= 0; 0 dispatches whatever is waiting as soon as a slot is free).
+        queue: a :class:`BoundedQueue` to admit through (its capacity and ``on_full`` apply);
+            default ``BoundedQueue(max_queue, on_full)``.
+        max_queue: capacity of the default queue.
+        on_full: policy of the default queue (see :class:`BoundedQueue`).
+        max_concurrent_batches: batches that may run at once (>= 1).
+        size_fn: cost of one item (tokens, rows, bytes); with ``max_batch_cost``, a batch never
+            exceeds that total (an item costlier than the limit runs alone).
+        max_batch_cost: cost limit per batch (needs ``size_fn``).
+        group_by: ``key(item) -> Hashable``; items with different keys never share a batch.
+        isolate_errors: when the batch function raises, split the batch and retry the halves so
+            that only the failing items' callers see the error.
+        batch_timeout_s: fail a batch's callers with :class:`BatchTimeout` if the function runs
+            longer than this (the stuck call is abandoned, its slot replaced).
+        controller: an :class:`~batchkit.AdaptiveBatchController` that sets ``max_batch_size``
+            before each batch from the queue depth and the callers' latencies, and lowers its
+            ceiling when the batch function runs out of memory.
+        circuit_breaker: a :class:`~batchkit.CircuitBreaker`: after repeated failing batches,
+            submits fail fast with :class:`~batchkit.CircuitOpen` until one probe batch succeeds.
+
+        A batch function that runs out of memory (``MemoryError``, ``torch.cuda.OutOfMemoryError``)
+        has its batch split in halves and retried, down to single items.
+        clock: time source (tests pass :class:`batchkit.testing.MockClock`).
+        name: shown in ``repr`` and thread names.
+
+    Raises:
+        ValueError: a size that is not an int >= 1, a ``max_wait_ms`` that is not a number >= 0,
+            a ``max_batch_cost`` or ``batch_timeout_s`` that is not a number > 0,
+            ``max_batch_cost`` without ``size_fn``, a ``queue`` that already serves another
+            batcher or has an ``on_drop`` of its own, or a ``queue`` together with a
+            ``max_queue`` or ``on_full`` other than the default, or with a ``clock`` other than its
+            own (see :func:`check_batcher_options`).
+        TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue`` is not a
+            :class:`BoundedQueue`, ``controller`` not an :class:`~batchkit.AdaptiveBatchController`,
+            ``circuit_breaker`` not a :class:`~batchkit.CircuitBreaker`, or ``clock`` has no
+            ``now()``.
+    """
+
+    def __init__(
+        self,
+        fn: BatchFn[T, R],
+        *,
+        max_batch_size: int = 32,
+        max_wait_ms: float = 5.0,
+        queue: BoundedQueue[Any] | None = None,
+        max_queue: int = 4096,
+        on_full: OnFull = "reject",
+        max_concurrent_batches: int = 1,
+        size_fn: Callable[[T], float] | None = None,
+        max_batch_cost: float | None = None,
+        group_by: Callable[[T], Hashable] | None = None,
+        isolate_errors: bool = False,
+        batch_timeout_s: float | None = None,
+        controller: AdaptiveBatchController | None = None,
+        circuit_breaker: CircuitBreaker | None = None,
+        clock: Clock | None = None,
+        name: str | None = None,
+    ) -> None:
+        check_batcher_options(
+            fn,
+            max_batch_size,
+            max_wait_ms,
+            {
+                "queue": queue,
+                "max_queue": max_queue,
+                "on_full": on_full,
+                "max_concurrent_batches": max_concurrent_batches,
+                "size_fn": size_fn,
+                "max_batch_cost": max_batch_cost,
+                "group_by": group_by,
+                "batch_timeout_s": batch_timeout_s,
+                "controller": controller,
+                "circuit_breaker": circuit_breaker,
+                "clock": clock,
+            },
+        )
+        if queue is None:
+            queue = BoundedQueue(max_queue, on_full, clock=clock)
+        super().__init__(
+            fn,
+            queue.core,
+            queue.mutex,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_batch_cost=max_batch_cost,
+            size_fn=size_fn,
+            group_by=group_by,
+            isolate_errors=isolate_errors,
+            max_concurrent_batches=max_concurrent_batches,
+            batch_timeout_s=batch_timeout_s,
+            controller=controller,
+            circuit_breaker=circuit_breaker,
+            clock=clock if clock is not None else queue.clock,
+            name=name,
+            block=queue.on_full == "block",
+        )
+        self.queue: BoundedQueue[Any] = queue
+        queue.on_drop = self._on_drop
+        self._is_async = is_async_callable(fn)
+        self._mutex = queue.mutex
+        self._cond = threading.Condition(self._mutex)
+        self._work: SimpleQueue[_Batch | None] = SimpleQueue()
+        self._dispatcher: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._portal_cm: Any = None
+        self._portal: Any = None
+        self._portal_thread: threading.Thread | None = None  # the event loop thread of the portal
+        self._portal_lock = threading.Lock()
+        self._portal_stopped: str | None = None  # why: no async batch may start after close stopped it
+        self._closed = False
+        self._dispatcher_idle = False
+        self._dispatcher_until: float | None = None  # when an idle dispatcher wakes (None: when told)
+
+    # ------------------------------------------------------------------ submitting
+
+    def submit(
+        self,
+        item: T,
+        *,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+        fallback: Any = _NO_FALLBACK,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[R]:
+        """Queue ``item`` from any thread; return a future for its result.
+
+        Args:
+            priority: lower is served first.
+            deadline_ms: if the item is still waiting this long after submit, it leaves the queue
+                and the future fails with :class:`DeadlineExceeded` (or resolves to ``fallback``).
+            fallback: value to resolve with instead of failing on deadline expiry.
+            timeout: with ``on_full="block"``, seconds to wait for room in the queue.
+
+        Cancelling the future before its batch is dispatched removes the item.
+
+        Raises:
+            BatcherClosed: after :meth:`close`.
+            QueueFull: the queue refused the item.
+        """
+        fut: concurrent.futures.Future[R] = concurrent.futures.Future()
+        req = _Request(item, fut, fallback)
+        self._enqueue_sync(req, priority, deadline_ms, timeout)
+        fut.add_done_callback(lambda f: self._future_cancelled(req) if f.cancelled() else None)
+        return fut
+
+    def __call__(
+        self,
+        item: T,
+        *,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+        fallback: Any = _NO_FALLBACK,
+        timeout: float | None = None,
+    ) -> R:
+        """Submit ``item`` and block this thread until its result is ready; the arguments and
+        errors of :meth:`submit`, raised here."""
+        waiter = ThreadWaiter()
+        req = _Request(item, waiter, fallback)
+        self._enqueue_sync(req, priority, deadline_ms, timeout)
+        try:
+            waiter.wait()
+        except BaseException:  # KeyboardInterrupt while parked: give the item up
+            self._cancel(req)
+            raise
+        return req.outcome()  # type: ignore[no-any-return]
+
+    async def asubmit(
+        self,
+        item: T,
+        *,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+        fallback: Any = _NO_FALLBACK,
+        timeout: float | None = None,
+    ) -> R:
+        """Queue ``item`` from async code (asyncio or trio) and await its result.
+
+        Cancelling the awaiting task removes the item if its batch has not been dispatched yet,
+        and discards its result otherwise. Same arguments and errors as :meth:`submit`.
+        """
+        waiter = new_async_waiter()
+        req = _Request(item, waiter, fallback)
+        if self._block:
+            await self._enqueue_async_blocking(req, priority, deadline_ms, timeout)
+        else:
+            self._enqueue(req, priority, deadline_ms)
+        try:
+            await waiter
+        except BaseException:
+            self._cancel(req)
+            raise
+        return req.outcome()  # type: ignore[no-any-return]
+
+    def _enqueue(
+        self,
+        req: _Request,
+        priority: int,
+        deadline_ms: float | None,
+        key_cost: tuple[Hashable, float] | None = None,
+    ) -> bool:
+        """Admit ``req`` through the former; False (nothing done) when a ``"block"`` queue has
+        no room, so that the caller waits for some.
+
+        Raises:
+            BatcherClosed, CircuitOpen, QueueFull, TypeError, ValueError: refused.
+        """
+        plain = self._plain and priority == 0 and deadline_ms is None
+        key: Hashable
+        cost: float
+        if plain:
+            key, cost = None, 1
+        elif key_cost is not None:  # a writer that waits for room: group_by and size_fn ran once
+            key, cost = key_cost
+        else:
+            key, cost = self._key_and_cost(req.item, priority, deadline_ms)
+        with self._mutex:
+            if plain and not self._closing and self._dispatcher is not None:
+                drops, replan = self._admit_plain(req)
+            else:
+                added = self._admit(req, priority, deadline_ms, key, cost)
+                if added is None:
+                    return False
+                drops, replan = added
+                if self._dispatcher is None:
+                    self._start()
+                    replan = False  # the new dispatcher asks the former first thing
+            if replan:  # the arrival changes the plan (see BatchFormer.add)
+                drops = [*drops, *self._dispatch_due()]
+        if drops:
+            self._resolve_drops(drops)
+        return True
+
+    def _dispatch_due(self) -> list[Drop]:
+        """Hand every batch due now straight to the workers, from the thread that made it due
+        (lock held), and wake the dispatcher only if it must now wake sooner than it planned:
+        a full batch costs one thread switch (to a worker), not two. Returns the expired entries."""
+        former = self.former
+        now = self._now()
+        drops = former.expire(now)
+        batch, wake_at = former.next_batch(now)
+        while batch is not None:
+            self._work.put(batch)
+            batch, wake_at = former.next_batch(now)
+        self._nudge_dispatcher(wake_at)
+        return drops
+
+    def _nudge_dispatcher(self, wake_at: float | None) -> None:
+        """(lock held) Wake an idle dispatcher if ``wake_at`` comes before the time it sleeps
+        until, or if the batcher is closing (it must see the end)."""
+        if not self._dispatcher_idle:
+            return  # it is awake and will ask the former itself
+        until = self._dispatcher_until
+        if self.former.closing or (wake_at is not None and (until is None or wake_at < until)):
+            self._dispatcher_idle = False
+            self._cond.notify()
+
+    def _no_room(self, timeout: float | None) -> QueueFull:
+        with self._mutex:
+            self._rejected += 1
+            self._core.count_rejection()
+        return QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s")
+
+    def _enqueue_sync(self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None) -> None:
+        if not self._block:
+            self._enqueue(req, priority, deadline_ms)
+            return
+        key_cost = self._key_and_cost(req.item, priority, deadline_ms)  # once, however long it waits
+        deadline = None if timeout is None else _monotonic() + timeout
+        waited = False
+        try:
+            while not self._enqueue(req, priority, deadline_ms, key_cost):
+                waited = True
+                left = None if deadline is None else deadline - _monotonic()
+                if left is not None and left <= 0:
+                    raise self._no_room(timeout)
+                self.queue.wait_for_room(_ROOM_RECHECK_S if left is None else min(left, _ROOM_RECHECK_S))
+        except (BatcherClosed, CircuitOpen):
+            if waited:  # this writer may have taken a wake-up meant for room: pass it on
+                self.queue.wake_room_waiters()
+            raise
+
+    async def _enqueue_async_blocking(
+        self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None
+    ) -> None:
+        key_cost = self._key_and_cost(req.item, priority, deadline_ms)  # once, however long it waits
+        waited = False
+        try:
+            with anyio.move_on_after(timeout):
+                while not self._enqueue(req, priority, deadline_ms, key_cost):
+                    waited = True
+                    with anyio.move_on_after(_ROOM_RECHECK_S):
+                        await self.queue.await_room()
+                return
+        except (BatcherClosed, CircuitOpen):
+            if waited:  # this writer may have taken a wake-up meant for room: pass it on
+                self.queue.wake_room_waiters()
+            raise
+        raise self._no_room(timeout)
+
+    def _cancel(self, req: _Request) -> None:
+        """The caller gave up: drop its item if still queued, else let its result be discarded."""
+        with self._mutex:
+            self._cancel_locked(req)
+
+    def _cancel_locked(self, req: _Request) -> None:
+        if req.done:
+            return
+        if self._core.cancel(req):
+            req.done = True
+            self._cancelled += 1
+        elif req.state == TAKEN:
+            # Its batch runs (or is about to); the result will find no one waiting and is dropped.
+            req.done = True
+            self._cancelled += 1
+
+    def _future_cancelled(self, req: _Request) -> None:
+        """A submit's Future was cancelled: give the item up, and move the Future on to "cancelled
+        and notified", as an executor does, so that ``concurrent.futures.wait()`` and
+        ``as_completed()`` count it as done (they wait for that notification, which only
+        ``set_running_or_notify_cancel()`` sends). Unless a worker already called it, as it
+        does for each Future of a batch it starts."""
+        with self._mutex:
+            self._cancel_locked(req)
+            if req.notified:
+                return
+            req.notified = True
+        req.sink.set_running_or_notify_cancel()
+
+    # ------------------------------------------------------------------ controls
+
+    def _limit_changed(self) -> None:
+        with self._mutex:
+            self._dispatcher_idle = False
+            self._cond.notify()
+
+    def flush(self) -> None:
+        """Dispatch everything waiting now without waiting for ``max_wait_ms``."""
+        with self._mutex:
+            self.former.flush()
+            self._dispatcher_idle = False
+            self._cond.notify()
+
+    def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item is
+        dispatched (behind an open circuit breaker: fails with :class:`CircuitOpen`, see
+        :meth:`BatchFormer.expire`); without, waiting items fail with :class:`BatcherClosed`. Joins all threads,
+        waiting at most ``timeout`` seconds in all (one deadline, however many threads).
+
+        If the deadline passes with batches still running, close returns anyway. A sync batch
+        function cannot be interrupted: its callers are answered when (if) it returns, and the
+        items still waiting run after it. Calls of an async batch function are cancelled at the
+        deadline, and their callers and those of the items still waiting fail with
+        :class:`BatcherClosed`. Idempotent; a ``close(drain=False)`` while an earlier ``close()``
+        drains fails the items still waiting at once.
+
+        Called from the batch function itself (a worker thread, or the event loop of an ``async
+        def``), it closes without waiting for the threads (one of them is the caller); a later
+        ``close()`` from elsewhere joins them.
+        """
+        with self._mutex:
+            if self._closed:
+                return
+            drops: list[Drop] = []
+            if not drain:  # also while an earlier close() drains: what waits fails now
+                drops = [
+                    (e, BatcherClosed(f"{self.name}: closed before this item ran"))
+                    for e in self.former.drain(self.clock.now())
+                ]
+            if not self._closing:
+                self._closing = True
+                self.former.close()
+                self._dispatcher_idle = False
+                self._cond.notify_all()
+            dispatcher = self._dispatcher
+        self._resolve_drops(drops, count_as="cancelled")
+        self.queue.wake_room_waiters()  # writers blocked on a full "block" queue get BatcherClosed now
+        inside = self._called_from_inside(dispatcher)
+        stuck = False
+        if dispatcher is not None and not inside:
+            # One deadline for every join: close(timeout=t) returns after about t, not t per thread.
+            deadline = None if timeout is None else _monotonic() + timeout
+            for t in [dispatcher, *self._workers]:
+                t.join(None if deadline is None else wait_limit(deadline - _monotonic()))
+                stuck = stuck or t.is_alive()
+        if not inside:
+            if stuck and self._is_async:
+                self._abandon_at_close(timeout)
+            self._stop_portal(cancel_running=stuck, timeout=timeout)
+            self._closed = True
+
+    def _abandon_at_close(self, timeout: float | None) -> None:
+        """close(timeout=...) passed its deadline with calls of the ``async def`` batch function
+        still running: answer their callers (they fail) and those of the batches not started yet
+        and of the items still waiting (cancelled: they never ran) with :class:`BatcherClosed`
+        now, from close, before it returns, and free the batches' slots. The workers, when the
+        stopped portal ends their calls, find every caller answered."""
+        closed = BatcherClosed(
+            f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at the "
+            "deadline and was cancelled"
+        )
+        claimed: list[_Request] = []
+        with self._mutex:
+            now = self._now()
+            for b in list(self.former.running):
+                b.abandoned = True
+                self.former.complete(b)
+                mine = [r for r in b.entries if not r.done]
+                for r in mine:
+                    r.done = True
+                    r.error = closed
+                if b.runner is None:  # no worker started it (see _run_batch): none of it ran
+                    self._cancelled += len(mine)
+                else:
+                    self._count_answers(len(mine), len(mine), [now - r.arrival for r in mine], now)
+                claimed += mine
+            waiting = self.former.drain(now)
+            self._dispatcher_idle = False
+            self._cond.notify_all()  # the dispatcher sees the end
+        self._wake(claimed)
+        self._resolve_drops([(e, closed) for e in waiting], count_as="cancelled")
+
+    def _called_from_inside(self, dispatcher: threading.Thread | None) -> bool:
+        """Whether this thread is one close() must not wait for: the dispatcher, a worker, or the
+        event loop thread of an ``async def`` batch function (a close from the batch function)."""
+        current = threading.current_thread()
+        return current is dispatcher or current in self._workers or current is self._portal_thread
+
+    def _stop_portal(self, *, cancel_running: bool, timeout: float | None) -> None:
+        """End the event loop thread of an async batch function. With ``cancel_running``, the
+        calls still running past close's deadline are cancelled (their callers get
+        :class:`BatcherClosed`) rather than waited for; a call that blocks its event loop
+        cannot be cancelled and keeps that thread alive."""
+        with self._portal_lock:
+            self._portal_stopped = (
+                f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at "
+                "the deadline and was cancelled"
+                if cancel_running
+                else f"{self.name}: the batcher is closed"
+            )
+            portal, portal_cm = self._portal, self._portal_cm
+            self._portal = self._portal_cm = None
+        if portal_cm is None:
+            return
+        if cancel_running:
+            with contextlib.suppress(RuntimeError):  # already stopped
+                portal.call(portal.stop, True)
+        portal_cm.__exit__(None, None, None)
+
+    async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """:meth:`close` from async code (runs in a worker thread, the event loop stays free)."""
+        if threading.current_thread() is self._portal_thread:
+            # From the async batch function: the close cannot wait for its own loop (see close).
+            self.close(drain=drain, timeout=timeout)
+            return
+        await anyio.to_thread.run_sync(lambda: self.close(drain=drain, timeout=timeout))
+
+    def __enter__(self) -> DynamicBatcher[T, R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> DynamicBatcher[T, R]:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ the dispatcher
+
+    def _start(self) -> None:
+        """Start the dispatcher and workers (first submit; lock held)."""
+        self._dispatcher = threading.Thread(
+            target=self._dispatch_loop, name=f"batchkit-dispatch-{self.name}", daemon=True
+        )
+        for _ in range(self.max_concurrent_batches):
+            self._spawn_worker()
+        if isinstance(self.clock, ListenableClock):
+            self.clock.add_listener(self._cond)
+        self._dispatcher.start()
+
+    def _spawn_worker(self) -> None:
+        w = threading.Thread(target=self._work_loop, name=f"batchkit-worker-{self.name}", daemon=True)
+        self._workers.append(w)
+        w.start()
+
+    def _dispatch_loop(self) -> None:
+        # A clock that moves only when told wakes this thread through its listener; the real
+        # clock is slept on until the former's wake_at.
+        mock = isinstance(self.clock, ListenableClock)
+        former = self.former
+        try:
+            while True:
+                drops: list[Drop]
+                timed_out: list[_Batch] = []
+                with self._mutex:
+                    while True:
+                        now = self.clock.now()
+                        drops = former.expire(now)
+                        timed_out = self._check_timeouts(now)
+                        batch, wake_at = former.next_batch(now)
+                        if batch is not None or drops or timed_out:
+                            break
+                        if former.finished:
+                            for _ in self._workers:
+                                self._work.put(None)
+                            return
+                        self._dispatcher_idle = True
+                        self._dispatcher_until = None if mock else wake_at
+                        if wake_at is None or mock:
+                            self._cond.wait(None if not mock else 1.0)
+                        else:  # an infinite (or huge) wake_at sleeps until told
+                            self._cond.wait(wait_limit(wake_at - now))
+                        self._dispatcher_idle = False
+                if drops:
+                    self._resolve_drops(drops)
+                for b in timed_out:
+                    self._deliver(
+                        b,
+                        None,
+                        BatchTimeout(f"{self.name}: batch function ran past batch_timeout_s={self.batch_timeout_s}"),
+                    )
+                    call = b.call
+                    if call is not None:  # an async def's call: cancel it (a plain one cannot be)
+                        call.cancel()
+                if batch is not None:
+                    self._work.put(batch)
+        except BaseException:  # pragma: no cover - a bug here must not hang callers silently
+            logger.exception("batchkit dispatcher crashed")
+            raise
+        finally:
+            if isinstance(self.clock, ListenableClock):
+                self.clock.remove_listener(self._cond)
+
+    def _check_timeouts(self, now: float) -> list[_Batch]:
+        """Batches past ``batch_timeout_s`` (lock held): the former frees their slots; each
+        stuck worker is replaced (it leaves when, if, its call returns)."""
+        out = self.former.timed_out(now)
+        for b in out:
+            if b.runner in self._workers:
+                self._workers.remove(b.runner)
+            self._spawn_worker()
+        return out
+
+    # ------------------------------------------------------------------ running batches
+
+    def _work_loop(self) -> None:
+        batch = self._work.get()
+        while batch is not None:
+            self._run_batch(batch)
+            with self._mutex:
+                # Under the lock that times batches out: a batch that timed out after its call
+                # returned has had this worker replaced (and dropped from the workers close joins
+                # and stops); a worker that carried on would be one too many for the stop.
+                if batch.abandoned:
+                    return  # a replacement worker took this one's place
+                self.former.complete(batch)
+                # Keep the model busy: if the next batch is already due, run it from here rather
+                # than handing it through the dispatcher thread (two thread switches saved).
+                now = self._now()
+                drops = self.former.expire(now)
+                nxt, wake_at = self.former.next_batch(now)
+                if nxt is None:  # the freed slot may make a waiting batch due sooner
+                    self._nudge_dispatcher(wake_at)
+            if drops:
+                self._resolve_drops(drops)
+            batch = nxt if nxt is not None else self._work.get()
+
+    def _run_batch(self, batch: _Batch) -> None:
+        reqs = batch.entries
+        live: list[_Request] = []
+        # Under the lock: against _future_cancelled (a Future is marked running or notified once),
+        # and so that _abandon_at_close knows whether this batch started.
+        with self._mutex:
+            batch.runner = threading.current_thread()
+            for r in reqs:
+                if r.done:
+                    continue  # its caller gave up
+                sink = r.sink
+                if isinstance(sink, concurrent.futures.Future):
+                    r.notified = True
+                    if not sink.set_running_or_notify_cancel():
+                        r.done = True  # cancelled just now; _future_cancelled finds it done
+                        self._cancelled += 1
+                        continue
+                live.append(r)
+        if not live:
+            with self._mutex:
+                self.former.record(batch, 0, 0.0, True, self._now())
+            return
+        t0 = self.clock.now()
+        held: list[_Request] = []
+        ok = self._call_and_deliver(batch, live, held)
+        with self._mutex:
+            now = self.clock.now()
+            self._batch_time.add(now - t0)
+            self.former.record(batch, len(live), now - t0, ok, now)
+        # Wake the last callers only now, so that one who saw this batch fail and submits again
+        # meets the breaker in the state that failure put it in.
+        self._wake(held)
+
+    def _call(self, batch: _Batch, items: list[Any]) -> Any:
+        if not self._is_async:
+            return self.fn(items)
+        portal = self._portal
+        if portal is None:
+            with self._portal_lock:
+                if self._portal_stopped is not None:
+                    raise BatcherClosed(self._portal_stopped)
+                if self._portal is None:
+                    self._portal_cm = anyio.from_thread.start_blocking_portal()
+                    self._portal = self._portal_cm.__enter__()
+                    self._portal_thread = self._portal.call(threading.current_thread)
+                portal = self._portal
+        try:
+            call = batch.call = portal.start_task_soon(_guarded, self.fn, items)
+            if batch.abandoned:  # timed out before its call was known: the dispatcher could not cancel it
+                call.cancel()
+            result = call.result()
+        except (concurrent.futures.CancelledError, RuntimeError):
+            stopped = self._portal_stopped
+            if stopped is not None:  # close() stopped the portal under this call
+                raise BatcherClosed(stopped) from None
+            raise
+        if type(result) is _Raised:
+            raise result.exc
+        return result
+
+    def _call_and_deliver(self, batch: _Batch, reqs: list[_Request], held: list[_Request] | None) -> bool:
+        """Run the batch function and answer the callers; False if the batch failed: the
+        function raised, or returned a malformed result (:class:`BatchSizeMismatch`). Per-item
+        exceptions in the results fail only their callers, not the batch.
+
+        The answered requests of the last call are put in ``held`` (not woken) when it is given.
+        """
+        stopped = self._portal_stopped
+        if stopped is not None and self._is_async and self._portal is None:
+            # close(timeout=...) stopped the event loop of the async batch function before this
+            # batch could start: its callers are answered as closed before they ran.
+            self._deliver(batch, None, BatcherClosed(stopped), reqs, held, never_ran=True)
+            return False
+        items = [r.item for r in reqs]
+        try:
+            results = self._call(batch, items)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
+            if batch.abandoned:
+                return False  # timed out: its callers have their BatchTimeout; no halves to retry
+            if self._split_after(exc, len(reqs)):
+                mid = len(reqs) // 2
+                first = self._call_and_deliver(batch, reqs[:mid], None)
+                return self._call_and_deliver(batch, reqs[mid:], held) and first
+            self._deliver(batch, None, exc, reqs, held)
+            return False
+        malformed = malformed_results(self.name, results, len(reqs))
+        if malformed is not None:
+            self._deliver(batch, None, malformed, reqs, held)
+            return False
+        self._deliver(batch, results, None, reqs, held)
+        return True
+
+    def _deliver(
+        self,
+        batch: _Batch,
+        results: Any,
+        error: BaseException | None,
+        reqs: list[_Request] | None = None,
+        held: list[_Request] | None = None,
+        *,
+        never_ran: bool = False,
+    ) -> None:
+        """Resolve each request once (lock for the bookkeeping, wakes outside it, or appends
+        them to ``held`` for the caller to wake). ``never_ran``: the batch function was not
+        called; its callers count as cancelled, not failed."""
+        if reqs is None:
+            reqs = batch.entries
+        if batch.abandoned and error is None:
+            return  # its callers were already failed with BatchTimeout
+        claimed: list[_Request] = []
+        with self._mutex:
+            now = self._now()
+            failed = 0
+            for i, r in enumerate(reqs):
+                if r.done:
+                    continue
+                r.done = True
+                if error is not None:
+                    r.error = error
+                    failed += 1
+                else:
+                    v = results[i]
+                    if isinstance(v, Exception):
+                        r.error = v
+                        failed += 1
+                    else:
+                        r.value = v
+                claimed.append(r)
+            if never_ran:
+                self._cancelled += len(claimed)
+            else:
+                self._count_answers(len(claimed), failed, [now - r.arrival for r in claimed], now)
+        if held is not None:
+            held.extend(claimed)
+        else:
+            self._wake(claimed)
+
+    @staticmethod
+    def _wake(reqs: list[_Request]) -> None:
+        waiters = []
+        for r in reqs:
+            sink = r.sink
+            if isinstance(sink, concurrent.futures.Future):
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    if r.error is not None:
+                        sink.set_exception(r.error)
+                    else:
+                        sink.set_result(r.value)
+            else:
+                waiters.append(sink)
+        if waiters:
+            wake_all(waiters)
+
+    def _on_drop(self, entry: QueueEntry[Any], exc: BaseException) -> None:
+        self._resolve_drops([(entry, exc)])
+
+    def _resolve_drops(self, drops: Sequence[Drop], count_as: str = "") -> None:
+        """Answer requests that left the queue without running (expired, evicted, closed)."""
+        if not drops:
+            return
+        claimed: list[_Request] = []
+        with self._mutex:
+            for entry, exc in drops:
+                r: _Request = entry  # type: ignore[assignment]
+                if r.done:
+                    continue
+                r.done = True
+                if r.fallback is not _NO_FALLBACK and isinstance(exc, DeadlineExceeded):  # not on eviction or close
+                    r.value = r.fallback
+                else:
+                    r.error = exc
+                self._count_drop(exc, count_as)
+                claimed.append(r)
+        self._wake(claimed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """A BaseException that is not an Exception, carried out of the portal as a value."""
+
+    exc: BaseException
+
+
+async def _guarded(fn: Callable[[list[Any]], Awaitable[Any]], items: list[Any]) -> Any:
+    """Await the batch function in the portal. KeyboardInterrupt, SystemExit or GeneratorExit
+    raised there would stop the portal's event loop (anyio re-raises what is not an Exception) and
+    every later batch with it: return it boxed, for the worker thread to raise to this batch's
+    callers only. Cancellation (close(timeout=)) still propagates."""
+    try:
+        return await fn(items)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+        return _Raised(exc)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def is_async_callable(fn: object) -> bool:
+    """Whether calling ``fn`` returns an awaitable (``async def``, a partial of one, or an object
+    whose ``__call__`` is ``async def``)."""
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def item_key_and_cost(
+    item: Any, group_by: Callable[[Any], Hashable] | None, size_fn: Callable[[Any], float] | None
+) -> tuple[Hashable, float]:
+    """An item's group key (``group_by``; None without) and cost (``size_fn``; 1 without).
+
+    Raises:
+        TypeError: ``group_by`` returned an unhashable key.
+        ValueError: ``size_fn`` returned a cost that is not a finite number >= 0.
+    """
+    key: Hashable = None
+    cost: float = 1
+    if group_by is not None:
+        key = group_by(item)
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(
+                f"group_by returned an unhashable key {key!r}; return a hashable value "
+                "(a tuple, str or int) that names the item's group"
+            ) from None
+    if size_fn is not None:
+        cost = size_fn(item)
+        if not is_cost(cost):
+            raise ValueError(f"size_fn must return a cost >= 0 (a finite number), got {cost!r}")
+    return key, cost
+
+
+def malformed_results(name: str, results: object, n: int) -> BatchSizeMismatch | None:
+    """The error for a batch function's return value that is not ``n`` results in a sequence
+    (or an array), or None when it is well formed."""
+    if isinstance(results, (str, bytes)) or (not isinstance(results, Sequence) and not _is_array(results)):
+        return BatchSizeMismatch(
+            f"{name} returned {type(results).__name__}, not a sequence; a batch "
+            "function must return one result per input, in order"
+        )
+    if len(results) != n:  # type: ignore[arg-type]
+        return BatchSizeMismatch(
+            f"{name} returned {len(results)} results for a batch of {n}; "  # type: ignore[arg-type]
+            "return exactly one result per input, in order"
+        )
+    return None
+
+
+def _is_array(x: object) -> bool:
+    return hasattr(x, "__len__") and hasattr(x, "__getitem__") and hasattr(x, "shape")
