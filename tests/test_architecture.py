@@ -220,16 +220,10 @@ def test_every_module_has_a_floor() -> None:
     assert not missing, f"add these modules to docs/architecture.md and FLOORS: {missing}"
 
 
-@pytest.mark.parametrize(("module", "path"), _modules(), ids=[name or "batchkit" for name, _ in _modules()])
-def test_imports_go_down_the_floors(module: str, path: Path) -> None:
-    """A module imports only from lower floors of docs/architecture.md (or its own subpackage),
-    lazy imports included: the cores never depend on their shells."""
-    own = _floor(module)
-    assert own is not None
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    upward = []
-    for node in ast.walk(tree):
-        targets: list[str] = []
+def _imported_modules(module: str, path: Path) -> list[str]:
+    """The batchkit modules ``module`` imports (dotted, relative to batchkit), lazy imports included."""
+    targets: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
             base = _resolve(module, path.name == "__init__.py", node)
             if base is None:
@@ -238,21 +232,68 @@ def test_imports_go_down_the_floors(module: str, path: Path) -> None:
                 sub = f"{base}.{alias.name}" if base else alias.name
                 targets.append(sub if _exists(sub) else base)
         elif isinstance(node, ast.Import):
-            targets = [
+            targets += [
                 a.name.removeprefix("batchkit").removeprefix(".")
                 for a in node.names
                 if a.name == "batchkit" or a.name.startswith("batchkit.")
             ]
-        for target in targets:
-            parent = module.rpartition(".")[0]
-            same_package = parent != "" and (parent == target.rpartition(".")[0] or parent == target)
-            same_package = same_package or target.startswith(f"{module}.")
-            floor = _floor(target)
-            if same_package or floor is None:
-                continue
-            if floor >= own:
-                upward.append(f"{target} (floor {floor})")
+    return targets
+
+
+@pytest.mark.parametrize(("module", "path"), _modules(), ids=[name or "batchkit" for name, _ in _modules()])
+def test_imports_go_down_the_floors(module: str, path: Path) -> None:
+    """A module imports only from lower floors of docs/architecture.md (or its own subpackage),
+    lazy imports included: the cores never depend on their shells."""
+    own = _floor(module)
+    assert own is not None
+    upward = []
+    for target in _imported_modules(module, path):
+        parent = module.rpartition(".")[0]
+        same_package = parent != "" and (parent == target.rpartition(".")[0] or parent == target)
+        same_package = same_package or target.startswith(f"{module}.")
+        floor = _floor(target)
+        if same_package or floor is None:
+            continue
+        if floor >= own:
+            upward.append(f"{target} (floor {floor})")
     assert not upward, f"{module} (floor {own}) imports from its floor or above: {upward}"
+
+
+# The package rules of docs/architecture.md: (package, what it may import from outside itself).
+PACKAGE_RULES: dict[str, tuple[str, ...]] = {
+    "kv": ("_errors", "_cuda"),
+    "control": ("_errors", "_clock"),
+    "dynamic": ("_errors", "_clock", "_waiters", "metrics", "control"),
+    "continuous": ("_errors", "_clock", "_waiters", "metrics", "control", "kv"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_RULES))
+def test_packages_import_only_what_their_rule_allows(package: str) -> None:
+    """kv imports nothing above it; control nothing of what it drives; dynamic and continuous
+    never import each other (docs/architecture.md, "Package rules")."""
+    allowed = PACKAGE_RULES[package]
+    broken = sorted(
+        f"{module} imports {target}"
+        for module, path in _modules()
+        if module == package or module.startswith(f"{package}.")
+        for target in _imported_modules(module, path)
+        if not (target == package or target.startswith(f"{package}."))
+        and not any(target == a or target.startswith(f"{a}.") for a in allowed)
+    )
+    assert not broken, f"{package}/ breaks its package rule: {broken}"
+
+
+def test_the_package_rules_are_the_ones_the_architecture_doc_states() -> None:
+    """Each package rule here is a line of docs/architecture.md's "Package rules" section."""
+    text = ARCHITECTURE_MD.read_text(encoding="utf-8")
+    section = text[text.index("## Package rules") :].split("\n## ")[0]
+    missing = [
+        package
+        for package, allowed in PACKAGE_RULES.items()
+        if not re.search(rf"^- `{package}/` imports .*" + "".join(f"(?=.*`{a}`)" for a in allowed), section, re.M)
+    ]
+    assert not missing, f"docs/architecture.md's package rules do not state the rule of: {missing}"
 
 
 # Scripts that use batchkit as its users do: they may import only public names, and every name
