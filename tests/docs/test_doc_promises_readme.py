@@ -1,5 +1,5 @@
 """README.md, checked as a user finds it: what the overview promises beyond its snippets (which
-tests/test_docs.py runs as written).
+tests/docs/test_docs.py runs as written).
 
 Threads are told apart by identity: each test compares the live threads before and after, so a
 thread some other test left behind is not counted.
@@ -19,7 +19,7 @@ import pytest
 
 import batchkit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
 
 

@@ -749,7 +749,7 @@ def test_not_run_snippets_run_against_a_live_server(
     served, answering under its mount point."""
     pytest.importorskip("fastapi")
     import batchkit.serve
-    from test_docs import ROOT, read_blocks
+    from _docs import ROOT, read_blocks
 
     blocks = [b for b in read_blocks(ROOT / "docs" / "serving.md") if "not-run" in b.markers]
     assert len(blocks) == 2

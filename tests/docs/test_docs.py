@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,68 +41,25 @@ import anyio
 import pytest
 
 import batchkit
+from _docs import ROOT, WHOLE_PROGRAM_PAGES, Block, read_blocks, run_python_block
+from _docs import compile_block as _compile
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 WAIT = 30  # seconds: the bound on every wait in these tests
 CLI_TIMEOUT = 120
 
 # --------------------------------------------------------------------------- reading the pages
 
-FENCE = re.compile(r"^```([\w-]*)\s*$")
-MARKER = re.compile(r"^<!--\s*([\w-]+)\s*:\s*(.*?)\s*-->\s*$")
 KNOWN_MARKERS = {"not-run", "file", "output"}
-# Pages whose python blocks are each a whole program (what a reader pastes into a file).
-WHOLE_PROGRAM_PAGES = {ROOT / "README.md"}
 # The test that runs a page's not-run blocks as written, with stand-ins for what they need, so
 # that an error in such a snippet cannot hide behind its marker.
 NOT_RUN_STAND_INS = {
-    "scale-out.md": "tests/test_ray.py::test_scale_out_snippets_run_against_stand_ins",
-    "serving.md": "tests/test_doc_promises_serving_clients.py::test_not_run_snippets_run_against_a_live_server",
+    "scale-out.md": "tests/integrations/test_ray.py::test_scale_out_snippets_run_against_stand_ins",
+    "serving.md": "tests/docs/test_doc_promises_serving_clients.py::test_not_run_snippets_run_against_a_live_server",
 }
 # Pages whose not-run blocks no test runs yet, each with the reason; remove an entry when its
 # runner lands.
 NOT_RUN_PENDING: dict[str, str] = {}
-
-
-@dataclass(frozen=True)
-class Block:
-    """One fenced block of a page."""
-
-    page: Path
-    line: int  # 1-based line of the opening fence
-    lang: str
-    text: str
-    markers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
-
-
-def read_blocks(page: Path) -> list[Block]:
-    """The fenced blocks of a page, each with the marker comments on the lines just before it."""
-    lines = page.read_text(encoding="utf-8").splitlines()
-    blocks: list[Block] = []
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        start = i
-        j = i + 1
-        while j < len(lines) and lines[j].rstrip() != "```":
-            j += 1
-        assert j < len(lines), f"{page.name}:{start + 1}: unclosed code fence"
-        markers: dict[str, str] = {}
-        k = start - 1
-        while k >= 0 and (mm := MARKER.match(lines[k])):
-            markers[mm.group(1)] = mm.group(2)
-            k -= 1
-        blocks.append(Block(page, start + 1, m.group(1), "\n".join(lines[start + 1 : j]) + "\n", markers))
-        i = j + 1
-    return blocks
 
 
 def all_blocks() -> Iterator[Block]:
@@ -144,26 +101,6 @@ def python_pages() -> list[Any]:
         for backend in ("asyncio", "trio") if is_async else ("asyncio",):
             params.append(pytest.param(page, backend, id=f"{page.name}-{backend}"))
     return params
-
-
-def _compile(block: Block) -> Any:
-    # Pad with blank lines so that a traceback names the page's own line numbers.
-    source = "\n" * block.line + block.text
-    flags = 0 if block.page in WHOLE_PROGRAM_PAGES else ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    return compile(source, str(block.page), "exec", flags=flags, dont_inherit=True)
-
-
-def run_python_block(block: Block, namespace: dict[str, Any], backend: str) -> None:
-    """Run one block; a block with top-level ``await`` runs as the body of an anyio task."""
-    code = _compile(block)
-    if code.co_flags & inspect.CO_COROUTINE:
-
-        async def body() -> None:
-            await eval(code, namespace)
-
-        anyio.run(body, backend=backend)
-    else:
-        exec(code, namespace)
 
 
 @pytest.mark.parametrize(("page", "backend"), python_pages())
@@ -563,7 +500,7 @@ def test_everything_api_md_shows_is_reachable_from_import_batchkit() -> None:
     paths = sorted(
         {".".join(e.path.split(".")[: 2 if e.path.split(".")[0] in SUBMODULES else 1]) for e in api_entries()}
     )
-    # The torch-backed paths: tests/test_public_api.py resolves batchkit.models from a bare import.
+    # The torch-backed paths: tests/docs/test_public_api.py resolves batchkit.models from a bare import.
     paths = [p for p in paths if p.split(".")[0] not in HEAVY]
     code = "import batchkit, functools\nfor p in " + repr(paths) + ": functools.reduce(getattr, p.split('.'), batchkit)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT, check=False)

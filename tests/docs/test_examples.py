@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -40,6 +40,6 @@ def test_cli_demo_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_readme_names_every_example() -> None:
     """README.md's list of examples is complete: a new example is also announced."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     missing = [p.name for p in EXAMPLES if f"`{p.name}`" not in readme]
     assert not missing, f"README.md does not list {missing}"

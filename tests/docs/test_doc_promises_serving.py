@@ -589,7 +589,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
     from batchkit.serve import create_app
     from batchkit.serve.cli import add_serve_parser
 
-    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text().split())
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text().split())
     listed = re.search(r"The options are those of `batchkit serve`: (.*?) A model is a source", text)
     assert listed
     options = set(re.findall(r"`([a-z_]+)`", listed.group(1)))

@@ -33,7 +33,7 @@ else:
 
 WAIT = 60.0
 VOCAB = 16
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _zeros(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:

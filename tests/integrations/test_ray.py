@@ -564,7 +564,7 @@ def test_scale_out_snippets_run_against_stand_ins(
 
     import batchkit.integrations.ray
     import batchkit.models
-    from test_docs import ROOT, read_blocks, run_python_block
+    from _docs import ROOT, read_blocks, run_python_block
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     monkeypatch.chdir(tmp_path)
