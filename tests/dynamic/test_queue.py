@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
 
-from batchkit import BoundedQueue, DeadlineExceeded, QueueEmpty, QueueFull
+import batchkit
+from batchkit import BoundedQueue, DeadlineExceeded, QueueEmpty, QueueEntry, QueueFull
 from batchkit._queue_core import QueueCore
 from batchkit.testing import MockClock
 
@@ -302,3 +304,118 @@ def test_wait_for_room_returns_at_once_when_there_is_room_and_false_on_timeout()
     q.put_nowait(1)
     assert not q.wait_for_room(0.01)
     assert len(q._space_waiters) == 0
+
+
+def _dropped_into(out: list[str]) -> Callable[[QueueEntry[str], BaseException], None]:
+    def on_drop(entry: QueueEntry[str], error: BaseException) -> None:
+        assert isinstance(error, batchkit.QueueFull)
+        out.append(entry.item)
+
+    return on_drop
+
+
+class TestFullPolicies:
+    """BoundedQueue's full policies as docs/api.md states them, with aging and priorities."""
+
+    def test_drop_oldest_evicts_the_longest_waiting_item_whatever_its_priority(self) -> None:
+        dropped: list[str] = []
+        q: batchkit.BoundedQueue[str] = batchkit.BoundedQueue(2, "drop_oldest", on_drop=_dropped_into(dropped))
+        q.put_nowait("urgent", priority=-1)
+        q.put_nowait("low", priority=5)
+        q.put_nowait("new", priority=0)
+        assert dropped == ["urgent"]
+        assert [q.get_nowait(), q.get_nowait()] == ["new", "low"]
+
+    def test_shed_lowest_priority_evicts_the_newest_of_the_worst_level(self) -> None:
+        dropped: list[str] = []
+        q: batchkit.BoundedQueue[str] = batchkit.BoundedQueue(3, "shed_lowest_priority", on_drop=_dropped_into(dropped))
+        q.put_nowait("a5", priority=5)
+        q.put_nowait("b5", priority=5)
+        q.put_nowait("c1", priority=1)
+        q.put_nowait("n0", priority=0)
+        assert dropped == ["b5"]
+        with pytest.raises(batchkit.QueueFull):
+            q.put_nowait("n5", priority=5)  # no better than the worst waiting item: refused
+        with pytest.raises(batchkit.QueueFull):
+            q.put_nowait("m5", priority=6)
+
+    def test_shed_lowest_priority_judges_waiting_items_by_their_aged_priority(self) -> None:
+        """An item that aged past the newcomer's level is not the one shed: aging protects it."""
+        clock = MockClock()
+        dropped: list[str] = []
+        q: batchkit.BoundedQueue[str] = batchkit.BoundedQueue(
+            2,
+            "shed_lowest_priority",
+            aging_s=1.0,
+            clock=clock,
+            on_drop=_dropped_into(dropped),
+        )
+        q.put_nowait("old3", priority=3)
+        clock.advance(10.0)  # old3's effective priority is now 3 - 10 = -7
+        q.put_nowait("x2", priority=2)
+        q.put_nowait("new1", priority=1)
+        assert dropped == ["x2"]
+        assert [q.get_nowait(), q.get_nowait()] == ["old3", "new1"]
+
+    def test_shed_in_a_batcher_with_aging_spares_the_aged_item(self) -> None:
+        """The same rule through DynamicBatcher's own admission (the former)."""
+        clock = MockClock()
+        q: batchkit.BoundedQueue[str] = batchkit.BoundedQueue(2, "shed_lowest_priority", aging_s=1.0, clock=clock)
+        b = batchkit.DynamicBatcher(lambda xs: xs, max_batch_size=8, max_wait_ms=1e6, queue=q, clock=clock)
+        old = b.submit("old3", priority=3)
+        clock.advance(10.0)
+        mid = b.submit("x2", priority=2)
+        new = b.submit("new1", priority=1)
+        with pytest.raises(batchkit.QueueFull):
+            mid.result(10)
+        b.flush()
+        assert old.result(10) == "old3"
+        assert new.result(10) == "new1"
+        b.close()
+
+    def test_an_on_drop_that_raises_does_not_fail_the_put_that_evicted(self, caplog: pytest.LogCaptureFixture) -> None:
+        """The put succeeded (its item is queued), so it returns; the callback's error is logged."""
+
+        def on_drop(entry: QueueEntry[str], error: BaseException) -> None:
+            raise RuntimeError("callback bug")
+
+        q: batchkit.BoundedQueue[str] = batchkit.BoundedQueue(1, "drop_oldest", on_drop=on_drop)
+        q.put_nowait("a")
+        with caplog.at_level("ERROR", logger="batchkit.queue"):
+            entry = q.put_nowait("b")
+        assert entry.item == "b"
+        assert len(q) == 1
+        assert q.get_nowait() == "b"
+        assert "callback bug" in caplog.text
+
+
+LONG_RUN = 12_000  # past the 10,000 samples the recent window keeps
+
+
+class TestStatistics:
+    """statistics() fields as docs/api.md defines them: the queue wait over the whole run and its recent view."""
+
+    def test_queue_wait_covers_every_served_entry(self) -> None:
+        """``QueueStatistics.wait`` counts every entry served, also past the recent window, and its
+        percentiles are those of the whole run: the early, long waits are not forgotten."""
+        core: QueueCore[int] = QueueCore(LONG_RUN)
+        for i in range(LONG_RUN):
+            core.insert(i, 0, None, None, 1, now=0.0)
+        core.take(LONG_RUN // 2, now=10.0)  # the first half waited 10 s, the second half no time
+        core.take(LONG_RUN, now=0.0)
+        s = core.statistics()
+        assert (s.served, s.wait.count) == (LONG_RUN, LONG_RUN)
+        assert s.wait.max_ms == 10_000.0
+        assert s.wait.mean_ms == pytest.approx(5_000.0)
+        assert s.wait.p90_ms == pytest.approx(10_000.0, rel=0.01)
+
+    def test_queue_wait_recent_is_the_last_ten_thousand_served(self) -> None:
+        """``QueueStatistics.wait_recent`` is the named recent view: the last 10,000 entries served,
+        with exact percentiles, so a run's early long waits have left it."""
+        core: QueueCore[int] = QueueCore(LONG_RUN)
+        for i in range(LONG_RUN):
+            core.insert(i, 0, None, None, 1, now=0.0)
+        core.take(2_000, now=10.0)  # served first, waited 10 s: outside the last 10,000
+        core.take(LONG_RUN, now=0.0)
+        s = core.statistics()
+        assert (s.wait_recent.count, s.wait_recent.max_ms, s.wait.max_ms) == (10_000, 0.0, 10_000.0)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import anyio
 import pytest
+import trio
 
+import batchkit
 from batchkit import (
     AsyncBatcher,
     BatcherClosed,
@@ -21,7 +24,8 @@ from batchkit import (
     DynamicBatcher,
     QueueFull,
 )
-from batchkit.testing import MockClock
+from batchkit.integrations.ray import QUEUE_DEPTH_METRIC, RUNNING_BATCHES_METRIC, autoscaling_stats
+from batchkit.testing import MockClock, echo_batch
 
 WAIT = 10  # seconds: the bound on every wait in this file; nothing should come near it
 
@@ -685,3 +689,636 @@ def test_close_timeout_cancels_a_hung_async_batch_function(monkeypatch: pytest.M
                 f.result(WAIT)
     finally:
         release.set()
+
+
+class _Watched(batchkit.BoundedQueue[object]):
+    """A "block" queue that counts the writers that started waiting for room."""
+
+    def __init__(self, maxsize: int, writers: int) -> None:
+        super().__init__(maxsize, on_full="block")
+        self._writers = writers
+        self._count = 0
+        self._count_lock = threading.Lock()
+        self.all_waiting = threading.Event()
+
+    def _one_more(self) -> None:
+        with self._count_lock:
+            self._count += 1
+            if self._count >= self._writers:
+                self.all_waiting.set()
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        self._one_more()
+        return super().wait_for_room(timeout)
+
+    async def await_room(self) -> None:
+        self._one_more()
+        await super().await_room()
+
+
+class TestCloseAnswersCallersBlockedOnAFullQueue:
+    """close() answers the callers blocked on a full "block" queue at once, threads and tasks alike."""
+
+    def test_close_answers_writers_blocked_for_room_with_batcher_closed(self) -> None:
+        gate = threading.Event()
+        started = threading.Event()
+
+        def fn(xs: list[object]) -> list[object]:
+            started.set()
+            assert gate.wait(WAIT)
+            return xs
+
+        q = _Watched(1, writers=3)
+        b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, queue=q)
+        first = b.submit(0)
+        assert started.wait(WAIT)
+        second = b.submit(1)  # the queue is full now
+        outcomes: dict[str, str] = {}
+        answered = threading.Semaphore(0)
+
+        def record(name: str, call: object) -> None:
+            try:
+                outcomes[name] = repr(call() if callable(call) else call)
+            except batchkit.BatcherClosed:
+                outcomes[name] = "BatcherClosed"
+            except BaseException as exc:  # handed to the test thread
+                outcomes[name] = repr(exc)
+            finally:
+                answered.release()
+
+        def from_thread() -> None:
+            record("thread", lambda: b.submit(2))
+
+        def from_asyncio() -> None:
+            async def main() -> object:
+                return await b.asubmit(3)
+
+            record("asyncio", lambda: asyncio.run(main()))
+
+        def from_trio() -> None:
+            async def main() -> object:
+                return await b.asubmit(4)
+
+            record("trio", lambda: trio.run(main))
+
+        writers = [threading.Thread(target=f, daemon=True) for f in (from_thread, from_asyncio, from_trio)]
+        for t in writers:
+            t.start()
+        assert q.all_waiting.wait(WAIT)
+        closer = threading.Thread(target=b.close, daemon=True)
+        closer.start()
+        for _ in writers:
+            assert answered.acquire(timeout=WAIT)  # answered while the batch still runs
+        assert outcomes == {"thread": "BatcherClosed", "asyncio": "BatcherClosed", "trio": "BatcherClosed"}
+        gate.set()
+        closer.join(WAIT)
+        assert [first.result(WAIT), second.result(WAIT)] == [0, 1]
+
+
+class TestABlockedWriterLearnsOfACloseThatRacedItsWait:
+    """A writer blocked on a full "block" queue learns of close() even when close() wakes the waiting
+    writers between its finding the queue full and its starting to wait (it missed that wake-up)."""
+
+    @pytest.mark.parametrize("caller", ["submit", "asubmit"])
+    def test_a_writer_that_starts_waiting_just_after_close_gets_batcher_closed(
+        self, caller: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        release = threading.Event()
+        started = threading.Event()
+
+        def fn(xs: list[int]) -> list[int]:
+            started.set()
+            assert release.wait(WAIT)
+            return xs
+
+        b = DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=1, max_queue=1, on_full="block")
+        queue = b.queue
+        woken = threading.Event()
+        real_wake = queue.wake_room_waiters
+
+        def wake() -> None:
+            real_wake()
+            woken.set()
+
+        monkeypatch.setattr(queue, "wake_room_waiters", wake)
+        closer = threading.Thread(target=b.close)
+
+        def close_first() -> None:
+            """The writer found the queue full; close() runs (and wakes the waiting writers, of which
+            there are none yet) before the writer starts waiting."""
+            if not closer.is_alive() and not woken.is_set():
+                closer.start()
+                assert woken.wait(WAIT)
+
+        real_wait, real_await = queue.wait_for_room, queue.await_room
+
+        def wait_for_room(timeout: float | None = None) -> bool:
+            close_first()
+            return real_wait(timeout)
+
+        async def await_room() -> None:
+            close_first()
+            await real_await()
+
+        monkeypatch.setattr(queue, "wait_for_room", wait_for_room)
+        monkeypatch.setattr(queue, "await_room", await_room)
+
+        running = b.submit(0)
+        assert started.wait(WAIT)
+        queued = b.submit(1)  # the queue (max_queue=1) is now full
+        outcome: list[Any] = []
+
+        def writer() -> None:
+            try:
+                if caller == "submit":
+                    b.submit(2).result(WAIT)
+                else:
+                    anyio.run(b.asubmit, 2)
+            except BaseException as exc:  # the outcome is what the test checks
+                outcome.append(exc)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            t.join(WAIT)  # the held batch still runs: the queue has no room until it is released
+            assert not t.is_alive(), "the writer waited for room after close()"
+            assert len(outcome) == 1, outcome
+            assert isinstance(outcome[0], BatcherClosed), outcome
+        finally:
+            release.set()
+            closer.join(WAIT)
+            t.join(WAIT)
+        assert (running.result(WAIT), queued.result(WAIT)) == (0, 1)  # close() drains what it had
+
+
+class TestCloseFromInsideTheBatchFunction:
+    """close()/aclose() called from inside the batch function: it neither deadlocks nor leaves threads."""
+
+    def test_close_from_the_batch_function_then_from_outside_joins_every_thread(self) -> None:
+        """A close() inside the batch function returns; the next close() (outside) joins the threads."""
+        ran_in: list[threading.Thread] = []
+        inner: dict[str, object] = {}
+        holder: dict[str, batchkit.DynamicBatcher[int, int]] = {}
+        both_submitted = threading.Event()
+
+        def fn(xs: list[int]) -> list[int]:
+            ran_in.append(threading.current_thread())
+            if 0 in xs:
+                assert both_submitted.wait(WAIT)  # close only once the second item is queued
+                holder["b"].close(timeout=WAIT)
+                inner["closed"] = holder["b"].closed
+            return xs
+
+        b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
+        holder["b"] = b
+        try:
+            first, second = b.submit(0), b.submit(1)
+        finally:
+            both_submitted.set()
+        assert first.result(WAIT) == 0
+        assert second.result(WAIT) == 1  # waiting work still drains
+        assert inner == {"closed": True}
+        b.close()
+        assert not [t.name for t in ran_in if t.is_alive()]
+
+    def test_aclose_from_an_async_batch_function_does_not_deadlock(self) -> None:
+        """``await batcher.aclose()`` inside the ``async def`` batch function returns, and the batch's
+        caller gets its result."""
+        holder: dict[str, batchkit.DynamicBatcher[int, int]] = {}
+        inner: list[str] = []
+
+        async def fn(xs: list[int]) -> list[int]:
+            if 0 in xs:
+                await holder["b"].aclose()
+                inner.append("closed")
+            return [x + 1 for x in xs]
+
+        b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
+        holder["b"] = b
+        fut = b.submit(0)
+        assert fut.result(WAIT) == 1
+        assert inner == ["closed"]
+        b.close()
+        assert b.closed
+
+    def test_close_from_an_async_batch_function_does_not_deadlock(self) -> None:
+        """The blocking ``close()`` inside an ``async def`` batch function returns as well."""
+        holder: dict[str, batchkit.DynamicBatcher[int, int]] = {}
+
+        async def fn(xs: list[int]) -> list[int]:
+            if 0 in xs:
+                holder["b"].close()
+            return xs
+
+        b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
+        holder["b"] = b
+        assert b.submit(0).result(WAIT) == 0
+        b.close()
+
+    def test_asyncbatcher_aclose_from_its_batch_function_does_not_deadlock(self) -> None:
+        """``await b.aclose()`` in an AsyncBatcher's own batch function returns; the batch's caller
+        gets its result, the items still waiting drain, and later submits are refused."""
+
+        async def main() -> tuple[list[int], list[str]]:
+            holder: dict[str, batchkit.AsyncBatcher[int, int]] = {}
+            inner: list[str] = []
+
+            async def fn(xs: list[int]) -> list[int]:
+                if 0 in xs:
+                    await holder["b"].aclose()
+                    inner.append("closed")
+                return [x + 1 for x in xs]
+
+            b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0)
+            holder["b"] = b
+            futs = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+            done, _ = await asyncio.wait(futs, timeout=WAIT)
+            assert len(done) == 3
+            try:
+                await b.submit(9)
+            except batchkit.BatcherClosed:
+                inner.append("refused")
+            await b.aclose()
+            return [f.result() for f in futs], inner
+
+        assert asyncio.run(main()) == ([1, 2, 3], ["closed", "refused"])
+
+
+CLOSE_TIMEOUT_S = 0.2  # how long close() waits for the hung batch; nothing is timed against it
+
+
+class TestCloseTimeoutFailsTheRunningBatchAndCancelsTheWaiting:
+    """close(timeout=t) with an async batch function that hangs: the batch running at the deadline
+    fails (its call was cancelled), the items still waiting never run and count as cancelled, the
+    same in DynamicBatcher and AsyncBatcher (api.md, BatcherStatistics)."""
+
+    def test_dynamic_batcher_counts_items_that_never_ran_as_cancelled(self) -> None:
+        started = threading.Event()
+
+        async def hang(xs: list[int]) -> list[int]:
+            started.set()
+            await anyio.sleep(WAIT * 6)  # cancelled by close at its deadline
+            return xs
+
+        b = DynamicBatcher(hang, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=1)
+        futs = [b.submit(0)]
+        assert started.wait(WAIT)
+        futs += [b.submit(i) for i in (1, 2)]  # wait behind the hung batch
+        b.close(timeout=CLOSE_TIMEOUT_S)
+        for f in futs:
+            with pytest.raises(BatcherClosed):
+                f.result(WAIT)
+        s = b.statistics()
+        assert (s.submitted, s.succeeded, s.failed, s.cancelled) == (3, 0, 1, 2)
+
+    def test_async_batcher_counts_them_the_same(self) -> None:
+        async def main() -> tuple[int, int, int, int]:
+            started = anyio.Event()
+
+            async def hang(xs: list[int]) -> list[int]:
+                started.set()
+                await anyio.sleep(WAIT * 6)
+                return xs
+
+            b = AsyncBatcher(hang, max_batch_size=1, max_wait_ms=0, max_concurrent_batches=1)
+            outcomes: list[BaseException] = []
+
+            async def one(i: int) -> None:
+                try:
+                    await b.submit(i)
+                except BatcherClosed as exc:
+                    outcomes.append(exc)
+
+            with anyio.fail_after(WAIT):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(one, 0)
+                    await started.wait()
+                    tg.start_soon(one, 1)
+                    tg.start_soon(one, 2)
+                    await anyio.wait_all_tasks_blocked()
+                    await b.aclose(timeout=CLOSE_TIMEOUT_S)
+            assert len(outcomes) == 3
+            s = b.statistics()
+            return s.submitted, s.succeeded, s.failed, s.cancelled
+
+        assert anyio.run(main) == (3, 0, 1, 2)
+
+
+class TestCostBoundedBatches:
+    """Cost-bounded batches (docs/api.md, DynamicBatcher): the bound, and an item over it on its own."""
+
+    def test_batches_stay_within_max_batch_cost_and_an_oversized_item_runs_alone(self) -> None:
+        clock = MockClock()
+        seen: list[list[str]] = []
+
+        def fn(xs: list[str]) -> list[str]:
+            seen.append(list(xs))
+            return xs
+
+        b = batchkit.DynamicBatcher(
+            fn, max_batch_size=100, max_wait_ms=100, size_fn=len, max_batch_cost=10, clock=clock
+        )
+        futs = [b.submit(s) for s in ["aaaa", "bbbb", "ccc", "x" * 11, "d"]]
+        clock.advance(0.2)
+        assert [f.result(WAIT) for f in futs] == ["aaaa", "bbbb", "ccc", "x" * 11, "d"]
+        assert all(sum(map(len, batch)) <= 10 for batch in seen if len(batch) > 1)
+        assert ["x" * 11] in seen
+        assert sorted(x for batch in seen for x in batch) == sorted(["aaaa", "bbbb", "ccc", "x" * 11, "d"])
+        b.close()
+
+    def test_size_fn_runs_at_submit_and_its_errors_fail_that_submit(self) -> None:
+        def cost(x: str) -> float:
+            if x == "boom":
+                raise ZeroDivisionError("no cost")
+            return -1.0 if x == "neg" else 1.0
+
+        b = batchkit.DynamicBatcher(lambda xs: xs, max_wait_ms=0, size_fn=cost, max_batch_cost=10)
+        with pytest.raises(ZeroDivisionError):
+            b.submit("boom")
+        with pytest.raises(ValueError, match="cost"):
+            b.submit("neg")
+        assert b.submit("ok").result(WAIT) == "ok"
+        b.close()
+
+
+BASE_EXCEPTIONS = [KeyboardInterrupt, SystemExit, GeneratorExit]
+
+
+async def _raise_cancelled(xs: list[int]) -> list[int]:
+    raise asyncio.CancelledError("raised by the batch function, nobody cancelled it")
+
+
+def _raise_cancelled_sync(xs: list[int]) -> list[int]:
+    raise asyncio.CancelledError("raised by the batch function, nobody cancelled it")
+
+
+class TestABatchFunctionRaisingABaseException:
+    """A batch function that raises what an ordinary ``except Exception`` does not catch
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, a spontaneous
+    ``asyncio.CancelledError``): its callers get the exception, every caller is answered, and the
+    batcher keeps serving the next ones."""
+
+    @pytest.mark.parametrize("exc_type", BASE_EXCEPTIONS, ids=lambda t: t.__name__)
+    def test_sync_batch_function_raising_a_base_exception_fails_only_its_batch(
+        self, exc_type: type[BaseException]
+    ) -> None:
+        calls = 0
+
+        def fn(xs: list[int]) -> list[int]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise exc_type("boom")
+            return [x + 1 for x in xs]
+
+        with batchkit.DynamicBatcher(fn, max_batch_size=2, max_wait_ms=60_000) as b:
+            first = [b.submit(1), b.submit(2)]  # one batch, by size
+            for f in first:
+                with pytest.raises(exc_type):
+                    f.result(timeout=10)
+            third = b.submit(3)
+            b.flush()
+            assert third.result(timeout=10) == 4
+        s = b.statistics()
+        assert (s.submitted, s.failed, s.succeeded) == (3, 2, 1)
+
+    @pytest.mark.parametrize("exc_type", BASE_EXCEPTIONS, ids=lambda t: t.__name__)
+    def test_async_def_batch_function_raising_a_base_exception_keeps_the_batcher_serving(
+        self,
+        exc_type: type[BaseException],
+    ) -> None:
+        calls = 0
+
+        async def fn(xs: list[int]) -> list[int]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise exc_type("boom")
+            return [x + 1 for x in xs]
+
+        b = batchkit.DynamicBatcher(fn, max_batch_size=2, max_wait_ms=60_000)
+        try:
+            first = [b.submit(1), b.submit(2)]  # one batch, by size
+            for f in first:
+                with pytest.raises(exc_type):
+                    f.result(timeout=10)
+            third = b.submit(3)
+            b.flush()
+            assert third.result(timeout=10) == 4
+        finally:
+            b.close(timeout=10)
+
+    @pytest.mark.parametrize("offload", [False, True], ids=["async_def", "offload"])
+    def test_async_batcher_batch_function_raising_cancelled_error_answers_its_callers(self, offload: bool) -> None:
+        fn: Any = _raise_cancelled_sync if offload else _raise_cancelled
+
+        async def main() -> tuple[int, batchkit.BatcherStatistics]:
+            b = batchkit.AsyncBatcher(fn, max_batch_size=2, max_wait_ms=1, offload=offload)
+            tasks = [asyncio.ensure_future(b.submit(i)) for i in range(2)]
+            _done, pending = await asyncio.wait(tasks, timeout=10)
+            for t in pending:
+                t.cancel()
+            await asyncio.wait_for(b.aclose(timeout=5), 10)
+            return len(pending), b.statistics()
+
+        unanswered, s = asyncio.run(main())
+        assert unanswered == 0
+        assert (s.submitted, s.failed) == (2, 2)
+
+    def test_dynamic_batcher_async_def_raising_cancelled_error_answers_its_callers(self) -> None:
+        with batchkit.DynamicBatcher(_raise_cancelled, max_batch_size=2, max_wait_ms=1) as b:
+            futures = [b.submit(1), b.submit(2)]
+            for f in futures:
+                with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+                    f.result(timeout=10)
+        s = b.statistics()
+        assert s.submitted == 2
+        assert s.failed + s.cancelled == 2
+
+    def test_async_batcher_offload_generator_exit_does_not_reach_the_loop_handler(self) -> None:
+        def fn(xs: list[int]) -> list[int]:
+            raise GeneratorExit("boom")
+
+        errors: list[dict[str, Any]] = []
+
+        async def main() -> None:
+            asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+            b = batchkit.AsyncBatcher(fn, max_batch_size=2, max_wait_ms=1, offload=True)
+            results = await asyncio.wait_for(asyncio.gather(b.submit(1), b.submit(2), return_exceptions=True), 10)
+            assert all(isinstance(r, GeneratorExit) for r in results)
+            await asyncio.wait_for(b.aclose(), 10)
+
+        asyncio.run(main())
+        assert errors == []
+
+
+class _EqRaises:
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparing")
+
+
+def _key(item: int) -> Hashable:
+    if item < 0:
+        return float("nan") if item == -1 else _EqRaises()
+    return item % 2
+
+
+class TestAGroupKeyThatCannotBeFoundAgain:
+    """A ``group_by`` key that is not equal to itself (a NaN) or cannot be compared could never be
+    found again to form a batch: its submit is a ValueError, nothing is queued, and the batcher
+    keeps serving (it left the callers waiting forever, and a raising ``__eq__`` killed the
+    dispatcher)."""
+
+    def test_dynamic_batcher_refuses_a_key_unequal_to_itself(self) -> None:
+        with batchkit.DynamicBatcher(lambda xs: xs, max_batch_size=2, max_wait_ms=1, group_by=_key) as b:
+            for bad in (-1, -2):
+                with pytest.raises(ValueError, match="group key"):
+                    b.submit(bad)
+            futures = [b.submit(i) for i in range(4)]
+            assert [f.result(timeout=10) for f in futures] == [0, 1, 2, 3]
+        s = b.statistics()
+        assert (s.submitted, s.succeeded, s.pending) == (4, 4, 0)
+
+    def test_async_batcher_refuses_a_key_unequal_to_itself(self) -> None:
+        async def fn(xs: list[int]) -> list[int]:
+            return xs
+
+        async def main() -> list[Any]:
+            async with batchkit.AsyncBatcher(fn, max_batch_size=2, max_wait_ms=1, group_by=_key) as b:
+                for bad in (-1, -2):
+                    with pytest.raises(ValueError, match="group key"):
+                        await b.submit(bad)
+                return list(await asyncio.wait_for(asyncio.gather(*(b.submit(i) for i in range(4))), 10))
+
+        assert asyncio.run(main()) == [0, 1, 2, 3]
+
+
+def _double(xs: list[int]) -> list[int]:
+    return [2 * x for x in xs]
+
+
+class TestAQueueOfItsOwnIsTakenWithItsCapacity:
+    """A queue passed to the batcher brings its capacity and policy: max_queue or on_full beside it
+    is refused, not silently half-applied."""
+
+    @pytest.mark.parametrize("extra", [{"max_queue": 8}, {"on_full": "block"}])
+    def test_a_queue_with_its_own_capacity_refuses_max_queue_and_on_full(self, extra: dict[str, object]) -> None:
+        q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+        with pytest.raises(ValueError, match="not both"):
+            batchkit.DynamicBatcher(_double, queue=q, **extra)  # type: ignore[arg-type]
+
+    def test_a_queue_alone_is_taken_with_its_capacity(self) -> None:
+        q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+        with batchkit.DynamicBatcher(_double, queue=q, max_wait_ms=0) as b:
+            assert b.queue.maxsize == 4
+            assert b(3) == 6
+
+
+LONG_RUN = 12_000  # past the 10,000 samples the recent window keeps
+
+
+def _long_run_statistics() -> batchkit.BatcherStatistics:
+    """A batcher's statistics after it answered LONG_RUN callers (in batches of 1,000)."""
+    b = batchkit.DynamicBatcher(echo_batch, max_batch_size=1000, max_wait_ms=1e6, max_queue=LONG_RUN)
+    futs = [b.submit(i) for i in range(LONG_RUN)]
+    b.flush()
+    assert [f.result(WAIT) for f in futs] == list(range(LONG_RUN))
+    b.close()
+    return b.statistics()
+
+
+class TestStatistics:
+    """statistics() fields as docs/api.md defines them: in flight, one counter per outcome, whole-run
+    latencies and their recent views."""
+
+    def test_in_flight_counts_items_of_running_batches(self) -> None:
+        """A running batch of 3 is 3 items in flight and 1 running batch; the waiting ones are pending."""
+        gate = threading.Event()
+        started = threading.Event()
+
+        def fn(xs: list[int]) -> list[int]:
+            started.set()
+            assert gate.wait(WAIT)
+            return xs
+
+        b = batchkit.DynamicBatcher(fn, max_batch_size=3, max_wait_ms=1e6)
+        futs = [b.submit(i) for i in range(5)]
+        assert started.wait(WAIT)
+        s = b.statistics()
+        assert (s.pending, s.in_flight, s.running_batches) == (2, 3, 1)
+        assert autoscaling_stats(b) == {QUEUE_DEPTH_METRIC: 2.0, RUNNING_BATCHES_METRIC: 1.0}
+        gate.set()
+        b.flush()
+        assert [f.result(WAIT) for f in futs] == [0, 1, 2, 3, 4]
+        b.close()
+        s = b.statistics()
+        assert (s.pending, s.in_flight, s.running_batches, s.submitted, s.succeeded) == (0, 0, 0, 5, 5)
+
+    def test_counters_of_each_outcome(self) -> None:
+        """One caller of each outcome lands in its own counter."""
+        clock = MockClock()
+        gate = threading.Event()
+        started = threading.Event()
+
+        def fn(xs: list[str]) -> list[object]:
+            started.set()
+            assert gate.wait(WAIT)
+            return [ValueError(x) if x == "bad" else x for x in xs]
+
+        b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0, max_queue=3, clock=clock)
+        first = b.submit("ok")
+        assert started.wait(WAIT)
+        late = b.submit("late", deadline_ms=10, fallback="fb")
+        gone = b.submit("gone")
+        bad = b.submit("bad")
+        with pytest.raises(batchkit.QueueFull):
+            b.submit("refused")
+        assert gone.cancel()
+        clock.advance(1.0)
+        assert late.result(WAIT) == "fb"
+        gate.set()
+        assert first.result(WAIT) == "ok"
+        assert isinstance(bad.exception(WAIT), ValueError)
+        b.close()
+        s = b.statistics()
+        assert (s.submitted, s.succeeded, s.failed, s.cancelled, s.expired, s.rejected) == (4, 1, 1, 1, 1, 1)
+
+    def test_batcher_latencies_cover_every_answered_caller(self) -> None:
+        """After more answers than the recent window holds, ``latency`` and ``queue_wait`` still count
+        every caller (whole-run), so a p99 read after a long run is the run's, not its tail's."""
+        s = _long_run_statistics()
+        assert s.succeeded == LONG_RUN
+        assert s.latency is not None
+        assert s.queue_wait is not None
+        assert s.batch_time is not None
+        assert (s.latency.count, s.queue_wait.count, s.batch_time.count) == (LONG_RUN, LONG_RUN, s.batches)
+
+    def test_batcher_recent_views_are_the_last_ten_thousand_samples(self) -> None:
+        """``latency_recent``, ``queue_wait_recent`` and ``batch_time_recent`` of ``BatcherStatistics``
+        are the named recent view: the last 10,000 samples, beside the whole-run fields."""
+        s = _long_run_statistics()
+        assert s.latency_recent is not None
+        assert s.queue_wait_recent is not None
+        assert s.batch_time_recent is not None
+        recent = (s.latency_recent.count, s.queue_wait_recent.count, s.batch_time_recent.count)
+        assert recent == (10_000, 10_000, s.batches)
+        assert s.latency_recent.histogram is None
+
+    def test_whole_run_latencies_of_several_batchers_merge_into_one(self) -> None:
+        """``LatencySummary.merge`` over the ``latency`` of several batchers' statistics is the
+        latency of all their callers: counts add up, the max is the slowest batcher's."""
+        clock = MockClock()
+        fast = batchkit.DynamicBatcher(echo_batch, max_batch_size=10, max_wait_ms=1e6, clock=clock)
+        slow = batchkit.DynamicBatcher(echo_batch, max_batch_size=10, max_wait_ms=1e6, clock=clock)
+        waiting = [slow.submit(i) for i in range(5)]
+        assert [f.result(WAIT) for f in [fast.submit(i) for i in range(30)]] == list(range(30))  # full batches, no wait
+        clock.advance(2.0)
+        slow.flush()
+        assert [f.result(WAIT) for f in waiting] == list(range(5))
+        fast.close()
+        slow.close()
+        merged = batchkit.LatencySummary.merge(fast.statistics().latency, slow.statistics().latency)
+        assert (merged.count, merged.max_ms, merged.p50_ms) == (35, 2000.0, 0.0)

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import inspect
 import threading
+import weakref
 
 import anyio
 import pytest
+import trio
 
 import batchkit
 from batchkit import AsyncBatchedFunction, BatchedFunction, batched
+from batchkit.batcher import DynamicBatcher
+from batchkit.queue import OnFull
 
 WAIT = 10
 
@@ -405,3 +410,207 @@ class TestAsyncDefWhereItRuns:
         assert echo.loop_batcher is None
         assert echo.statistics().succeeded == 2
         echo.close()
+
+
+class TestAnAsyncDefRunsOnTheBatchersOwnLoop:
+    """An ``async def`` batch function runs on the batcher's own asyncio loop, whatever its callers run."""
+
+    def test_trio_callers_share_an_async_batch_function_that_awaits_anyio(self) -> None:
+        loops: list[str] = []
+
+        @batchkit.batched(max_batch=4, max_wait_ms=1)
+        async def score(xs: list[str]) -> list[int]:
+            loops.append(type(asyncio.get_running_loop()).__module__)
+            await anyio.sleep(0)
+            return [len(x) for x in xs]
+
+        async def main() -> list[int]:
+            out: list[int] = []
+
+            async def one(s: str) -> None:
+                out.append(await score(s))
+
+            async with trio.open_nursery() as nursery:
+                for s in ["a", "bb", "ccc"]:
+                    nursery.start_soon(one, s)
+            return sorted(out)
+
+        assert trio.run(main) == [1, 2, 3]
+        assert loops
+        assert all(m.startswith("asyncio") for m in loops)
+        score.close()
+
+
+class _RoomWatch(batchkit.BoundedQueue[int]):
+    """A queue that tells a test when someone waits for room in it."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize, on_full="reject")
+        self.waiting = threading.Event()
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait_for_room(timeout)
+
+
+class TestMapThroughASharedBatcher:
+    """``f.map``: an offline job through a batcher that other callers share."""
+
+    def test_map_waits_for_room_in_a_full_reject_queue(self) -> None:
+        """A queue filled by other callers slows map() down; it does not fail it with QueueFull."""
+        gate = threading.Event()
+        started = threading.Event()
+        q = _RoomWatch(2)
+
+        @batched(max_batch=1, max_wait_ms=0, queue=q)
+        def inc(xs: list[int]) -> list[int]:
+            started.set()
+            assert gate.wait(WAIT)
+            return [x + 1 for x in xs]
+
+        first = inc.submit(0)
+        assert started.wait(WAIT)
+        others = [inc.submit(1), inc.submit(2)]  # the queue is full now
+        outcome: dict[str, object] = {}
+        finished = threading.Event()
+
+        def job() -> None:
+            try:
+                outcome["results"] = list(inc.map([10, 11, 12]))
+            except BaseException as exc:  # handed to the test thread
+                outcome["error"] = exc
+            finally:
+                finished.set()
+                q.waiting.set()
+
+        t = threading.Thread(target=job)
+        t.start()
+        assert q.waiting.wait(WAIT)  # map met the full queue (or failed on it)
+        gate.set()
+        assert finished.wait(WAIT)
+        t.join(WAIT)
+        assert "error" not in outcome, outcome
+        assert outcome["results"] == [11, 12, 13]
+        assert [f.result(WAIT) for f in [first, *others]] == [1, 2, 3]
+        inc.close()
+
+    def test_map_refuses_a_bad_window_or_total_at_the_call(self) -> None:
+        """Bad arguments fail when map() is called, before any item is read."""
+
+        @batched(max_batch=2, max_wait_ms=1)
+        def ident(xs: list[int]) -> list[int]:
+            return xs
+
+        for window in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="window"):
+                ident.map([1], window=window)  # type: ignore[arg-type]
+        for total in (-1, "3", 1.5):
+            with pytest.raises(ValueError, match="total"):
+                ident.map([1], total=total)  # type: ignore[arg-type]
+        assert list(ident.map([1, 2, 3], total=3)) == [1, 2, 3]
+        ident.close()
+
+    def test_map_after_close_raises_batcher_closed(self) -> None:
+        """A closed function's map() refuses its first item with BatcherClosed."""
+
+        @batched(max_batch=2, max_wait_ms=1)
+        def ident(xs: list[int]) -> list[int]:
+            return xs
+
+        ident.close()
+        with pytest.raises(batchkit.BatcherClosed):
+            list(ident.map([1]))
+
+
+class TestMapWaitsForRoom:
+    """@batched map() waits for room in a full queue under every on_full policy: it never evicts
+    another caller's waiting item (docs/api.md: "map waits for room (whatever on_full says)")."""
+
+    @pytest.mark.parametrize("on_full", ["drop_oldest", "shed_lowest_priority"])
+    def test_map_waits_for_room_instead_of_evicting(self, on_full: OnFull) -> None:
+        started = threading.Event()
+        release = threading.Event()
+
+        @batched(max_batch=1, max_wait_ms=0, max_queue=2, on_full=on_full, max_concurrent_batches=1)
+        def double(xs: list[int]) -> list[int]:
+            started.set()
+            assert release.wait(WAIT)
+            return [2 * x for x in xs]
+
+        try:
+            first = double.submit(1)  # runs, and holds the only worker
+            assert started.wait(WAIT)
+            others = [double.submit(2, priority=5), double.submit(3, priority=5)]  # fill the queue
+            b: DynamicBatcher[int, int] = double.batcher
+            waiting = threading.Event()
+            original = b.queue.wait_for_room
+
+            def wait_for_room(timeout: float | None = None) -> bool:
+                waiting.set()
+                return original(timeout)
+
+            b.queue.wait_for_room = wait_for_room  # type: ignore[method-assign]
+            results: list[int] = []
+            job = threading.Thread(target=lambda: results.extend(double.map([4], window=1)))
+            job.start()
+            assert waiting.wait(WAIT)  # map found the queue full and waits for room
+            assert not any(f.done() for f in others)  # nobody was evicted for it
+            release.set()
+            job.join(WAIT)
+            assert not job.is_alive()
+            assert results == [8]
+            assert first.result(WAIT) == 2
+            assert [f.result(WAIT) for f in others] == [4, 6]
+        finally:
+            release.set()
+            double.close()
+
+
+class Model:
+    @batchkit.batched(max_batch=4, max_wait_ms=1)
+    def run(self, xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+
+class TestOnAMethod:
+    """@batched on a method: docs/api.md's promise that closing an instance's batcher frees it."""
+
+    def test_closing_an_instances_batcher_joins_its_threads_and_frees_the_instance(self) -> None:
+        before = set(threading.enumerate())
+        refs = []
+        for i in range(3):
+            m = Model()
+            assert m.run(i) == 2 * i
+            m.run.close()
+            refs.append(weakref.ref(m))
+            del m
+        gc.collect()
+        assert [r() for r in refs] == [None, None, None]
+        assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("batchkit")]
+
+    def test_each_instance_has_its_own_batcher_and_closing_one_leaves_the_other(self) -> None:
+        a, b = Model(), Model()
+        assert a.run.batcher is not b.run.batcher
+        a.run.close()
+        assert b.run(5) == 10
+        b.run.close()
+
+    def test_static_methods_work_and_class_methods_are_refused_clearly(self) -> None:
+        class Host:
+            @staticmethod
+            @batchkit.batched(max_batch=2, max_wait_ms=1)
+            def double(xs: list[int]) -> list[int]:
+                return [2 * x for x in xs]
+
+        assert Host.double(2) == 4
+        assert Host().double(3) == 6
+        Host.double.close()
+
+        class Bad:
+            @classmethod
+            @batchkit.batched(max_batch=2, max_wait_ms=1)
+            def names(cls, xs: list[int]) -> list[str]:
+                return [cls.__name__ for _ in xs]
+
+        with pytest.raises(TypeError, match="classmethod"):
+            Bad.names(1)

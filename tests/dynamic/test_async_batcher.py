@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+import batchkit
 from _support import DUE_BY_REASON, DUE_BY_REASON_OPTIONS
 from batchkit import (
     AsyncBatcher,
@@ -545,3 +546,128 @@ def test_a_half_open_circuit_recovers_when_its_probe_batch_is_due_for_any_reason
         assert b.recent_batches()[-1].reason == reason
 
     run(main)
+
+
+class TestAcloseJoinsItsOffloadThreads:
+    """AsyncBatcher(offload=True) joins its worker threads on aclose(), as every batcher joins its own."""
+
+    def test_aclose_joins_the_offload_worker_threads(self) -> None:
+        """After aclose() returns, no thread that ran the batch function is still alive."""
+        ran_in: set[threading.Thread] = set()
+
+        def double(xs: list[int]) -> list[int]:
+            ran_in.add(threading.current_thread())
+            return [2 * x for x in xs]
+
+        async def main() -> tuple[list[int], list[str]]:
+            async with batchkit.AsyncBatcher(
+                double, max_batch_size=4, max_wait_ms=0, max_concurrent_batches=2, offload=True
+            ) as b:
+                results = await asyncio.gather(*(b.submit(i) for i in range(16)))
+            return results, [t.name for t in ran_in if t.is_alive()]  # checked at once, on the loop
+
+        results, alive = asyncio.run(main())
+        assert results == [2 * i for i in range(16)]
+        assert ran_in
+        assert threading.main_thread() not in ran_in
+        assert alive == []
+
+    def test_aclose_twice_after_offload_is_harmless(self) -> None:
+        """A second aclose() returns at once; the batcher refuses new work."""
+
+        async def main() -> None:
+            b = batchkit.AsyncBatcher(lambda xs: xs, max_batch_size=2, max_wait_ms=0, offload=True)
+            assert await b.submit(1) == 1
+            await b.aclose()
+            await b.aclose()
+            try:
+                await b.submit(2)
+            except batchkit.BatcherClosed:
+                return
+            raise AssertionError("submit after aclose was accepted")
+
+        asyncio.run(main())
+
+
+class TestAcloseFromATaskTheBatchFunctionStarted:
+    """AsyncBatcher.aclose() awaited from a task the batch function started (asyncio.gather,
+    asyncio.wait_for before 3.12, a TaskGroup) returns, as when awaited in the function itself,
+    instead of waiting for the batch that waits for it."""
+
+    def test_aclose_in_a_task_started_by_the_batch_function_does_not_deadlock(self) -> None:
+        async def main() -> tuple[list[int], list[str]]:
+            holder: dict[str, batchkit.AsyncBatcher[int, int]] = {}
+            inner: list[str] = []
+
+            async def fn(xs: list[int]) -> list[int]:
+                if 0 in xs:
+                    await asyncio.wait_for(asyncio.gather(holder["b"].aclose()), WAIT)
+                    inner.append("closed")
+                return [x + 1 for x in xs]
+
+            b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0)
+            holder["b"] = b
+            futs = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+            done, _ = await asyncio.wait(futs, timeout=2 * WAIT)
+            assert len(done) == 3
+            await b.aclose()
+            return [f.result() for f in futs], inner
+
+        assert asyncio.run(main()) == ([1, 2, 3], ["closed"])
+
+    def test_aclose_of_another_batcher_from_a_batch_function_still_waits(self) -> None:
+        """Only a batcher's own batch function is 'inside': closing another batcher from it waits
+        for that one's running batch."""
+
+        async def main() -> list[str]:
+            log: list[str] = []
+            started = asyncio.Event()
+            go = asyncio.Event()
+
+            async def slow(xs: list[int]) -> list[int]:
+                started.set()
+                await go.wait()
+                log.append("other ran")
+                return xs
+
+            other = batchkit.AsyncBatcher(slow, max_batch_size=1, max_wait_ms=0)
+
+            async def fn(xs: list[int]) -> list[int]:
+                pending = asyncio.ensure_future(other.submit(1))
+                await asyncio.wait_for(started.wait(), WAIT)
+                asyncio.get_running_loop().call_soon(go.set)
+                await asyncio.wait_for(other.aclose(), WAIT)
+                log.append("other closed")
+                assert pending.done()
+                return xs
+
+            b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0)
+            assert await asyncio.wait_for(b.submit(0), 2 * WAIT) == 0
+            await b.aclose()
+            return log
+
+        assert asyncio.run(main()) == ["other ran", "other closed"]
+
+
+class TestStatistics:
+    """statistics() fields as docs/api.md defines them."""
+
+    def test_asyncbatcher_in_flight_counts_items_too(self) -> None:
+        async def main() -> tuple[int, int]:
+            gate = asyncio.Event()
+
+            async def fn(xs: list[int]) -> list[int]:
+                await gate.wait()
+                return xs
+
+            b = batchkit.AsyncBatcher(fn, max_batch_size=4, max_wait_ms=0)
+            calls = [asyncio.ensure_future(b.submit(i)) for i in range(4)]
+            for _ in range(5):
+                await asyncio.sleep(0)
+            s = b.statistics()
+            gate.set()
+            assert await asyncio.gather(*calls) == [0, 1, 2, 3]
+            await b.aclose()
+            return s.in_flight, s.running_batches
+
+        assert asyncio.run(main()) == (4, 1)
