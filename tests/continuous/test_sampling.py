@@ -101,3 +101,72 @@ def test_a_detokenize_hook_that_fails_on_one_output_fails_that_request_alone() -
     assert by_id["b"].error is None
     assert loop.scheduler.get("a") is None
     assert loop.allocator.statistics().num_seqs == 1
+
+
+def _draws(logits: Any, params: list[SamplingParams]) -> list[int]:
+    gens = [torch.Generator().manual_seed(i) for i in range(len(params))]
+    return sample(logits, params, gens)
+
+
+class TestOneCheckPerStep:
+    """sample()'s +inf check and max shift run once per step over every row: one host read of a flag
+    per step, not one per sampled row (on a GPU each is a device sync), and draws unchanged."""
+
+    def test_sample_reads_one_flag_per_step_not_per_row(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        n = 16
+        logits = torch.randn(n, 50, generator=torch.Generator().manual_seed(0))
+        params = [SamplingParams(temperature=0.7)] * n
+        reads = 0
+        original = torch.Tensor.__bool__
+
+        def counting_bool(self: Any) -> bool:
+            nonlocal reads
+            reads += 1
+            return bool(original(self))
+
+        monkeypatch.setattr(torch.Tensor, "__bool__", counting_bool)
+        _draws(logits, params)
+        assert reads <= 1
+
+    def test_sample_keeps_certainties_and_tiny_temperatures(self) -> None:
+        logits = torch.zeros(3, 6)
+        logits[0, 4] = float("inf")  # a certainty
+        logits[1, 2] = 1.0  # with a tiny temperature: greedy-like
+        logits[2] = torch.arange(6, dtype=torch.float32)
+        params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1e-30), SamplingParams(temperature=0)]
+        assert _draws(logits, params) == [4, 2, 5]
+
+
+class TestBadRowsAreFoundWithOneReduction:
+    """The decode loop finds the rows no token can be drawn from (a NaN, every logit -inf) with one
+    reduction over the step's logits, not with element-wise passes over all of them (each a full
+    [num_sampling, vocab] pass per step), and still fails exactly those rows' requests."""
+
+    def test_broken_rows_fail_alone_without_elementwise_passes(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def step(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+            out = torch.zeros(len(batch.sample_indices), VOCAB)
+            out[:, 3] = 5.0
+            out[0, 0] = float("nan")
+            out[1] = float("-inf")
+            return out
+
+        kv = batchkit.PagedKVCache(num_layers=1, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+        loop = batchkit.ContinuousDecodeLoop(step, kv, engine="caller")
+        for rid in ("a", "b", "c"):
+            loop.scheduler.add(Request(rid, [1, 2], SamplingParams(max_new_tokens=2, temperature=0.5, seed=1)))
+        shapes: list[tuple[int, ...]] = []
+        for name in ("isnan", "isneginf", "isposinf"):
+            original = getattr(torch, name)
+
+            def spy(x: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                shapes.append(tuple(x.shape))
+                return _original(x, *args, **kwargs)
+
+            monkeypatch.setattr(torch, name, spy)
+        _, events = loop.step_once()
+        by_id = {e.request_id: e for e in events}
+        assert isinstance(by_id["a"].error, FloatingPointError)
+        assert isinstance(by_id["b"].error, FloatingPointError)
+        assert by_id["c"].error is None
+        assert by_id["c"].token == 3
+        assert all(VOCAB not in s for s in shapes), shapes  # never an element-wise pass over [rows, vocab]

@@ -3,18 +3,23 @@ stop conditions, streaming, abort, and token equality with Hugging Face transfor
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
 import random
 import threading
-from collections.abc import AsyncGenerator, Hashable, Sequence
+from collections.abc import AsyncGenerator, Hashable, Iterator, Sequence
 from typing import Any, cast
 
 import anyio
 import pytest
 
-from batchkit import BatcherClosed, ContinuousDecodeLoop, KVCacheExhausted, PagedKVAllocator, SamplingParams
-from batchkit.continuous import Request, RequestStatus, Scheduler, StepBatch, sample
+import batchkit
+from batchkit import BatcherClosed, ContinuousDecodeLoop, KVCacheExhausted, PagedKVAllocator, SamplingParams, Scheduler
+from batchkit.continuous import Request, RequestStatus, StepBatch, sample
 
 torch = pytest.importorskip("torch")
+
+from batchkit.models import LlamaConfig, LlamaModel  # noqa: E402
 
 WAIT = 30
 VOCAB = 50
@@ -926,3 +931,264 @@ def test_stop_strings_read_a_short_window_of_the_output_and_match_where_the_whol
     assert [e.token for e in events if e.token is not None] == script[:want]
     assert events[-1].finish_reason == "stop"
     assert max(windows) < 20
+
+
+def _zeros(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+    return torch.zeros(len(batch.sample_indices), 8)
+
+
+def _cache() -> batchkit.PagedKVCache:
+    return batchkit.PagedKVCache(num_layers=1, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+
+
+class Fatal(BaseException):
+    """Not an Exception: a step's failure that the loop does not catch."""
+
+
+class TestTheEngineNeverLeavesCallersWaiting:
+    """The engine never leaves callers waiting: a cancel racing a result, or a fault of the loop itself.
+
+    A ``submit()`` future cancelled by its caller between the engine's check and its ``set_result``
+    must not kill the engine thread; and if the engine does end on an error of its own, every request
+    it held ends with ``BatcherClosed`` and new ones are refused.
+    """
+
+    def test_a_future_cancelled_while_its_result_is_set_does_not_stop_the_engine(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        set_result = concurrent.futures.Future.set_result
+
+        def cancelled_first(fut: concurrent.futures.Future[Any], result: Any) -> None:
+            fut.cancel()  # the caller's cancel lands just after the engine checked done()
+            set_result(fut, result)
+
+        with batchkit.ContinuousDecodeLoop(_zeros, _cache()) as loop:
+            monkeypatch.setattr(concurrent.futures.Future, "set_result", cancelled_first)
+            first = loop.submit([1, 2], max_new_tokens=1)
+            with pytest.raises(concurrent.futures.CancelledError):
+                first.result(timeout=30)
+            monkeypatch.undo()
+            assert loop.submit([1, 2], max_new_tokens=1).result(timeout=30) == [0]
+
+    def test_an_engine_that_fails_ends_every_request_and_refuses_new_ones(self) -> None:
+        started = threading.Event()
+
+        def step(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+            started.set()
+            raise Fatal("the engine cannot go on")
+
+        loop = batchkit.ContinuousDecodeLoop(step, _cache(), engine="caller", max_num_seqs=1)
+        running = loop.submit([1, 2], max_new_tokens=4)
+        waiting = loop.submit([3, 4], max_new_tokens=4)  # max_num_seqs=1: still waiting when it fails
+        with pytest.raises(Fatal):
+            loop.run_engine()
+        assert started.is_set()
+        for fut in (running, waiting):
+            with pytest.raises(BatcherClosed, match="engine failed") as info:
+                fut.result(timeout=30)
+            assert isinstance(info.value.__cause__, Fatal)
+        with pytest.raises(BatcherClosed):
+            loop.submit([1], max_new_tokens=1)
+        loop.close()
+
+
+class TestStepOnceFromASecondThreadIsRefused:
+    """step_once() from a second thread while the engine thread steps the loop is refused, not a race
+    that corrupts the scheduler (positions outside a sequence, lost requests)."""
+
+    def test_step_once_beside_a_running_engine_thread_is_a_runtime_error(self) -> None:
+        torch.manual_seed(0)
+        model = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+        release = threading.Event()
+        stepping = threading.Event()
+        forward = model.forward
+
+        def held_step(*args: Any) -> Any:
+            stepping.set()
+            assert release.wait(timeout=30)
+            return forward(*args)
+
+        model.forward = held_step  # type: ignore[method-assign, assignment]
+        with batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=32, block_size=4)) as loop:
+            fut = loop.submit([1, 2, 3], max_new_tokens=2)  # starts the engine thread
+            assert stepping.wait(timeout=30)
+            with pytest.raises(RuntimeError, match="engine runs in thread"):
+                loop.step_once()
+            release.set()
+            assert len(fut.result(timeout=60)) == 2
+
+    def test_step_once_still_drives_a_loop_whose_threaded_api_is_unused(self) -> None:
+        torch.manual_seed(0)
+        model = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+        with batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=32, block_size=4)) as loop:
+            loop.scheduler.add(batchkit.continuous.Request("r", [1, 2, 3], batchkit.SamplingParams(max_new_tokens=2)))
+            tokens = []
+            while loop.scheduler.has_work():
+                tokens += [ev.token for ev in loop.step_once()[1] if ev.token is not None]
+            assert len(tokens) == 2
+
+
+def _zeros_16(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+    return torch.zeros(len(batch.sample_indices), 16)
+
+
+@pytest.fixture
+def loop() -> Iterator[batchkit.ContinuousDecodeLoop]:
+    kv = batchkit.PagedKVCache(num_layers=1, num_blocks=9, block_size=4, num_kv_heads=1, head_dim=4)
+    # engine="caller" and no engine: nothing is stepped, so each check is about the call itself.
+    lp = batchkit.ContinuousDecodeLoop(_zeros_16, kv, engine="caller", tenant_quotas={"small": 2})
+    yield lp
+    lp.close()
+
+
+def _params(n: int = 50) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n)
+
+
+def _step(s: Scheduler) -> None:
+    step = s.schedule()
+    s.update(step, [1] * sum(step.samples))
+
+
+class TestWhatSubmitRefusesAndHowPrioritiesTakeASeat:
+    """What a request is refused for at submit, and how priorities take a seat or KV room.
+
+    A value that could only fail inside a step (the sampler, the stop check) would fail every request
+    batched into that step, so each one is refused on the call; and a better-priority request takes
+    the place of a worse running one, as docs/continuous.md says, but only when that lets it in.
+    """
+
+    @pytest.mark.parametrize(
+        ("sampling", "error"),
+        [
+            ({"temperature": math.nan}, ValueError),
+            ({"temperature": math.inf}, ValueError),
+            ({"temperature": "0.7"}, ValueError),
+            ({"top_k": 2.5}, ValueError),
+            ({"top_k": True}, ValueError),
+            ({"top_p": math.nan}, ValueError),
+            ({"seed": "x"}, TypeError),
+            ({"seed": 1.5}, TypeError),
+            ({"stop_token_ids": 5}, TypeError),
+            ({"stop_token_ids": [1.0]}, TypeError),
+            ({"eos_token_id": "2"}, TypeError),
+        ],
+    )
+    def test_a_sampling_value_no_step_could_use_is_refused_at_submit(
+        self, loop: batchkit.ContinuousDecodeLoop, sampling: dict[str, Any], error: type[Exception]
+    ) -> None:
+        name = next(iter(sampling))
+        with pytest.raises(error, match=name):
+            loop.submit([1, 2], max_new_tokens=2, **sampling)
+        assert loop.queue_depth() == 0
+
+    @pytest.mark.parametrize("stop", [[""], [1], ["ok", None]])
+    def test_stop_must_be_non_empty_strings(self, stop: list[Any]) -> None:
+        with pytest.raises(ValueError, match="stop must be non-empty strings"):
+            SamplingParams(stop=tuple(stop))
+
+    def test_numpy_numbers_are_accepted_as_plain_ones(self) -> None:
+        np = pytest.importorskip("numpy")
+        p = SamplingParams(
+            temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int32(4), stop_token_ids=np.array([7])
+        )
+        assert (p.top_k, p.seed, p.stop_token_ids) == (3, 4, (7,))
+        assert type(p.top_k) is int
+        assert type(p.seed) is int
+
+    def test_a_prompt_that_can_never_fit_is_refused_by_the_submit_call(
+        self, loop: batchkit.ContinuousDecodeLoop
+    ) -> None:
+        # 8 usable blocks of 4 tokens: a 32-token prompt plus its first token needs 9.
+        with pytest.raises(KVCacheExhausted, match="32-token prompt needs 9 KV blocks"):
+            loop.submit(list(range(32)), max_new_tokens=1)
+        with pytest.raises(KVCacheExhausted, match="quota"):
+            loop.submit(list(range(8)), max_new_tokens=1, tenant="small")
+        loop.submit(list(range(31)), max_new_tokens=1)  # fits: accepted
+        assert loop.queue_depth() == 1
+
+    def test_generate_refuses_it_on_its_first_iteration(self, loop: batchkit.ContinuousDecodeLoop) -> None:
+        stream = loop.generate_sync(list(range(32)), max_new_tokens=1)
+        with pytest.raises(KVCacheExhausted):
+            next(stream)
+
+    def test_a_better_priority_request_takes_the_seat_of_a_worse_running_one(self) -> None:
+        s = Scheduler(PagedKVAllocator(num_blocks=64, block_size=4), max_num_seqs=1)
+        s.add(Request("low", [1, 2, 3], _params(), priority=5))
+        _step(s)
+        s.add(Request("high", [1, 2, 3], _params(3), priority=0))
+        _step(s)
+        assert [r.request_id for r in s.running] == ["high"]
+        assert [r.request_id for r in s.waiting] == ["low"]
+        assert s.statistics().preemptions == 1
+        # An equal priority never preempts: it waits its turn.
+        s.add(Request("same", [1, 2, 3], _params(3), priority=0))
+        _step(s)
+        assert [r.request_id for r in s.running] == ["high"]
+
+    def test_no_one_is_preempted_for_a_request_held_back_by_its_own_tenant_quota(self) -> None:
+        a = PagedKVAllocator(num_blocks=17, block_size=4, tenant_quotas={"A": 4})
+        s = Scheduler(a, max_num_seqs=8)
+        s.add(Request("a1", list(range(15)), _params(), priority=0, tenant="A"))  # 4 blocks: A's whole quota
+        s.add(Request("b1", list(range(12)), _params(), priority=5, tenant="B"))
+        s.add(Request("b2", list(range(12)), _params(), priority=5, tenant="B"))
+        _step(s)
+        s.add(Request("a2", [1, 2, 3], _params(5), priority=0, tenant="A"))
+        _step(s)
+        assert {r.request_id for r in s.running} == {"a1", "b1", "b2"}
+        assert [r.request_id for r in s.waiting] == ["a2"]
+        assert s.statistics().preemptions == 0
+
+    @pytest.mark.parametrize(
+        "limits",
+        [
+            {"max_num_seqs": 2.5},
+            {"max_num_seqs": True},
+            {"max_num_seqs": 0},
+            {"max_num_batched_tokens": 64.0},
+            {"max_num_batched_tokens": -1},
+        ],
+    )
+    def test_the_loop_limits_are_ints(self, limits: dict[str, Any]) -> None:
+        name = next(iter(limits))
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            Scheduler(PagedKVAllocator(num_blocks=8, block_size=4), **limits)
+
+
+LONG_RUN = 12_000  # past the 10,000 samples the recent window keeps
+
+
+class TestStatistics:
+    """statistics() fields as docs/api.md defines them: the scheduler's whole-run latencies and the
+    recent views of the scheduler and the loop."""
+
+    def test_scheduler_latencies_cover_every_request(self) -> None:
+        """``ttft``, ``tpot`` and ``queue_wait`` of ``SchedulerStatistics`` count every request of a
+        run longer than the recent window."""
+        sched = Scheduler(PagedKVAllocator(num_blocks=1024, block_size=4), max_num_seqs=512)
+        for i in range(LONG_RUN):
+            sched.add(Request(i, [1], SamplingParams(max_new_tokens=2)))
+        while sched.has_work():
+            step = sched.schedule()
+            sched.update(step, [0] * sum(step.samples))
+        s = sched.statistics()
+        assert s.finished == LONG_RUN
+        assert (s.ttft.count, s.tpot.count, s.queue_wait.count) == (LONG_RUN, LONG_RUN, LONG_RUN)
+
+    def test_scheduler_and_loop_name_their_recent_views(self) -> None:
+        """``SchedulerStatistics`` has ``ttft_recent``, ``tpot_recent`` and ``queue_wait_recent`` (the
+        last 10,000 samples), ``LoopStatistics`` has ``step_time_recent``; both views agree on a short
+        run."""
+        torch = pytest.importorskip("torch")
+        kv = batchkit.PagedKVCache(1, 16, 4, 1, 2, dtype=torch.float32)
+        loop = batchkit.ContinuousDecodeLoop(lambda batch, kv: torch.zeros(len(batch.sample_indices), 8), kv)
+        try:
+            assert loop.submit([1, 2], max_new_tokens=3).result(timeout=WAIT) == [0, 0, 0]
+        finally:
+            loop.close()
+        s = loop.statistics()
+        sched = s.scheduler
+        assert (sched.ttft_recent.count, sched.tpot_recent.count, sched.queue_wait_recent.count) == (1, 2, 1)
+        assert (sched.ttft.count, sched.tpot.count, sched.queue_wait.count) == (1, 2, 1)
+        assert s.step_time_recent.count == s.step_time.count == s.steps
+        assert s.step_time_recent.max_ms == s.step_time.max_ms
