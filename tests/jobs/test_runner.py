@@ -1065,3 +1065,157 @@ def test_ctrl_c_during_a_commit_waits_for_the_commit_to_finish(tmp_path: Path, m
     store, done = JobStore.open(out, tmp_path / "out.dead.jsonl", source="in.jsonl", id_field="id")
     store.close()
     assert done.ids == {1}
+
+
+def _double(records: list[dict[str, Any]]) -> list[int]:
+    return [2 * r["v"] for r in records]
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+class TestInputAndOutputEdges:
+    """Bulk jobs' input and output edges: a byte order mark, lines that are not UTF-8, Parquet
+    outputs of a job with no results."""
+
+    def test_a_byte_order_mark_at_the_start_of_the_input_is_not_a_malformed_line(self, tmp_path: Path) -> None:
+        """Windows tools often start UTF-8 files with a BOM: the first record is still a record."""
+        src = tmp_path / "in.jsonl"
+        src.write_bytes(b'\xef\xbb\xbf{"id": "a", "v": 1}\r\n{"id": "b", "v": 2}\r\n')
+        report = run(_double, src, tmp_path / "out.jsonl", backoff_s=0)
+        assert (report.succeeded, report.failed, report.malformed) == (2, 0, 0)
+        assert sorted((r["id"], r["output"]) for r in _lines(tmp_path / "out.jsonl")) == [("a", 2), ("b", 4)]
+        again = run(_double, src, tmp_path / "out.jsonl", backoff_s=0)
+        assert (again.items, again.skipped) == (0, 2)
+
+    def test_a_line_that_is_not_utf8_is_quoted_like_any_malformed_line(self, tmp_path: Path) -> None:
+        """The dead letter quotes the start of the line (without its newline), however long it is."""
+        src = tmp_path / "in.jsonl"
+        src.write_bytes(b"\xff" + b"x" * 5000 + b"\n" + b'{"id": "ok", "v": 1}\n')
+        report = run(_double, src, tmp_path / "out.jsonl", backoff_s=0)
+        assert (report.succeeded, report.malformed) == (1, 1)
+        (letter,) = _lines(tmp_path / "out.dead.jsonl")
+        assert letter["line"] == 1
+        assert letter["error"].startswith("not UTF-8")
+        assert not letter["input"].endswith("\n")
+        assert len(letter["input"]) <= 1000
+
+    def test_a_parquet_output_without_results_still_has_the_jobs_columns(self, tmp_path: Path) -> None:
+        """An empty input (or one whose every record failed) gives a Parquet file with the id and
+        output columns, and no rows."""
+        pq = pytest.importorskip("pyarrow.parquet")
+        src = tmp_path / "in.jsonl"
+        src.write_text("")
+        report = run(_double, src, tmp_path / "out.parquet", id_field="sku")
+        assert report.output == str((tmp_path / "out.parquet").resolve())
+        table = pq.read_table(tmp_path / "out.parquet")
+        assert table.num_rows == 0
+        assert table.column_names == ["sku", "output"]
+
+        src.write_text('{"sku": "a"}\n')  # no "v": the record fails
+        report = run(_double, src, tmp_path / "failed.parquet", id_field="sku", retries=0)
+        assert (report.succeeded, report.failed) == (0, 1)
+        assert pq.read_table(tmp_path / "failed.parquet").column_names == ["sku", "output"]
+
+    def test_a_repeated_id_counts_as_a_duplicate_on_a_rerun_too(self, tmp_path: Path) -> None:
+        """docs/jobs.md: an id seen again later in the input is counted as a duplicate. A rerun
+        skips the first occurrence (done) and still counts the repeat as a duplicate, not as a
+        second skipped record."""
+        src = tmp_path / "in.jsonl"
+        src.write_text('{"id": "a", "v": 1}\n{"id": "b", "v": 2}\n{"id": "a", "v": 3}\n')
+        first = run(_double, src, tmp_path / "out.jsonl")
+        assert (first.succeeded, first.duplicates, first.skipped) == (2, 1, 0)
+        again = run(_double, src, tmp_path / "out.jsonl")
+        assert (again.items, again.skipped, again.duplicates) == (0, 2, 1)
+
+
+HANG_S = 30  # how long the hung call waits unless released; far past batch_timeout_s
+
+
+class TestATimedOutBatchIsRetriedOneRecordAtATime:
+    """A batch that runs past ``batch_timeout_s`` does not say which of its records hung: each is
+    retried in a call of its own, so that only the culprit is dead-lettered (its batch-mates used to
+    be retried together with it, time out again and all end as dead letters)."""
+
+    def test_only_the_record_that_hangs_is_dead_lettered(self, tmp_path: Path) -> None:
+        release = threading.Event()
+        calls: list[list[str]] = []
+
+        def fn(records: list[dict[str, Any]]) -> list[str]:
+            ids = [r["id"] for r in records]
+            calls.append(ids)
+            if "hang" in ids:
+                release.wait(HANG_S)  # a call that never returns in time
+            return ids
+
+        records = [{"id": "a"}, {"id": "hang"}, {"id": "b"}]
+        try:
+            report = run(
+                fn,
+                records,
+                tmp_path / "out.jsonl",
+                max_batch=3,
+                max_wait_ms=10_000,  # the three share the first call
+                batch_timeout_s=1.0,  # far above a healthy call, however loaded: only the hung calls time out
+                retries=1,
+                backoff_s=0,
+            )
+        finally:
+            release.set()
+        assert calls[0] == ["a", "hang", "b"]
+        assert (report.succeeded, report.failed) == (2, 1)
+        out = (tmp_path / "out.jsonl").read_text()
+        assert '"a"' in out
+        assert '"b"' in out
+        dead = (tmp_path / "out.dead.jsonl").read_text().splitlines()
+        assert len(dead) == 1
+        assert '"hang"' in dead[0]
+        assert "BatchTimeout" in dead[0]
+
+
+class TestRecordsRetriedAloneKeepTheJobsConcurrency:
+    """A job's records retried alone after a batch timeout run through the job's own batcher, so
+    that --concurrency still bounds the calls of the batch function (a second batcher for them
+    ran its calls beside the first one's: two calls at once under concurrency=1)."""
+
+    def test_retries_alone_keep_the_concurrency_limit(self, tmp_path: Path) -> None:
+        src = tmp_path / "in.jsonl"
+        src.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(40)))
+        lock = threading.Lock()
+        active = 0
+        peak = 0
+        release = threading.Event()
+
+        def fn(records: list[dict[str, Any]]) -> list[int]:
+            nonlocal active, peak
+            if any(r["id"] == 0 for r in records):
+                release.wait(WAIT)  # hangs past batch_timeout_s; its thread is left behind
+                return [0] * len(records)
+            with lock:
+                active += 1
+                peak = max(peak, active)
+            try:
+                time.sleep(0.005)  # some work, so that calls could overlap
+                return [int(r["id"]) for r in records]
+            finally:
+                with lock:
+                    active -= 1
+
+        try:
+            report = run(
+                fn,
+                src,
+                tmp_path / "out.jsonl",
+                id_field="id",
+                max_batch=2,
+                concurrency=1,
+                batch_timeout_s=1.0,  # far above a healthy call, however loaded: only the hung calls time out
+                retries=1,
+                backoff_s=0.001,
+            )
+        finally:
+            release.set()
+        assert report.failed >= 1  # the record that hangs is dead-lettered
+        assert report.succeeded + report.failed == 40
+        assert peak == 1  # healthy calls never ran two at once
