@@ -30,7 +30,7 @@ from ._queue_core import ANY_KEY, Drop, QueueCore, QueueEntry, check_number
 
 __all__ = ["FLUSH_REASONS", "BatchFormer", "BatchInfo", "FlushReason", "FormedBatch"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("batchkit.former")  # the name api.md documents
 
 E = TypeVar("E", bound=QueueEntry[Any])
 
