@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -30,7 +31,7 @@ from ..continuous.loop import ContinuousDecodeLoop
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary
 
-__all__ = ["BATCH_SIZE_BUCKETS", "BatchkitCollector"]
+__all__ = ["BATCH_SIZE_BUCKETS", "BatchkitCollector", "ServerMetrics"]
 
 #: Upper bounds of the batch-size histogram (the last bucket is +Inf).
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -293,3 +294,51 @@ class BatchkitCollector(Collector):
             for tenant, n in s.tenant_usage.items():
                 tenants.add_metric([name, str(tenant)], n)
         yield from (blocks, usage, frag, hit, seqs, queries, hits, swaps, evictions, tenants)
+
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The server's own request metrics (the primitives' come from :class:`BatchkitCollector`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "batchkit_http_requests",
+            "HTTP requests answered, by route and status.",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "batchkit_http_rejections", "Requests refused before running, by reason.", ["reason"], registry=registry
+        )
+        self.in_flight = Gauge("batchkit_http_in_flight", "Requests being served.", registry=registry)
+        self.ready = Gauge("batchkit_ready", "1 once the models are loaded and warm.", registry=registry)
+        self.prompt_tokens = Counter(
+            "batchkit_request_prompt_tokens", "Prompt tokens of accepted requests.", ["route"], registry=registry
+        )
+        self.generation_tokens = Counter(
+            "batchkit_request_generation_tokens", "Tokens generated for clients.", ["route"], registry=registry
+        )
+        self.ttft = Histogram(
+            "batchkit_request_time_to_first_token_seconds",
+            "From a request's arrival to its first token.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "batchkit_request_inter_token_latency_seconds",
+            "Between a request's consecutive tokens.",
+            ["route"],
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "batchkit_request_duration_seconds",
+            "From a request's arrival to its last byte (successful requests).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )

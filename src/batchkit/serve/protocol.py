@@ -86,8 +86,14 @@ def new_id(prefix: str) -> str:
 # ---------------------------------------------------------------------------------------- parsing
 
 # A str from JSON holds a surrogate code point only where the body escaped one without its pair
-# (json.loads joins a pair into one character): not Unicode text, and no tokenizer takes it.
+# (json.loads joins a pair into one character), or (json.loads decodes with "surrogatepass") where
+# its UTF-8 bytes encode one: not Unicode text, and no tokenizer takes it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Where a UTF-8 body can give json.loads a surrogate: a \uD800-\uDFFF escape, or the bytes
+# ED A0-BF that begin a surrogate's UTF-8 form. A body with neither holds none and is not walked.
+# Two searches, not one alternation: each then starts at a literal (a fast scan, not byte by byte).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_UTF8 = re.compile(b"\xed[\xa0-\xbf]")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -106,8 +112,19 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(422, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(422, "the request body must be a JSON object", code="invalid_json")
-    _check_text(body)
+    if _may_hold_a_surrogate(raw):
+        _check_text(body)
     return body
+
+
+def _may_hold_a_surrogate(raw: bytes) -> bool:
+    """False when no string json.loads made of ``raw`` can hold a surrogate (one scan of the bytes);
+    True when one may (then the parsed body is walked to name the field)."""
+    if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):
+        return True  # UTF-16 or UTF-32: rare; the walk decides
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        return True
+    return b"\xed" in raw and _SURROGATE_UTF8.search(raw) is not None
 
 
 def _check_text(body: dict[str, Any]) -> None:
@@ -217,6 +234,12 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt's text (and its logprobs) before the output
     prompts: tuple[str | list[int], ...] = ()  # completions: every prompt, answered as choices by index
+
+    def prompt_param(self, index: int) -> str:
+        """The field errors about prompt ``index`` name: ``messages``, ``prompt`` or ``prompt[i]``."""
+        if self.messages is not None:
+            return "messages"
+        return "prompt" if len(self.prompts) == 1 else f"prompt[{index}]"
 
 
 def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_tokens: int = 1) -> dict[str, Any]:
@@ -469,17 +492,28 @@ class IncrementalDetokenizer:
     :class:`~batchkit.continuous.sampling.DecodedText`), as the loop's own stop check does.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str], ids: Sequence[int] | None = None
+    ) -> None:
         self.decode = decode
         self.stop = tuple(stop)
-        self.ids: list[int] = []
+        # The tokens so far: this object's own list, or ``ids``, a caller's sequence that grows
+        # by one token before each advance() (read, never copied).
+        self.ids: Sequence[int] = [] if ids is None else ids
         self._decoded = DecodedText(decode)
         self.text = ""  # what may be sent: the final text, or the text before a stop string
         self.sent = 0
         self.stopped = False
 
     def push(self, token: int) -> str:
+        """Add ``token`` (to this object's own list) and :meth:`advance`."""
+        if not isinstance(self.ids, list):
+            raise TypeError("push() adds to the detokenizer's own list; with ids= given, call advance()")
         self.ids.append(token)
+        return self.advance()
+
+    def advance(self) -> str:
+        """The text that became final with the latest token of :attr:`ids`."""
         pending = self._decoded.pending(self.ids)
         if self.stop:
             # Looked for before the incomplete-character check: the loop matches stop strings on

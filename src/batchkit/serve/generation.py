@@ -1,0 +1,151 @@
+"""One accepted generation (one prompt) of a request: the loop's token stream read into one list
+of output tokens, from which its text, its logprobs, its usage and its finish reason are read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, overload
+
+import anyio
+
+from ..continuous.logprobs import TokenLogprobs
+from .metrics import ServerMetrics
+from .protocol import IncrementalDetokenizer, TokenText, usage
+
+__all__ = ["Generation", "TokenIds"]
+
+
+class TokenIds(Sequence[int]):
+    """The token ids of a list of :class:`TokenLogprobs`, read through (not copied)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[TokenLogprobs]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return [item.token for item in self.items[i]]
+        return self.items[i].token
+
+
+class Generation:
+    """A generation's stream, read one token at a time into :attr:`output`.
+
+    :attr:`output` holds each generated token once: the bare ids, or (``detailed``) the
+    :class:`TokenLogprobs` the loop streams; the text is decoded from it, and the logprob entries
+    not yet sent are its tail from :attr:`logprobs_sent` on. With an echoed prompt's logprobs, the
+    prompt's entries come first in the stream and go to :attr:`prompt_logprobs`. A ``max_tokens``
+    of 0 (an echoed prompt alone) reads the first token's event only for the prompt's logprobs:
+    the token itself is not part of the answer.
+    """
+
+    def __init__(
+        self,
+        tokens: AsyncIterator[Any],
+        *,
+        route: str,
+        rid: str,
+        index: int,
+        prompt_tokens: int,
+        max_tokens: int,
+        stop: Sequence[str],
+        stop_token_ids: Sequence[int],
+        t_arrival: float,
+        decode: Callable[[Sequence[int]], str],
+        token_text: Callable[[TokenLogprobs], TokenText],
+        metrics: ServerMetrics,
+        detailed: bool = False,
+    ) -> None:
+        self.tokens = tokens
+        self.route = route
+        self.rid = rid
+        self.index = index
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.t_arrival = t_arrival
+        self.token_text = token_text
+        self.metrics = metrics
+        self.detailed = detailed
+        self.output: list[Any] = []  # int, or TokenLogprobs when detailed
+        ids: Sequence[int] = TokenIds(self.output) if detailed else self.output
+        self.tail = IncrementalDetokenizer(decode, stop, ids)
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.logprobs_sent = 0  # how many of output's logprob entries are sent
+        self.t_last: float | None = None
+        self.status = 200  # of a stream: the status of the error event that ended it, if any
+        self.created = int(time.time())
+        self.ended = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output)
+
+    async def next_text(self) -> str | None:
+        """The next piece of text (possibly empty), or None once the request has ended."""
+        if self.tail.stopped or self.ended:
+            return None
+        try:
+            item = await self.tokens.__anext__()
+            while self.detailed and item.prompt:
+                self.prompt_logprobs.append(item)
+                item = await self.tokens.__anext__()
+        except StopAsyncIteration:
+            return None
+        if self.max_tokens == 0:
+            self.ended = True
+            await self.close()
+            return None
+        now = time.perf_counter()
+        m = self.metrics
+        if self.t_last is None:
+            m.ttft.labels(self.route).observe(now - self.t_arrival)
+        else:
+            m.itl.labels(self.route).observe(now - self.t_last)
+        self.t_last = now
+        self.output.append(item)
+        m.generation_tokens.labels(self.route).inc()
+        text = self.tail.advance()
+        if self.tail.stopped:
+            await self.close()  # the loop stops it at the same token; this frees it at once regardless
+        return text
+
+    @property
+    def has_unsent_logprobs(self) -> bool:
+        return self.detailed and self.logprobs_sent < len(self.output)
+
+    def take_logprobs(self) -> list[TokenText]:
+        """The logprob entries of the tokens generated since the last call."""
+        items = self.output[self.logprobs_sent :]
+        self.logprobs_sent = len(self.output)
+        return [self.token_text(item) for item in items]
+
+    def prompt_entries(self) -> list[TokenText]:
+        """The echoed prompt's logprob entries, after its first token (which has none)."""
+        return [self.token_text(item) for item in self.prompt_logprobs]
+
+    @property
+    def finish_reason(self) -> str:
+        last = self.tail.ids[-1] if self.output else None
+        if self.tail.stopped or last in self.stop_token_ids:
+            return "stop"
+        return "length" if self.completion_tokens >= self.max_tokens else "stop"
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self.tokens, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,96 @@
+"""Generation: a request's tokens kept once, in one list, with its text, logprobs, usage and
+finish reason read from that list (no model: a scripted stream and a character decoder)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+from prometheus_client import CollectorRegistry
+
+from batchkit.continuous.logprobs import TokenLogprobs
+from batchkit.serve.generation import Generation, TokenIds
+from batchkit.serve.metrics import ServerMetrics
+
+
+def _decode(ids: Sequence[int]) -> str:
+    return "".join(chr(ord("a") + t) for t in ids)
+
+
+async def _stream(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
+def _generation(
+    items: list[Any], *, detailed: bool = False, max_tokens: int = 10, stop: Sequence[str] = ()
+) -> Generation:
+    return Generation(
+        _stream(items),
+        route="completions",
+        rid="cmpl-1",
+        index=0,
+        prompt_tokens=3,
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=(25,),
+        t_arrival=0.0,
+        decode=_decode,
+        token_text=lambda item: (_decode([item.token]), item.logprob, []),
+        metrics=ServerMetrics(CollectorRegistry()),
+        detailed=detailed,
+    )
+
+
+async def _read_all(gen: Generation) -> str:
+    parts = []
+    while (text := await gen.next_text()) is not None:
+        parts.append(text)
+    return "".join(parts) + gen.tail.finish()
+
+
+def test_plain_tokens_live_in_one_list_that_the_detokenizer_reads() -> None:
+    gen = _generation([0, 1, 2])
+    assert anyio.run(_read_all, gen) == "abc"
+    assert gen.output == [0, 1, 2]
+    assert gen.tail.ids is gen.output
+    assert (gen.completion_tokens, gen.finish_reason, gen.usage()["total_tokens"]) == (3, "stop", 6)
+
+
+def test_detailed_tokens_are_kept_once_as_their_logprob_entries() -> None:
+    """The detokenizer reads the ids through the TokenLogprobs list; logprobs are its unsent tail."""
+    items = [TokenLogprobs(1, -0.5, (), prompt=True), TokenLogprobs(0, -1.0), TokenLogprobs(1, -2.0)]
+    gen = _generation(items, detailed=True, max_tokens=2)
+
+    async def main() -> None:
+        assert await gen.next_text() == "a"
+        assert gen.has_unsent_logprobs
+        assert gen.take_logprobs() == [("a", -1.0, [])]
+        assert not gen.has_unsent_logprobs
+        assert await gen.next_text() == "b"
+        assert gen.take_logprobs() == [("b", -2.0, [])]
+
+    anyio.run(main)
+    assert gen.output == items[1:]
+    assert isinstance(gen.tail.ids, TokenIds)
+    assert gen.tail.ids[0:2] == [0, 1]
+    assert gen.prompt_entries() == [("b", -0.5, [])]
+    assert gen.finish_reason == "length"
+
+
+def test_a_stop_token_or_string_ends_with_stop() -> None:
+    gen = _generation([0, 25])
+    assert anyio.run(_read_all, gen) == "az"  # the fake decode keeps the stop token's text
+    assert gen.finish_reason == "stop"
+    gen = _generation([0, 1, 2, 3], stop=["c"])
+    assert anyio.run(_read_all, gen) == "ab"
+    assert gen.finish_reason == "stop"
+
+
+def test_an_echo_alone_reads_the_first_token_only_for_the_prompt_logprobs() -> None:
+    """max_tokens=0: the sampled token is not part of the answer."""
+    items = [TokenLogprobs(1, -0.5, (), prompt=True), TokenLogprobs(0, -1.0)]
+    gen = _generation(items, detailed=True, max_tokens=0)
+    assert anyio.run(_read_all, gen) == ""
+    assert (gen.output, gen.completion_tokens, len(gen.prompt_logprobs)) == ([], 0, 1)
