@@ -71,17 +71,18 @@ def statuses(s: Scheduler, *rids: Hashable) -> dict[Hashable, RequestStatus]:
     return out
 
 
-def swapped_out(s: Scheduler, rid: Hashable) -> Request:
-    """Swap running request ``rid`` out with a lowered ``max_num_seqs`` (a whole step), then
-    give the seat back."""
-    limit = s.max_num_seqs
-    s.max_num_seqs = len(s.running) - 1
+def with_b_swapped_out() -> Scheduler:
+    """A scheduler preempting by swap, with two seats: "a" running and "b" swapped out (by the
+    limit lowered to one for a step, then given back)."""
+    s = scheduler(cpu=8, preemption_mode="swap", max_num_seqs=2)
+    s.add(request("a"), 0.0)
+    s.add(request("b"), 0.0)
     step(s, 0.0)
-    s.max_num_seqs = limit
-    req = s.get(rid)
-    assert req is not None
-    assert req.status is RequestStatus.SWAPPED
-    return req
+    s.max_num_seqs = 1
+    step(s, 0.0)
+    s.max_num_seqs = 2
+    assert statuses(s, "a", "b") == {"a": RequestStatus.RUNNING, "b": RequestStatus.SWAPPED}
+    return s
 
 
 # --------------------------------------------------------------------------- the transition table
@@ -385,11 +386,7 @@ class TestBringBackSwapped:
     def test_a_swapped_request_comes_back_with_its_block_moves(self) -> None:
         """With a seat and blocks free, the swapped request runs again: its swap-in copies are
         in the plan and it is scheduled in the same step."""
-        s = scheduler(cpu=8, preemption_mode="swap", max_num_seqs=2)
-        s.add(request("a"), 0.0)
-        s.add(request("b"), 0.0)
-        step(s, 0.0)
-        swapped_out(s, "b")
+        s = with_b_swapped_out()
         plan = _StepPlan(100)
         s._bring_back_swapped(plan)
         assert statuses(s, "b")["b"] is RequestStatus.RUNNING
@@ -399,11 +396,7 @@ class TestBringBackSwapped:
 
     def test_nothing_comes_back_in_a_step_that_preempted(self) -> None:
         """A step that had to preempt leaves swapped requests where they are."""
-        s = scheduler(cpu=8, preemption_mode="swap", max_num_seqs=2)
-        s.add(request("a"), 0.0)
-        s.add(request("b"), 0.0)
-        step(s, 0.0)
-        swapped_out(s, "b")
+        s = with_b_swapped_out()
         plan = _StepPlan(100)
         plan.preempted = True
         s._bring_back_swapped(plan)
@@ -412,11 +405,7 @@ class TestBringBackSwapped:
 
     def test_a_swapped_request_waits_while_the_blocks_have_no_room_for_it(self) -> None:
         """Its blocks and a block to grow into must be free: with the pool taken, it stays out."""
-        s = scheduler(cpu=8, preemption_mode="swap", max_num_seqs=2)
-        s.add(request("a"), 0.0)
-        s.add(request("b"), 0.0)
-        step(s, 0.0)
-        swapped_out(s, "b")
+        s = with_b_swapped_out()
         a = s.allocator
         a.allocate("filler", a.num_free_blocks * BS)  # another sequence takes every free block
         plan = _StepPlan(100)
@@ -459,11 +448,7 @@ class TestAdmitWaiting:
 
     def test_nothing_is_admitted_while_swapped_requests_wait(self) -> None:
         """Swapped requests come back before any waiting one is let in."""
-        s = scheduler(cpu=8, preemption_mode="swap", max_num_seqs=2)
-        s.add(request("a"), 0.0)
-        s.add(request("b"), 0.0)
-        step(s, 0.0)
-        swapped_out(s, "b")
+        s = with_b_swapped_out()
         s.add(request("new"), 1.0)
         plan = _StepPlan(100)
         s._admit_waiting(plan, 1.0)
