@@ -1,6 +1,6 @@
 """lm-evaluation-harness's ``local-completions`` model against a live ``batchkit serve`` app on the
 real SmolLM2: loglikelihood (multiple choice), loglikelihood_rolling and generate_until tasks of
-our own (tests/lm_eval_tasks, nothing downloaded), with concurrent and batched requests and the
+our own (tests/serve/lm_eval_tasks, nothing downloaded), with concurrent and batched requests and the
 server's own tokenizer (``/tokenizer_info``, ``/tokenize``), give lm-eval's in-process ``hf``
 model's results on the same weights."""
 

