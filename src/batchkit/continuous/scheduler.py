@@ -13,7 +13,8 @@ priority may preempt a worse running one. Finished sequences free their blocks i
 Nothing here calls the model, sleeps, takes a lock or reads a clock of its own: the runtime
 (``ContinuousDecodeLoop``) does, and tells ``add``, ``schedule`` and ``update`` the time (``now``;
 left out, they read the scheduler's ``clock``). A request's life is :data:`TRANSITIONS`, one
-table; :meth:`Scheduler._move` is the only code that changes a request's status.
+table: it starts ``WAITING`` in ``add``, and from then on :meth:`Scheduler._move` alone changes
+its status.
 """
 
 from __future__ import annotations
