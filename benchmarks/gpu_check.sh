@@ -9,7 +9,7 @@
 #                copy_blocks against the torch reference bit for bit, the gather bounds guard,
 #                ordering on a side stream, CUDA-graph capture + replay, the chained copy race,
 #                host time per launch (each check in its own process with its own timeout)
-#   4. tests:    pytest -m gpu tests/gpu
+#   4. tests:    pytest -m gpu tests/cuda
 #   5. bench:    benchmarks/kv_kernels.py (GB/s of the kernels against torch's indexing)
 #
 # Each step prints one OK / FAIL / INFO line (its full output goes to the log) and the script
@@ -146,7 +146,7 @@ fi
 
 # ---------------------------------------------------------------- 4. GPU tests
 T=$(limit 180)
-run tests "$T" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -ra --junitxml="$RES/gpu_tests.xml"
+run tests "$T" "$PY" -m pytest -q -m gpu tests/cuda -p no:cacheprovider -ra --junitxml="$RES/gpu_tests.xml"
 TESTS_SUM=$(sed -n '/^===== tests:/,$p' "$LOG" | grep -E '(passed|failed|skipped|error|no tests ran)' | tail -n 1)
 if [ "$HAVE_GPU" -ne 1 ]; then
   record FAIL tests "$TOOK" "no CUDA device, so nothing ran (${TESTS_SUM:-rc $RC})"
