@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from ..continuous.logprobs import TokenLogprobs
 from ..continuous.loop import ContinuousDecodeLoop
-from ..decorator import BatchedFunction
+from ..dynamic.decorator import BatchedFunction
 from .engine import EngineBridge
 from .generation import Generation
 from .metrics import ServerMetrics

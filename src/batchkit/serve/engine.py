@@ -21,10 +21,10 @@ import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
 from .._errors import BatcherClosed, CircuitOpen, DeadlineExceeded, KVCacheExhausted, QueueFull
-from ..adaptive import CircuitBreaker
 from ..continuous.logprobs import TokenLogprobs
 from ..continuous.loop import ContinuousDecodeLoop
-from ..decorator import BatchedFunction, batched
+from ..control import CircuitBreaker
+from ..dynamic.decorator import BatchedFunction, batched
 from .admission import PromptRoom, Refused
 from .generation import Generation
 from .metrics import BatchkitCollector, ServerMetrics

@@ -26,8 +26,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ..batcher import DynamicBatcher
 from ..continuous.loop import ContinuousDecodeLoop
+from ..dynamic.batcher import DynamicBatcher
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary
 
