@@ -97,7 +97,8 @@ def test_lm_eval_local_completions_equals_the_in_process_hf_model(live: LiveServ
                 assert a == b
                 continue
             for (ll_a, *greedy_a), (ll_b, *greedy_b) in zip(_pairs(a), _pairs(b), strict=True):
-                assert ll_a == pytest.approx(ll_b, abs=1e-4)
+                # float32 over a whole text: the served batches sum it in another order than hf's
+                assert ll_a == pytest.approx(ll_b, rel=1e-5, abs=1e-4)
                 assert greedy_a == greedy_b
     assert served["results"]["batchkit_mc"]["acc,none"] == reference["results"]["batchkit_mc"]["acc,none"]
     for metric in ("word_perplexity,none", "bits_per_byte,none"):
