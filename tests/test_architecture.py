@@ -54,6 +54,7 @@ FLOORS: dict[str, int] = {
     "continuous.step": 0,
     "continuous.logprobs": 0,
     "dynamic._queue_core": 1,
+    "dynamic.ledger": 1,
     "control.controller": 1,
     "control.breaker": 1,
     "control.tuner": 1,

@@ -32,6 +32,7 @@ from ._errors import CircuitOpen, QueueFull
 from .control import AdaptiveBatchController, CircuitBreaker
 from .dynamic._queue_core import QueueCore, QueueEntry
 from .dynamic.former import BatchFormer, FormedBatch
+from .dynamic.ledger import NO_FALLBACK, Phase, RequestLedger
 from .metrics import LatencySummary, summarize
 
 __all__ = [
@@ -200,6 +201,22 @@ class SimResult:
         return self.mean_in_system / (lam * w) if lam * w > 0 else float("nan")
 
 
+class _Request(QueueEntry[None]):
+    """A simulated request: a queue entry with the ledger's phase (no item, no caller)."""
+
+    __slots__ = ("error", "fallback", "phase", "value")
+
+    def __init__(self, arrival: float) -> None:
+        super().__init__(None, 0, 0, arrival, None, None, 1)
+        self.phase = Phase.WAITING
+        self.fallback: Any = NO_FALLBACK
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+_BATCH_FAILED = RuntimeError("the simulated batch failed (see fails=)")
+
+
 def _seconds(value: Any, size: int) -> float:
     """A cost function's answer as seconds: a finite number >= 0 (a negative or NaN batch time
     would move the simulation back in time)."""
@@ -278,7 +295,8 @@ def simulate(
         start, end = window
         if not (_is_number(start) and _is_number(end) and start < end):
             raise ValueError(f"each phase must be a (start, end) window of times with start < end, got {window!r}")
-    former: BatchFormer[QueueEntry[None]] = BatchFormer(
+    ledger = RequestLedger()  # the same counting rules as a batcher's statistics()
+    former: BatchFormer[_Request] = BatchFormer(
         QueueCore(max_queue, "reject"),
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
@@ -311,7 +329,7 @@ def simulate(
     records: list[tuple[float, float, int]] = []  # (arrival, latency, batch size)
     arrival_times: list[float] = []
     batch_sizes: list[tuple[float, int]] = []
-    n_arrivals = rejected = expired = failed = 0
+    n_arrivals = 0
     busy = 0.0  # time at least one batch ran: concurrent batches overlap
     busy_until = 0.0
     in_system_area = 0.0
@@ -323,16 +341,16 @@ def simulate(
         in_system_area += in_system * (t - last_t)
         last_t = t
         if kind == 0:  # a batch finished
-            batch: FormedBatch[QueueEntry[None]]
+            batch: FormedBatch[_Request]
             batch, size, took, ok = payload
             former.complete(batch)
             if ok:
-                lat = [t - r.arrival for r in batch.entries]
-                for r, x in zip(batch.entries, lat, strict=True):
+                served, lat = ledger.answer(batch.entries, [None] * size, t)
+                for r, x in zip(served, lat, strict=True):
                     records.append((r.arrival, x, size))
                 former.observe_latencies(lat, t)
             else:
-                failed += size
+                ledger.fail(batch.entries, _BATCH_FAILED, t)
             former.record(batch, size, took, ok, t)
             in_system -= size
             if closed is not None and t < end_time:
@@ -346,10 +364,11 @@ def simulate(
             try:
                 if circuit_breaker is not None:
                     circuit_breaker.check(t)
-                former.add(QueueEntry(None, 0, 0, t, None, None, 1), t, 0, deadline_ms)
+                former.add(_Request(t), t, 0, deadline_ms)
+                ledger.admitted(t)
                 in_system += 1
             except (QueueFull, CircuitOpen):
-                rejected += 1
+                ledger.refused()
             if arrival_iter is not None:
                 nxt = next(arrival_iter, None)
                 if nxt is not None:
@@ -357,13 +376,13 @@ def simulate(
         else:
             timers.discard(t)
         drops = former.expire(t)
-        expired += len(drops)
+        ledger.drop(drops)
         in_system -= len(drops)
         while True:
             formed, wake_at = former.next_batch(t)
             if formed is None:
                 break
-            size = len(formed.entries)
+            size = len(ledger.start(formed.entries))
             dt = _seconds(cost(size), size)
             busy += max(0.0, t + dt - max(t, busy_until))
             busy_until = max(busy_until, t + dt)
@@ -396,9 +415,9 @@ def simulate(
         duration=duration,
         arrivals=n_arrivals,
         completed=len(done),
-        rejected=rejected,
-        expired=expired,
-        failed=failed,
+        rejected=ledger.rejected,
+        expired=ledger.expired,
+        failed=ledger.failed,
         throughput=len(done) / duration if duration else 0.0,
         latency=summary,
         mean_batch_size=sum(s for _, s in batch_sizes) / n_batches if n_batches else 0.0,

@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 import anyio
 
 from .._clock import Clock, ListenableClock, MonotonicClock
-from .._errors import BatcherClosed, BatchTimeout, DeadlineExceeded, QueueFull
+from .._errors import BatcherClosed, BatchTimeout, QueueFull
 from ..control import AdaptiveBatchController, CircuitBreaker
-from ._queue_core import Drop, QueueCore, QueueEntry
+from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry
 from .batcher import (
     BatcherShell,
     check_batcher_options,
@@ -44,6 +44,7 @@ from .batcher import (
     malformed_results,
 )
 from .former import FormedBatch
+from .ledger import NO_FALLBACK, Fail, Phase
 from .queue import OnFull
 
 __all__ = ["AsyncBatcher"]
@@ -51,7 +52,7 @@ __all__ = ["AsyncBatcher"]
 T = TypeVar("T")
 R = TypeVar("R")
 
-_NO_FALLBACK: Any = object()
+_NO_FALLBACK: Any = NO_FALLBACK
 _get_running_loop = asyncio.get_running_loop
 
 # The AsyncBatcher whose ``async def`` batch function the current task runs, or a task it started
@@ -62,13 +63,16 @@ _running_batch_of: contextvars.ContextVar[object] = contextvars.ContextVar("batc
 class _Entry(QueueEntry[Any]):
     """One caller's item and the future of the loop that answers it (the queue entry itself)."""
 
-    __slots__ = ("fallback", "future")
+    __slots__ = ("error", "fallback", "future", "phase", "value")
 
     def __init__(self, item: Any, future: asyncio.Future[Any], fallback: Any) -> None:
-        # The queue fields are filled in by QueueCore.add on admission.
+        # The queue fields are filled in by QueueCore.add on admission; the phase is the ledger's.
         self.item = item
         self.future = future
         self.fallback = fallback
+        self.phase = Phase.WAITING
+        self.value: Any = None
+        self.error: BaseException | None = None
 
 
 _Batch = FormedBatch[_Entry]
@@ -320,7 +324,7 @@ class AsyncBatcher(BatcherShell[T, R]):
                     if self._enqueue(entry, priority, deadline_ms, key_cost):
                         return
         except TimeoutError:
-            self._rejected += 1
+            self.ledger.refused()
             self._core.count_rejection()
             raise QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s") from None
 
@@ -335,10 +339,10 @@ class AsyncBatcher(BatcherShell[T, R]):
     def _cancel(self, entry: _Entry) -> None:
         """The caller gave up: its item leaves the queue if it still waits."""
         if self._core.cancel(entry):
-            self._cancelled += 1
+            self.ledger.cancel(entry)
             self._kick()
-        elif not entry.future.done() or entry.future.cancelled():
-            self._cancelled += 1  # taken: its result will find no one waiting
+        elif entry.state == TAKEN:
+            self.ledger.cancel(entry)  # its result will find no one waiting
 
     # ------------------------------------------------------------------ the pump
 
@@ -391,7 +395,7 @@ class AsyncBatcher(BatcherShell[T, R]):
     # ------------------------------------------------------------------ running batches
 
     async def _run(self, batch: _Batch) -> None:
-        entries = [e for e in batch.entries if not e.future.done()]
+        entries = self.ledger.start(batch.entries)
         try:
             if not entries:
                 self.former.record(batch, 0, 0.0, True, self._now())
@@ -440,12 +444,12 @@ class AsyncBatcher(BatcherShell[T, R]):
                 return False  # its callers were answered by whoever cancelled it
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
-            if self._split_after(exc, len(entries)):
-                mid = len(entries) // 2
-                first = await self._call_and_deliver(batch, entries[:mid])
-                return await self._call_and_deliver(batch, entries[mid:]) and first
-            self._fail(entries, exc)
-            return False
+            verdict = self._verdict(exc, entries)
+            if isinstance(verdict, Fail):
+                self._fail(entries, exc)
+                return False
+            first = await self._call_and_deliver(batch, verdict.first)
+            return await self._call_and_deliver(batch, verdict.second) and first
         malformed = malformed_results(self.name, results, len(entries))
         if malformed is not None:
             self._fail(entries, malformed)
@@ -453,34 +457,21 @@ class AsyncBatcher(BatcherShell[T, R]):
         if batch.abandoned:
             return False
         now = self._now()
-        failed = 0
-        answered: list[_Entry] = []
-        for e, v in zip(entries, results, strict=True):
-            fut = e.future
-            if fut.done():
-                continue
-            if isinstance(v, Exception):
-                fut.set_exception(v)
-                failed += 1
-            else:
-                fut.set_result(v)
-            answered.append(e)
-        self._count_answers(len(answered), failed, [now - e.arrival for e in answered], now)
+        answered, latencies = self.ledger.answer(entries, results, now)
+        self._observed(latencies, now)
+        _wake(answered)
         return True
 
     def _fail(self, entries: list[_Entry], exc: BaseException) -> None:
         now = self._now()
-        latencies = []
-        for e in entries:
-            if not e.future.done():
-                e.future.set_exception(exc)
-                latencies.append(now - e.arrival)
-        self._count_answers(len(latencies), len(latencies), latencies, now)
+        failed, latencies = self.ledger.fail(entries, exc, now)
+        self._observed(latencies, now)
+        _wake(failed)
 
     def _abandon(self, batch: _Batch) -> None:
         """A batch ran past ``batch_timeout_s``: its callers fail, its task is cancelled."""
         self._fail(
-            [e for e in batch.entries if not e.future.done()],
+            batch.entries,
             BatchTimeout(f"{self.name}: batch function ran past batch_timeout_s={self.batch_timeout_s}"),
         )
         task = self._tasks.pop(batch, None)
@@ -492,18 +483,9 @@ class AsyncBatcher(BatcherShell[T, R]):
             self._executor = None
             self._offload_threads = []
 
-    def _resolve_drops(self, drops: Sequence[Drop], count_as: str = "") -> None:
+    def _resolve_drops(self, drops: Sequence[Drop], *, closing: bool = False) -> None:
         """Answer entries that left the queue without running (expired, evicted, closed)."""
-        for entry, exc in drops:
-            e: _Entry = entry  # type: ignore[assignment]
-            fut = e.future
-            if fut.done():
-                continue
-            if e.fallback is not _NO_FALLBACK and isinstance(exc, DeadlineExceeded):  # not on eviction or close
-                fut.set_result(e.fallback)
-            else:
-                fut.set_exception(exc)
-            self._count_drop(exc, count_as)
+        _wake(self.ledger.drop(drops, closing=closing))
 
     # ------------------------------------------------------------------ controls
 
@@ -537,7 +519,7 @@ class AsyncBatcher(BatcherShell[T, R]):
                     (e, BatcherClosed(f"{self.name}: closed before this item ran"))
                     for e in self.former.drain(self._now())
                 ],
-                count_as="cancelled",
+                closing=True,
             )
         if not self._closing:
             self._closing = True
@@ -571,7 +553,7 @@ class AsyncBatcher(BatcherShell[T, R]):
                 self.former.complete(batch)
             self._resolve_drops(
                 [(e, closed) for e in self.former.drain(self._now())],
-                count_as="cancelled",
+                closing=True,
             )
         finally:
             if self._timer is not None:
@@ -592,6 +574,18 @@ class AsyncBatcher(BatcherShell[T, R]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _wake(entries: list[_Entry]) -> None:
+    """Answer each entry's future with the ``value`` or ``error`` the ledger gave it."""
+    for e in entries:
+        fut = e.future
+        if fut.done():  # its caller's task was cancelled
+            continue
+        if e.error is not None:
+            fut.set_exception(e.error)
+        else:
+            fut.set_result(e.value)
 
 
 async def _join_idle_threads(threads: Sequence[threading.Thread], deadline: float | None) -> None:

@@ -35,12 +35,13 @@ from typing import Any, Generic, TypedDict, TypeVar
 import anyio
 
 from .._clock import Clock, ListenableClock
-from .._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, DeadlineExceeded, QueueFull
+from .._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
 from .._waiters import ThreadWaiter, new_async_waiter, wait_limit, wake_all
 from ..control import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from ..metrics import LatencySummary, SampleWindow
 from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
+from .ledger import FINAL, NO_FALLBACK, Fail, Phase, RequestLedger, Verdict
 from .queue import BoundedQueue, OnFull
 
 __all__ = [
@@ -61,24 +62,23 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-_NO_FALLBACK: Any = object()
+_NO_FALLBACK: Any = NO_FALLBACK
 
 
 class _Request(QueueEntry[Any]):
     """One caller's item, its place in the queue (it *is* the queue entry) and how to answer it.
 
-    The queue fields (priority, seq, arrival, ...) are filled in when it is admitted; its queue
-    ``state`` says whether it waits or was taken into a batch, ``done`` whether it was answered
-    (or its caller gave up).
+    The queue fields (priority, seq, arrival, ...) are filled in when it is admitted; its
+    ``phase`` is the ledger's (see :mod:`batchkit.dynamic.ledger`).
     """
 
-    __slots__ = ("done", "error", "fallback", "notified", "sink", "value")
+    __slots__ = ("error", "fallback", "notified", "phase", "sink", "value")
 
     def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
         self.item = item
         self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
         self.fallback = fallback
-        self.done = False
+        self.phase = Phase.WAITING
         # A Future sink: set_running_or_notify_cancel() was called (it may be called only once).
         self.notified = False
         self.value: Any = None
@@ -289,16 +289,9 @@ class BatcherShell(Generic[T, R]):
         self.controller = controller
         self.circuit_breaker = circuit_breaker
         self._closing = False
-        self._submitted = 0
-        self._succeeded = 0
-        self._failed = 0
-        self._cancelled = 0
-        self._expired = 0
-        self._rejected = 0
-        self._latency = SampleWindow()
+        self.ledger = RequestLedger(isolate_errors=isolate_errors)
+        """Every request's phase and the counters of :meth:`statistics`."""
         self._batch_time = SampleWindow()
-        self._t_first: float | None = None
-        self._t_last = 0.0
         # No per-item work beyond admission: no key, cost, breaker or waiting for room.
         self._plain = group_by is None and size_fn is None and circuit_breaker is None and not block
 
@@ -324,7 +317,7 @@ class BatcherShell(Generic[T, R]):
         """End-to-end latencies (seconds) of the callers answered after the first ``since``
         (those still in the window), and the new count to pass next time (``TunableTarget``)."""
         with self._guard:
-            return self._latency.since(since)
+            return self.ledger.latency.since(since)
 
     def set_batch_limit(self, size: int) -> None:
         """Set ``max_batch_size`` (``TunableTarget``).
@@ -367,7 +360,7 @@ class BatcherShell(Generic[T, R]):
             try:
                 self.circuit_breaker.check(now)
             except CircuitOpen:
-                self._rejected += 1
+                self.ledger.refused()
                 raise
         core = self._core
         if self._block and core.depth >= core.maxsize:
@@ -375,11 +368,9 @@ class BatcherShell(Generic[T, R]):
         try:
             added = self.former.add(entry, now, priority, deadline_ms, key, cost)
         except QueueFull:
-            self._rejected += 1
+            self.ledger.refused()
             raise
-        self._submitted += 1
-        if self._t_first is None:
-            self._t_first = now
+        self.ledger.admitted(now)
         return added
 
     def _admit_plain(self, entry: QueueEntry[Any]) -> tuple[Sequence[Drop], bool]:
@@ -388,67 +379,51 @@ class BatcherShell(Generic[T, R]):
         try:
             added = self.former.add(entry, self._now())
         except QueueFull:
-            self._rejected += 1
+            self.ledger.refused()
             raise
-        self._submitted += 1
+        self.ledger.submitted += 1  # not the first (see ledger.admitted)
         return added
 
-    def _split_after(self, exc: BaseException, size: int) -> bool:
-        """The batch function raised ``exc`` on ``size`` items: tell the controller of an
-        out-of-memory, and answer whether to retry the two halves (out of memory or
-        ``isolate_errors``, more than one item, an ordinary error that is not a close)."""
+    def _verdict(self, exc: BaseException, reqs: Sequence[Any]) -> Verdict:
+        """The batch function raised ``exc`` on ``reqs``: the ledger's verdict (split or fail),
+        after telling the controller of an out-of-memory."""
         oom = is_out_of_memory(exc)
         if oom and self.controller is not None:
             with self._guard:
-                self.former.on_oom(size, self._now())
-        splittable = isinstance(exc, Exception) and not isinstance(exc, BatcherClosed)
-        return (oom or self.isolate_errors) and size > 1 and splittable
+                self.former.on_oom(len(reqs), self._now())
+        return self.ledger.after_error(reqs, exc, oom=oom)
 
-    def _count_drop(self, exc: BaseException, count_as: str) -> None:
-        """Count one caller answered without running (guard held)."""
-        if count_as == "cancelled" or isinstance(exc, CircuitOpen):  # CircuitOpen: failed at close, unrun
-            self._cancelled += 1
-        elif isinstance(exc, QueueFull):
-            self._rejected += 1
-        else:
-            self._expired += 1
-
-    def _count_answers(self, answered: int, failed: int, latencies: list[float], now: float) -> None:
-        """Count the callers a batch answered, and their latencies (guard held)."""
-        self._failed += failed
-        self._succeeded += answered - failed
+    def _observed(self, latencies: list[float], now: float) -> None:
+        """Callers a batch answered: their latencies go to the controller (guard held)."""
         if latencies:
-            self._latency.extend(latencies)
             self.former.observe_latencies(latencies, now)
-            self._t_last = now
 
     def statistics(self) -> BatcherStatistics:
         """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
         former = self.former
         with self._guard:
             queue = self._core.statistics()
-            span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
-            done = self._succeeded + self._failed
+            ledger = self.ledger
             return BatcherStatistics(
                 pending=self._core.depth,
                 in_flight=sum(b.info.size for b in former.running),
-                submitted=self._submitted,
-                succeeded=self._succeeded,
-                failed=self._failed,
-                cancelled=self._cancelled,
-                expired=self._expired,
-                rejected=self._rejected,
+                submitted=ledger.submitted,
+                succeeded=ledger.succeeded,
+                failed=ledger.failed,
+                cancelled=ledger.cancelled,
+                expired=ledger.expired,
+                rejected=ledger.rejected,
                 batches=former.batches,
                 mean_batch_size=former.batched_items / former.batches if former.batches else 0.0,
                 batch_size_histogram=dict(sorted(former.sizes.items())),
                 flush_reasons=dict(former.reasons),
                 queue_wait=queue.wait,
-                latency=self._latency.summary(),
+                latency=ledger.latency.summary(),
                 batch_time=self._batch_time.summary(),
-                throughput_rps=done / span if span > 0 else 0.0,
+                throughput_rps=ledger.throughput_rps(),
                 running_batches=len(former.running),
                 queue_wait_recent=queue.wait_recent,
-                latency_recent=self._latency.recent(),
+                latency_recent=ledger.latency.recent(),
                 batch_time_recent=self._batch_time.recent(),
             )
 
@@ -733,7 +708,7 @@ class DynamicBatcher(BatcherShell[T, R]):
 
     def _no_room(self, timeout: float | None) -> QueueFull:
         with self._mutex:
-            self._rejected += 1
+            self.ledger.refused()
             self._core.count_rejection()
         return QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s")
 
@@ -780,15 +755,12 @@ class DynamicBatcher(BatcherShell[T, R]):
             self._cancel_locked(req)
 
     def _cancel_locked(self, req: _Request) -> None:
-        if req.done:
+        if req.phase in FINAL:
             return
-        if self._core.cancel(req):
-            req.done = True
-            self._cancelled += 1
-        elif req.state == TAKEN:
-            # Its batch runs (or is about to); the result will find no one waiting and is dropped.
-            req.done = True
-            self._cancelled += 1
+        # Still queued, or taken (its result will find no one waiting); an entry that left the
+        # queue unserved is answered by its drop instead.
+        if self._core.cancel(req) or req.state == TAKEN:
+            self.ledger.cancel(req)
 
     def _future_cancelled(self, req: _Request) -> None:
         """A submit's Future was cancelled: give the item up, and move the Future on to "cancelled
@@ -849,7 +821,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 self._dispatcher_idle = False
                 self._cond.notify_all()
             dispatcher = self._dispatcher
-        self._resolve_drops(drops, count_as="cancelled")
+        self._resolve_drops(drops, closing=True)
         self.queue.wake_room_waiters()  # writers blocked on a full "block" queue get BatcherClosed now
         inside = self._called_from_inside(dispatcher)
         stuck = False
@@ -881,20 +853,17 @@ class DynamicBatcher(BatcherShell[T, R]):
             for b in list(self.former.running):
                 b.abandoned = True
                 self.former.complete(b)
-                mine = [r for r in b.entries if not r.done]
-                for r in mine:
-                    r.done = True
-                    r.error = closed
                 if b.runner is None:  # no worker started it (see _run_batch): none of it ran
-                    self._cancelled += len(mine)
+                    claimed += self.ledger.abandon(b.entries, closed)
                 else:
-                    self._count_answers(len(mine), len(mine), [now - r.arrival for r in mine], now)
-                claimed += mine
+                    mine, latencies = self.ledger.fail(b.entries, closed, now)
+                    self._observed(latencies, now)
+                    claimed += mine
             waiting = self.former.drain(now)
             self._dispatcher_idle = False
             self._cond.notify_all()  # the dispatcher sees the end
         self._wake(claimed)
-        self._resolve_drops([(e, closed) for e in waiting], count_as="cancelled")
+        self._resolve_drops([(e, closed) for e in waiting], closing=True)
 
     def _called_from_inside(self, dispatcher: threading.Thread | None) -> bool:
         """Whether this thread is one close() must not wait for: the dispatcher, a worker, or the
@@ -1045,22 +1014,17 @@ class DynamicBatcher(BatcherShell[T, R]):
 
     def _run_batch(self, batch: _Batch) -> None:
         reqs = batch.entries
-        live: list[_Request] = []
         # Under the lock: against _future_cancelled (a Future is marked running or notified once),
         # and so that _abandon_at_close knows whether this batch started.
         with self._mutex:
             batch.runner = threading.current_thread()
             for r in reqs:
-                if r.done:
-                    continue  # its caller gave up
                 sink = r.sink
-                if isinstance(sink, concurrent.futures.Future):
+                if r.phase is Phase.WAITING and isinstance(sink, concurrent.futures.Future):
                     r.notified = True
                     if not sink.set_running_or_notify_cancel():
-                        r.done = True  # cancelled just now; _future_cancelled finds it done
-                        self._cancelled += 1
-                        continue
-                live.append(r)
+                        self.ledger.cancel(r)  # cancelled just now; _future_cancelled finds it final
+            live = self.ledger.start(reqs)
         if not live:
             with self._mutex:
                 self.former.record(batch, 0, 0.0, True, self._now())
@@ -1122,12 +1086,12 @@ class DynamicBatcher(BatcherShell[T, R]):
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
             if batch.abandoned:
                 return False  # timed out: its callers have their BatchTimeout; no halves to retry
-            if self._split_after(exc, len(reqs)):
-                mid = len(reqs) // 2
-                first = self._call_and_deliver(batch, reqs[:mid], None)
-                return self._call_and_deliver(batch, reqs[mid:], held) and first
-            self._deliver(batch, None, exc, reqs, held)
-            return False
+            verdict = self._verdict(exc, reqs)
+            if isinstance(verdict, Fail):
+                self._deliver(batch, None, exc, reqs, held)
+                return False
+            first = self._call_and_deliver(batch, verdict.first, None)
+            return self._call_and_deliver(batch, verdict.second, held) and first
         malformed = malformed_results(self.name, results, len(reqs))
         if malformed is not None:
             self._deliver(batch, None, malformed, reqs, held)
@@ -1152,29 +1116,16 @@ class DynamicBatcher(BatcherShell[T, R]):
             reqs = batch.entries
         if batch.abandoned and error is None:
             return  # its callers were already failed with BatchTimeout
-        claimed: list[_Request] = []
         with self._mutex:
             now = self._now()
-            failed = 0
-            for i, r in enumerate(reqs):
-                if r.done:
-                    continue
-                r.done = True
-                if error is not None:
-                    r.error = error
-                    failed += 1
-                else:
-                    v = results[i]
-                    if isinstance(v, Exception):
-                        r.error = v
-                        failed += 1
-                    else:
-                        r.value = v
-                claimed.append(r)
             if never_ran:
-                self._cancelled += len(claimed)
+                claimed = self.ledger.abandon(reqs, error)  # type: ignore[arg-type]
             else:
-                self._count_answers(len(claimed), failed, [now - r.arrival for r in claimed], now)
+                if error is None:
+                    claimed, latencies = self.ledger.answer(reqs, results, now)
+                else:
+                    claimed, latencies = self.ledger.fail(reqs, error, now)
+                self._observed(latencies, now)
         if held is not None:
             held.extend(claimed)
         else:
@@ -1199,23 +1150,12 @@ class DynamicBatcher(BatcherShell[T, R]):
     def _on_drop(self, entry: QueueEntry[Any], exc: BaseException) -> None:
         self._resolve_drops([(entry, exc)])
 
-    def _resolve_drops(self, drops: Sequence[Drop], count_as: str = "") -> None:
+    def _resolve_drops(self, drops: Sequence[Drop], *, closing: bool = False) -> None:
         """Answer requests that left the queue without running (expired, evicted, closed)."""
         if not drops:
             return
-        claimed: list[_Request] = []
         with self._mutex:
-            for entry, exc in drops:
-                r: _Request = entry  # type: ignore[assignment]
-                if r.done:
-                    continue
-                r.done = True
-                if r.fallback is not _NO_FALLBACK and isinstance(exc, DeadlineExceeded):  # not on eviction or close
-                    r.value = r.fallback
-                else:
-                    r.error = exc
-                self._count_drop(exc, count_as)
-                claimed.append(r)
+            claimed = self.ledger.drop(drops, closing=closing)
         self._wake(claimed)
 
 

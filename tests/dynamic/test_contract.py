@@ -1,0 +1,147 @@
+"""The request-lifecycle contract both batchers keep: one test body per rule, run over
+DynamicBatcher (threads) and AsyncBatcher (one event loop), which drive the same RequestLedger."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import pytest
+
+from batchkit import AsyncBatcher, BatcherClosed, DynamicBatcher
+from batchkit.testing import MockClock
+
+WAIT = 10.0  # seconds: the bound on every wait in this file; nothing should come near it
+
+T = TypeVar("T")
+
+
+def run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    return asyncio.run(asyncio.wait_for(main(), WAIT))
+
+
+class Shell:
+    """One batcher behind the calls the contract needs, from async code."""
+
+    def __init__(self, batcher: Any) -> None:
+        self.batcher = batcher
+        is_async = isinstance(batcher, AsyncBatcher)
+        self.submit: Callable[..., Awaitable[Any]] = batcher.submit if is_async else batcher.asubmit
+
+    async def close(self, *, drain: bool = True) -> None:
+        await self.batcher.aclose(drain=drain)
+
+    def statistics(self) -> Any:
+        return self.batcher.statistics()
+
+
+Make = Callable[..., Shell]
+
+
+@pytest.fixture(params=["DynamicBatcher", "AsyncBatcher"])
+def make(request: pytest.FixtureRequest) -> Make:
+    """Build the batcher under test from a batch function and options."""
+    cls = DynamicBatcher if request.param == "DynamicBatcher" else AsyncBatcher
+
+    def build(fn: Callable[[list[Any]], Any], **options: Any) -> Shell:
+        return Shell(cls(fn, **options))
+
+    return build
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Yield (to the loop and the batcher's threads) until ``predicate()`` holds."""
+    while not predicate():
+        await asyncio.sleep(0.001)
+
+
+def double(items: list[int]) -> list[int]:
+    return [2 * x for x in items]
+
+
+def test_a_deadline_answers_with_the_fallback(make: Make) -> None:
+    """An item still waiting at its deadline resolves to its fallback, counted expired."""
+    clock = MockClock()
+
+    async def main() -> None:
+        shell = make(double, max_batch_size=8, max_wait_ms=60_000, clock=clock)
+        task = asyncio.ensure_future(shell.submit(1, deadline_ms=10, fallback="fb"))
+        await until(lambda: shell.statistics().pending == 1)
+        clock.advance(0.02)
+        assert await task == "fb"
+        stats = shell.statistics()
+        assert (stats.expired, stats.succeeded, stats.pending) == (1, 0, 0)
+        await shell.close()
+
+    run(main)
+
+
+def test_isolate_errors_splits_and_retries_so_only_the_bad_item_fails(make: Make) -> None:
+    """A failing batch is split and retried: the good items get results, the bad one its error."""
+
+    def picky(items: list[int]) -> list[int]:
+        if 13 in items:
+            raise ValueError("13 is bad")
+        return double(items)
+
+    async def main() -> None:
+        shell = make(picky, max_batch_size=4, max_wait_ms=60_000, isolate_errors=True)
+        results = await asyncio.gather(*(shell.submit(x) for x in (1, 13, 2, 3)), return_exceptions=True)
+        assert results[0::2] == [2, 4]
+        assert results[3] == 6
+        assert isinstance(results[1], ValueError)
+        stats = shell.statistics()
+        assert (stats.succeeded, stats.failed) == (3, 1)
+        await shell.close()
+
+    run(main)
+
+
+def test_cancel_while_waiting_leaves_statistics_holding_nothing(make: Make) -> None:
+    """A caller that gives up while its item waits: nothing pending, nothing in flight."""
+
+    async def main() -> None:
+        shell = make(double, max_batch_size=8, max_wait_ms=60_000, clock=MockClock())
+        task = asyncio.ensure_future(shell.submit(1))
+        await until(lambda: shell.statistics().pending == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = shell.statistics()
+        assert (stats.pending, stats.in_flight, stats.cancelled, stats.succeeded) == (0, 0, 1, 0)
+        await shell.close()
+
+    run(main)
+
+
+def test_close_drains_what_waits_then_refuses(make: Make) -> None:
+    """close() runs the waiting items; a submit after it raises BatcherClosed."""
+
+    async def main() -> None:
+        shell = make(double, max_batch_size=8, max_wait_ms=60_000, clock=MockClock())
+        task = asyncio.ensure_future(shell.submit(21))
+        await until(lambda: shell.statistics().pending == 1)
+        await shell.close()
+        assert await task == 42
+        with pytest.raises(BatcherClosed):
+            await shell.submit(1)
+        assert shell.statistics().succeeded == 1
+
+    run(main)
+
+
+def test_close_without_drain_fails_what_waits_as_cancelled(make: Make) -> None:
+    """close(drain=False): waiting items fail with BatcherClosed and count as cancelled."""
+
+    async def main() -> None:
+        shell = make(double, max_batch_size=8, max_wait_ms=60_000, clock=MockClock())
+        task = asyncio.ensure_future(shell.submit(21))
+        await until(lambda: shell.statistics().pending == 1)
+        await shell.close(drain=False)
+        with pytest.raises(BatcherClosed):
+            await task
+        stats = shell.statistics()
+        assert (stats.pending, stats.cancelled, stats.succeeded, stats.failed) == (0, 1, 0, 0)
+
+    run(main)
