@@ -766,10 +766,10 @@ def test_the_callers_thread_can_run_the_engine() -> None:
 
 
 def test_the_loop_is_a_tunable_target() -> None:
-    """ContinuousDecodeLoop implements batchkit.adaptive.TunableTarget: queue depth counts the
+    """ContinuousDecodeLoop implements batchkit.control.TunableTarget: queue depth counts the
     requests not yet running, TPOT samples come back once each, and the batch limit is
     max_num_seqs (refused below 1)."""
-    from batchkit.adaptive import TunableTarget
+    from batchkit.control import TunableTarget
 
     loop = make_loop(max_num_seqs=1)
     assert isinstance(loop, TunableTarget)

@@ -16,7 +16,7 @@ from batchkit import (
     AdaptiveBatchController,
     DynamicBatcher,
 )
-from batchkit.adaptive import Decision
+from batchkit.control import Decision
 from batchkit.testing import MockClock
 
 WAIT = 10

@@ -13,7 +13,7 @@ from batchkit import (
     AdaptiveTuner,
     DynamicBatcher,
 )
-from batchkit.adaptive import TunableTarget
+from batchkit.control import TunableTarget
 from batchkit.testing import MockClock
 
 WAIT = 10

@@ -599,7 +599,7 @@ def test_stress_threads_and_tasks_with_random_cancellations() -> None:
 
 
 class _FakeMonotonic:
-    """Stands in for ``batchkit.batcher._monotonic``: real seconds that move only when told."""
+    """Stands in for ``batchkit.dynamic.batcher._monotonic``: real seconds that move only when told."""
 
     def __init__(self) -> None:
         self.t = 0.0
@@ -630,10 +630,10 @@ def _spy_on_joins(name: str, clock: _FakeMonotonic, monkeypatch: pytest.MonkeyPa
 def test_close_timeout_is_one_deadline_for_all_threads(closer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """close(timeout=t) / aclose(timeout=t) wait t seconds in all, not t per thread: with two hung
     batches (max_concurrent_batches=2) the dispatcher and both workers share one deadline."""
-    import batchkit.batcher
+    import batchkit.dynamic.batcher
 
     clock = _FakeMonotonic()
-    monkeypatch.setattr(batchkit.batcher, "_monotonic", clock)
+    monkeypatch.setattr(batchkit.dynamic.batcher, "_monotonic", clock)
     rec = Recorder(hold=True)
     # A name of its own: the threads of the other parametrization, released at its end, may still
     # be exiting when this one starts.
@@ -659,10 +659,10 @@ def test_close_timeout_cancels_a_hung_async_batch_function(monkeypatch: pytest.M
     """With an async batch function, close(timeout=t) does not wait past t for calls that hang:
     at the deadline they are cancelled, and their callers and those still queued fail with
     BatcherClosed."""
-    import batchkit.batcher
+    import batchkit.dynamic.batcher
 
     clock = _FakeMonotonic()
-    monkeypatch.setattr(batchkit.batcher, "_monotonic", clock)
+    monkeypatch.setattr(batchkit.dynamic.batcher, "_monotonic", clock)
     release = threading.Event()
     started = threading.Semaphore(0)
 

@@ -15,8 +15,8 @@ import trio
 
 import batchkit
 from batchkit import AsyncBatchedFunction, BatchedFunction, batched
-from batchkit.batcher import DynamicBatcher
-from batchkit.queue import OnFull
+from batchkit.dynamic.batcher import DynamicBatcher
+from batchkit.dynamic.queue import OnFull
 
 WAIT = 10
 

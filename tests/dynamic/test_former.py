@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from batchkit import AdaptiveBatchController, CircuitBreaker, QueueFull
-from batchkit._queue_core import QueueCore, QueueEntry
-from batchkit.former import FLUSH_REASONS, BatchFormer, FlushReason
+from batchkit.dynamic._queue_core import QueueCore, QueueEntry
+from batchkit.dynamic.former import FLUSH_REASONS, BatchFormer, FlushReason
 from batchkit.testing import MockClock
 
 Entry = QueueEntry[Any]

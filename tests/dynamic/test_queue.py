@@ -11,7 +11,7 @@ import pytest
 
 import batchkit
 from batchkit import BoundedQueue, DeadlineExceeded, QueueEmpty, QueueEntry, QueueFull
-from batchkit._queue_core import QueueCore
+from batchkit.dynamic._queue_core import QueueCore
 from batchkit.testing import MockClock
 
 

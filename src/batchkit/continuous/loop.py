@@ -886,7 +886,7 @@ class ContinuousDecodeLoop:
             sample_rows=None if plan is None else torch.tensor(plan.sample_rows, dtype=torch.int64, device=device),
         )
 
-    # ------------------------------------------------------------------ tuning (batchkit.adaptive.TunableTarget)
+    # ------------------------------------------------------------------ tuning (batchkit.control.TunableTarget)
 
     def _num_waiting(self) -> int:
         """Requests not yet running (call under the lock). Those the engine took from the inbox

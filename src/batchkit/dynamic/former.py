@@ -1,6 +1,6 @@
 """BatchFormer: the sans-I/O flush policy of dynamic batching.
 
-It decides, from a :class:`~batchkit._queue_core.QueueCore`'s state and the time it is told,
+It decides, from a :class:`~batchkit.dynamic._queue_core.QueueCore`'s state and the time it is told,
 whether a batch is due and what it holds. It never sleeps, starts no thread and calls no user
 code: :class:`~batchkit.DynamicBatcher` drives it from its dispatcher and worker threads under
 the queue's lock, and :func:`batchkit.sim.simulate` drives the very same object on virtual time,

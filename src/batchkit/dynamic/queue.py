@@ -1,7 +1,7 @@
 """BoundedQueue: a capacity-bounded priority queue with deadlines, shedding and cancellation.
 
 The queue is the admission point of every batchkit runtime. Its order, deadlines and full policy
-live in a sans-I/O :class:`~batchkit._queue_core.QueueCore` (``queue.core``); this shell adds the
+live in a sans-I/O :class:`~batchkit.dynamic._queue_core.QueueCore` (``queue.core``); this shell adds the
 lock (``queue.mutex``) and the threads and tasks that wait. It is safe to use from many threads
 and from async tasks (asyncio or trio) at the same time. Its state changes under one lock with no
 I/O and no user code inside; callbacks (``on_drop``) run after the lock is released.
@@ -111,13 +111,17 @@ class BoundedQueue(Generic[T]):
 
     # ------------------------------------------------------------------ waiting for room
 
-    def wait_for_room(self, timeout: float | None = None) -> bool:
+    def wait_for_room(self, timeout: float | None = None, *, stop: Callable[[], bool] | None = None) -> bool:
         """Block this thread until the queue may have room: True at once if it has some now,
         False if ``timeout`` seconds pass first. Call it without holding :attr:`mutex`. A True
         is a hint, not a reservation: another writer may take the slot, so try to admit again.
+
+        ``stop``: a condition read under :attr:`mutex` beside the room (a batcher's ``closed``):
+        True at once while it holds. Whoever makes it hold does so under the mutex and then calls
+        :meth:`wake_room_waiters`, so no writer misses it and none needs to look again on a timer.
         """
         with self.mutex:
-            if self.core.depth < self.core.maxsize:
+            if self.core.depth < self.core.maxsize or (stop is not None and stop()):
                 return True
             waiter = ThreadWaiter()
             self._space_waiters.append(waiter)
@@ -136,11 +140,11 @@ class BoundedQueue(Generic[T]):
             self._space_waiters.clear()
         wake_all(waiters)
 
-    async def await_room(self) -> None:
-        """Await until the queue may have room (see :meth:`wait_for_room`); cancel the task or
-        wrap in ``anyio.move_on_after`` to stop waiting."""
+    async def await_room(self, *, stop: Callable[[], bool] | None = None) -> None:
+        """Await until the queue may have room, or ``stop()`` holds (see :meth:`wait_for_room`);
+        cancel the task or wrap in ``anyio.move_on_after`` to stop waiting."""
         with self.mutex:
-            if self.core.depth < self.core.maxsize:
+            if self.core.depth < self.core.maxsize or (stop is not None and stop()):
                 return
             waiter = new_async_waiter()
             self._space_waiters.append(waiter)
