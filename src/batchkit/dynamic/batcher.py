@@ -92,11 +92,6 @@ class _Request(QueueEntry[Any]):
 
 _Batch = FormedBatch[_Request]
 
-# A writer waiting for room on a "block" queue tries again at least this often. close() wakes the
-# waiting writers, but one that found the queue full just before close() and starts waiting just
-# after it has missed that wake-up; this bounds how long it waits to learn of the close.
-_ROOM_RECHECK_S = 0.1
-
 
 @dataclass(frozen=True, slots=True)
 class BatcherStatistics:
@@ -307,6 +302,11 @@ class BatcherShell(Generic[T, R]):
     @property
     def closed(self) -> bool:
         """Whether closing has begun (new submits are refused)."""
+        return self._closing
+
+    def _is_closing(self) -> bool:
+        # A writer waiting for room reads this under the queue's lock (BoundedQueue.stop_waiting):
+        # close() sets it under that lock, then wakes the writers.
         return self._closing
 
     def queue_depth(self) -> int:
@@ -548,6 +548,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         )
         self.queue: BoundedQueue[Any] = queue
         queue.on_drop = self._on_drop
+        queue.stop_waiting = self._is_closing
         self._is_async = is_async_callable(fn)
         self._mutex = queue.mutex
         self._cond = threading.Condition(self._mutex)
@@ -725,7 +726,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 left = None if deadline is None else deadline - _monotonic()
                 if left is not None and left <= 0:
                     raise self._no_room(timeout)
-                self.queue.wait_for_room(_ROOM_RECHECK_S if left is None else min(left, _ROOM_RECHECK_S))
+                self.queue.wait_for_room(left)
         except (BatcherClosed, CircuitOpen):
             if waited:  # this writer may have taken a wake-up meant for room: pass it on
                 self.queue.wake_room_waiters()
@@ -740,8 +741,7 @@ class DynamicBatcher(BatcherShell[T, R]):
             with anyio.move_on_after(timeout):
                 while not self._enqueue(req, priority, deadline_ms, key_cost):
                     waited = True
-                    with anyio.move_on_after(_ROOM_RECHECK_S):
-                        await self.queue.await_room()
+                    await self.queue.await_room()
                 return
         except (BatcherClosed, CircuitOpen):
             if waited:  # this writer may have taken a wake-up meant for room: pass it on

@@ -198,14 +198,13 @@ def _submit_waiting(b: DynamicBatcher[T, R], item: T) -> concurrent.futures.Futu
     while True:
         # Wait before submitting, not only after a QueueFull: under "drop_oldest" or
         # "shed_lowest_priority" a submit to a full queue evicts another caller's item instead.
-        # Wake at least every 0.1 s to look again: room may come with no waiter told (an item
-        # expired by a reader), and a batcher closed meanwhile refuses the next try.
+        # Every freed slot and the close wake the waiters (see BoundedQueue.stop_waiting).
         while len(q) >= q.maxsize and not b.closed:
-            q.wait_for_room(0.1)
+            q.wait_for_room()
         try:
             return b.submit(item)
         except QueueFull:
-            q.wait_for_room(0.1)
+            pass  # another caller took the room first: wait again
 
 
 class BatchedFunction(_BatchedBase[T, R]):

@@ -86,6 +86,11 @@ class BoundedQueue(Generic[T]):
         holds it, so that its decisions and this queue's callers see one state."""
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.on_drop = on_drop
+        self.stop_waiting: Callable[[], bool] | None = None
+        """A condition read under :attr:`mutex` beside the room: while it holds, writers waiting
+        for room return at once (a batcher that owns the queue sets its ``closed`` here). Whoever
+        makes it hold does so under the mutex, then calls :meth:`wake_room_waiters`: no writer
+        misses it, and none needs to look again on a timer."""
         self._space_waiters: deque[Any] = deque()
         self._item_waiters: deque[Any] = deque()
 
@@ -111,17 +116,14 @@ class BoundedQueue(Generic[T]):
 
     # ------------------------------------------------------------------ waiting for room
 
-    def wait_for_room(self, timeout: float | None = None, *, stop: Callable[[], bool] | None = None) -> bool:
+    def wait_for_room(self, timeout: float | None = None) -> bool:
         """Block this thread until the queue may have room: True at once if it has some now,
         False if ``timeout`` seconds pass first. Call it without holding :attr:`mutex`. A True
         is a hint, not a reservation: another writer may take the slot, so try to admit again.
-
-        ``stop``: a condition read under :attr:`mutex` beside the room (a batcher's ``closed``):
-        True at once while it holds. Whoever makes it hold does so under the mutex and then calls
-        :meth:`wake_room_waiters`, so no writer misses it and none needs to look again on a timer.
+        True at once, too, while :attr:`stop_waiting` holds.
         """
         with self.mutex:
-            if self.core.depth < self.core.maxsize or (stop is not None and stop()):
+            if self._room_or_stopped():
                 return True
             waiter = ThreadWaiter()
             self._space_waiters.append(waiter)
@@ -129,6 +131,10 @@ class BoundedQueue(Generic[T]):
             self._abandon(self._space_waiters, waiter)
             return False
         return True
+
+    def _room_or_stopped(self) -> bool:
+        """(mutex held) Whether a writer should stop waiting: room, or :attr:`stop_waiting`."""
+        return self.core.depth < self.core.maxsize or (self.stop_waiting is not None and self.stop_waiting())
 
     def wake_room_waiters(self) -> None:
         """Wake every thread and task waiting for room (in :meth:`wait_for_room`,
@@ -140,11 +146,11 @@ class BoundedQueue(Generic[T]):
             self._space_waiters.clear()
         wake_all(waiters)
 
-    async def await_room(self, *, stop: Callable[[], bool] | None = None) -> None:
-        """Await until the queue may have room, or ``stop()`` holds (see :meth:`wait_for_room`);
-        cancel the task or wrap in ``anyio.move_on_after`` to stop waiting."""
+    async def await_room(self) -> None:
+        """Await until the queue may have room (see :meth:`wait_for_room`); cancel the task or
+        wrap in ``anyio.move_on_after`` to stop waiting."""
         with self.mutex:
-            if self.core.depth < self.core.maxsize or (stop is not None and stop()):
+            if self._room_or_stopped():
                 return
             waiter = new_async_waiter()
             self._space_waiters.append(waiter)
@@ -227,7 +233,7 @@ class BoundedQueue(Generic[T]):
             entry = self._put_if_room(item, priority, deadline_ms, key, cost)
             if entry is not None:
                 return entry
-            if not self.wait_for_room(None if deadline is None else deadline - _monotonic()):
+            if not self.wait_for_room(None if deadline is None else deadline - _monotonic()) or self._stopped():
                 self._count_rejection()
                 raise QueueFull(f"no room in the queue within timeout={timeout!r} s")
 
@@ -251,8 +257,15 @@ class BoundedQueue(Generic[T]):
                 if entry is not None:
                     return entry
                 await self.await_room()
+                if self._stopped():
+                    break
         self._count_rejection()
         raise QueueFull(f"no room in the queue within timeout={timeout!r} s")
+
+    def _stopped(self) -> bool:
+        """Whether :attr:`stop_waiting` holds: no room will come for a ``put`` (it would spin)."""
+        with self.mutex:
+            return self.stop_waiting is not None and self.stop_waiting()
 
     def _count_rejection(self) -> None:
         with self.mutex:

@@ -389,16 +389,12 @@ class BatchkitReplica:
         """``asubmit(item)``, waiting for room while the queue is full, whatever its ``on_full``
         (a submit to a full ``drop_oldest`` queue would evict another caller's item); a closed
         batcher still raises :class:`~batchkit.BatcherClosed`."""
-        import anyio
-
         b = self.batcher
         q = b.queue
         while True:
-            # Look again at least every 0.1 s: room may come with no waiter told (an item expired
-            # by a reader), and a batcher closed meanwhile refuses the next try.
+            # Every freed slot and the close wake the waiters (see BoundedQueue.stop_waiting).
             while len(q) >= q.maxsize and not b.closed:
-                with anyio.move_on_after(0.1):
-                    await q.await_room()
+                await q.await_room()
             try:
                 return await b.asubmit(item)
             except QueueFull:
