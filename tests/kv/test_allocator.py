@@ -396,3 +396,25 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class TestNeverFits:
+    """never_fits: the one check of whether a sequence could ever be admitted, with its reason."""
+
+    def test_a_sequence_over_the_cache_less_the_watermark_never_fits(self) -> None:
+        """Blocks beyond the cache less the watermark: the reason names both counts; within: None."""
+        alloc = PagedKVAllocator(10, 4, watermark=0.2)  # 9 usable blocks (block 0 is null), 1 kept back
+        room = alloc.total_blocks - alloc.watermark_blocks
+        assert alloc.never_fits(room * 4) is None
+        reason = alloc.never_fits(room * 4 + 1)
+        assert reason == (
+            f"needs {room + 1} KV blocks but admission has {room} (the cache's {alloc.total_blocks} blocks "
+            f"less the watermark's {alloc.watermark_blocks})"
+        )
+
+    def test_a_sequence_over_its_tenants_quota_never_fits(self) -> None:
+        """A tenant's quota binds before the cache does; other tenants are not held to it."""
+        alloc = PagedKVAllocator(16, 4, tenant_quotas={"a": 2})
+        assert alloc.never_fits(8, "a") is None
+        assert alloc.never_fits(9, "a") == "needs 3 KV blocks, over tenant 'a''s quota of 2"
+        assert alloc.never_fits(9, "b") is None

@@ -551,19 +551,10 @@ class ContinuousDecodeLoop:
             KVCacheExhausted: the prompt (and the first token it generates) needs more blocks
                 than admission can ever give it, or than its tenant's quota.
         """
-        a = self.allocator
-        need = a.blocks_needed(prompt_len + 1)
-        room = a.total_blocks - a.watermark_blocks
-        if need > room:
+        problem = self.allocator.never_fits(prompt_len + 1, tenant)
+        if problem is not None:
             raise KVCacheExhausted(
-                f"a {prompt_len}-token prompt needs {need} KV blocks but admission has {room} (the cache's "
-                f"{a.total_blocks} blocks less the watermark's {a.watermark_blocks}); shorten the prompt or "
-                "give the cache more blocks"
-            )
-        quota = a.quota_of(tenant)
-        if quota is not None and need > quota:
-            raise KVCacheExhausted(
-                f"a {prompt_len}-token prompt needs {need} KV blocks, over tenant {tenant!r}'s quota of {quota}"
+                f"a {prompt_len}-token prompt {problem}; shorten the prompt or give the cache more blocks"
             )
 
     def _vocab_size(self) -> int | None:

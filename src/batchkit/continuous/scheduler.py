@@ -453,18 +453,8 @@ class Scheduler:
     def _never_fits(self, req: Request, num_tokens: int) -> str | None:
         """Why a request holding ``num_tokens`` tokens (and about to take one more) could never be
         admitted again, even with the cache to itself; None if it could."""
-        a = self.allocator
-        most = a.blocks_needed(num_tokens + 1)
-        room = a.total_blocks - a.watermark_blocks
-        if most > room:
-            return (
-                f"request {req.request_id!r}: {num_tokens} tokens need {most} KV blocks but admission has {room} "
-                f"(the cache's {a.total_blocks} blocks less the watermark's {a.watermark_blocks})"
-            )
-        quota = a.quota_of(req.tenant)
-        if quota is not None and most > quota:
-            return f"request {req.request_id!r} needs {most} KV blocks, over tenant {req.tenant!r}'s quota of {quota}"
-        return None
+        problem = self.allocator.never_fits(num_tokens + 1, req.tenant)
+        return None if problem is None else f"request {req.request_id!r} with {num_tokens} tokens {problem}"
 
     def _outgrown(self, req: Request) -> None:
         """End a running request that no longer fits the cache even on its own."""

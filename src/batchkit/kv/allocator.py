@@ -279,6 +279,23 @@ class PagedKVAllocator:
         """The tenant's block quota (None: unlimited)."""
         return self.quotas.quota_of(tenant)
 
+    def never_fits(self, num_tokens: int, tenant: Hashable = None) -> str | None:
+        """Why one sequence of ``num_tokens`` tokens of ``tenant`` could never be admitted, even
+        with the cache to itself: its blocks against the cache less the watermark, then against the
+        tenant's quota; None if it could. The reason reads after its subject ("a 9-token prompt
+        ..."): ``"needs 3 KV blocks but admission has 2 (...)"``."""
+        need = self.blocks_needed(num_tokens)
+        room = self.total_blocks - self.watermark_blocks
+        if need > room:
+            return (
+                f"needs {need} KV blocks but admission has {room} (the cache's {self.total_blocks} blocks less "
+                f"the watermark's {self.watermark_blocks})"
+            )
+        quota = self.quota_of(tenant)
+        if quota is not None and need > quota:
+            return f"needs {need} KV blocks, over tenant {tenant!r}'s quota of {quota}"
+        return None
+
     def within_quota(self, num_tokens: int, tenant: Hashable) -> bool:
         """Whether the tenant may take ``num_tokens`` more tokens' blocks under its quota."""
         return self.quotas.allows(tenant, self.blocks_needed(num_tokens))
