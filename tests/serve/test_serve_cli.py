@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,24 @@ class TestLoggingIsRestoredAfterARun:
         assert "cannot listen" in capsys.readouterr().err
         assert log.level == before
         assert log.handlers == handlers
+
+
+class TestTokenizerOption:
+    """--tokenizer: the chat model's tokenizer from another source, checked before the port opens."""
+
+    def test_a_model_directory_without_a_tokenizer_is_a_usage_error_naming_tokenizer(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A --model directory with no tokenizer files stops at once (status 2) with one line
+        that says to pass --tokenizer; --tokenizer without --model is refused too."""
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        assert main(["serve", "--model", str(tmp_path / "model")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "argument --model: " in err
+        assert "has no tokenizer files: pass --tokenizer" in err
+        assert main(["serve", "--model", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "model")]) == 2
+        assert "argument --tokenizer: " in capsys.readouterr().err
+        assert main(["serve", "--embedding-model", "x", "--tokenizer", str(tmp_path)]) == 2
+        assert "argument --tokenizer: goes with --model" in capsys.readouterr().err

@@ -20,6 +20,7 @@ next step boundary.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -129,6 +130,9 @@ class ModelServer:
             DEBUG level); without it the server logs the error with its traceback and stays up
             with ``/ready`` at 503.
         dtype, device: where the models are loaded (sources only).
+        tokenizer: where to read the chat model's tokenizer from when its directory has none (a
+            directory, a ``.gguf`` file or an installed package; a source ``model`` only), as
+            :func:`~batchkit.models.load_pretrained` takes it.
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class ModelServer:
         dtype: Any = None,
         device: Any = "cpu",
         engine: Literal["thread", "caller"] = "thread",
+        tokenizer: str | os.PathLike[str] | None = None,
     ) -> None:
         if model is None and embedding_model is None:
             raise ValueError("give a model, an embedding_model, or both")
@@ -201,6 +206,7 @@ class ModelServer:
             on_load_error=on_load_error,
             dtype=dtype,
             device=device,
+            tokenizer=tokenizer,
         )
         self.embedding_max_inputs = min(MAX_EMBEDDING_INPUTS, embedding_max_queue)
         self.retry_after_s = retry_after_s

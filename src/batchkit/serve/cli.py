@@ -53,6 +53,12 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         help="the chat model (a transformers causal LM, see docs/serving.md); default: none, no chat endpoints",
     )
     m.add_argument(
+        "--tokenizer",
+        metavar="SOURCE",
+        help="where to read the chat model's tokenizer from when its directory has none (a directory, a .gguf "
+        "file or an installed model package); default: the model's own",
+    )
+    m.add_argument(
         "--embedding-model",
         metavar="SOURCE",
         help="the embedding model (sentence-transformers); default: none, no /v1/embeddings",
@@ -152,19 +158,39 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
         import uvicorn  # noqa: F401
 
-        from ..models.pretrained import resolve_source
+        from ..models.pretrained import has_tokenizer, resolve_source
         from .app import create_app  # noqa: F401
     except ModuleNotFoundError as exc:
         print(f"{prog}: needs {exc.name}: pip install 'batchkit[serve,models]'", file=sys.stderr)
         return 1
     # Name a model that does not exist before the port opens, not after a traceback in the log.
-    for option, source in (("--model", args.model), ("--embedding-model", args.embedding_model)):
+    if args.tokenizer and not args.model:
+        print(
+            f"{prog}: error: argument --tokenizer: goes with --model (the model whose tokenizer it replaces)",
+            file=sys.stderr,
+        )
+        return 2
+    resolved = {}
+    for option, source in (
+        ("--model", args.model),
+        ("--tokenizer", args.tokenizer),
+        ("--embedding-model", args.embedding_model),
+    ):
         if source:
             try:
-                resolve_source(source)
+                resolved[option] = resolve_source(source)
             except FileNotFoundError as exc:
                 print(f"{prog}: error: argument {option}: {exc}", file=sys.stderr)
                 return 2
+    if args.model:
+        option = "--tokenizer" if args.tokenizer else "--model"
+        if not has_tokenizer(resolved[option]):
+            print(
+                f"{prog}: error: argument {option}: {resolved[option]} has no tokenizer files: pass --tokenizer a "
+                "source that has one",
+                file=sys.stderr,
+            )
+            return 2
     try:
         torch.device(args.device)
     except RuntimeError as exc:
@@ -243,6 +269,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
         args.model,
         on_load_error=stop,
         embedding_model=args.embedding_model,
+        tokenizer=args.tokenizer,
         model_name=args.served_model_name,
         embedding_model_name=args.embedding_model_name,
         num_blocks=args.num_blocks,

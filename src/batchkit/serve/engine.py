@@ -62,8 +62,10 @@ class EngineBridge:
         on_load_error: Callable[[BaseException], None] | None,
         dtype: Any,
         device: Any,
+        tokenizer: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model_source = model
+        self.tokenizer_source = tokenizer
         self.embedding_source = embedding_model
         self._model_name = model_name
         self._embedding_model_name = embedding_model_name
@@ -129,7 +131,10 @@ class EngineBridge:
             kwargs["dtype"] = self.dtype
         if self.model_source is not None:
             src = self.model_source
-            self.lm = src if isinstance(src, pretrained.PretrainedLM) else pretrained.load_pretrained(src, **kwargs)
+            if isinstance(src, pretrained.PretrainedLM):
+                self.lm = src
+            else:
+                self.lm = pretrained.load_pretrained(src, tokenizer=self.tokenizer_source, **kwargs)
             self.prompts = PromptTokenizer(self.lm)
             self.loop = self.lm.make_loop(self.num_blocks, self.block_size, **self.loop_options)
             self.collector.add_loop("chat", self.loop)
