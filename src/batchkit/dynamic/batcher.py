@@ -376,12 +376,13 @@ class BatcherShell(Generic[T, R]):
     def _admit_plain(self, entry: QueueEntry[Any]) -> tuple[Sequence[Drop], bool]:
         """:meth:`_admit` for the common case (guard held, the shell ``_plain``, not closing,
         priority 0, no deadline, not the first submit): nothing to check but room."""
+        now = self._now()
         try:
-            added = self.former.add(entry, self._now())
+            added = self.former.add(entry, now)
         except QueueFull:
             self.ledger.refused()
             raise
-        self.ledger.submitted += 1  # not the first (see ledger.admitted)
+        self.ledger.admitted(now)
         return added
 
     def _verdict(self, exc: BaseException, reqs: Sequence[Any]) -> Verdict:

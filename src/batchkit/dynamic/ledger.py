@@ -88,15 +88,8 @@ del W, R
 
 FINAL = frozenset(p for p in Phase if p not in TRANSITIONS)
 
-# The counter of statistics() each final phase adds to.
-_COUNTER = {
-    Phase.SUCCEEDED: "succeeded",
-    Phase.FAILED: "failed",
-    Phase.CANCELLED: "cancelled",
-    Phase.ABANDONED: "cancelled",
-    Phase.EXPIRED: "expired",
-    Phase.EVICTED: "rejected",
-}
+# TRANSITIONS by event: the phase each event moves a request to, from each phase it may.
+_NEXT: dict[Event, dict[Phase, Phase]] = {e: {p: row[e] for p, row in TRANSITIONS.items() if e in row} for e in Event}
 
 
 class IllegalTransition(RuntimeError):
@@ -139,31 +132,42 @@ Verdict = Split | Fail
 class RequestLedger:
     """The lifecycle of every request of one batcher, and its counters."""
 
-    __slots__ = (
-        "cancelled",
-        "expired",
-        "failed",
-        "isolate_errors",
-        "latency",
-        "rejected",
-        "submitted",
-        "succeeded",
-        "t_first",
-        "t_last",
-    )
+    __slots__ = ("entered", "isolate_errors", "latency", "refusals", "submitted", "t_first", "t_last")
 
     def __init__(self, *, isolate_errors: bool = False) -> None:
         self.isolate_errors = isolate_errors
         self.submitted = 0
-        self.succeeded = 0
-        self.failed = 0
-        self.cancelled = 0
-        self.expired = 0
-        self.rejected = 0
+        self.refusals = 0
+        self.entered: dict[Phase, int] = dict.fromkeys(Phase, 0)
+        """Requests that ever entered each phase (the final ones stay: these are the counts)."""
         self.latency = SampleWindow()
         """End-to-end latencies (seconds) of the callers a batch answered."""
         self.t_first: float | None = None  # first admission
         self.t_last = 0.0  # last answer from a batch
+
+    # ------------------------------------------------------------------ the counts
+
+    @property
+    def succeeded(self) -> int:
+        return self.entered[Phase.SUCCEEDED]
+
+    @property
+    def failed(self) -> int:
+        return self.entered[Phase.FAILED]
+
+    @property
+    def cancelled(self) -> int:
+        """Given up by their callers, or failed by a close before they ran."""
+        return self.entered[Phase.CANCELLED] + self.entered[Phase.ABANDONED]
+
+    @property
+    def expired(self) -> int:
+        return self.entered[Phase.EXPIRED]
+
+    @property
+    def rejected(self) -> int:
+        """Submits refused, and requests evicted from a full queue."""
+        return self.refusals + self.entered[Phase.EVICTED]
 
     # ------------------------------------------------------------------ the table
 
@@ -174,16 +178,13 @@ class RequestLedger:
         Raises:
             IllegalTransition: the table has no such move from ``req``'s phase.
         """
-        row = TRANSITIONS.get(req.phase)
-        if row is None:
-            return False
-        nxt = row.get(event)
+        nxt = _NEXT[event].get(req.phase)
         if nxt is None:
+            if req.phase in FINAL:
+                return False
             raise IllegalTransition(f"a request {req.phase.value} cannot {event.value}")
         req.phase = nxt
-        counter = _COUNTER.get(nxt)
-        if counter is not None:
-            setattr(self, counter, getattr(self, counter) + 1)
+        self.entered[nxt] += 1
         return True
 
     # ------------------------------------------------------------------ admission
@@ -196,7 +197,7 @@ class RequestLedger:
 
     def refused(self) -> None:
         """One submit was refused (``QueueFull``, ``CircuitOpen``, no room in time)."""
-        self.rejected += 1
+        self.refusals += 1
 
     def cancel(self, req: Tracked) -> bool:
         """Its caller gave up (queued or taken alike); False if it was answered already."""
