@@ -285,7 +285,7 @@ def test_an_encoder_that_truncates_on_the_left_gets_its_long_inputs_whole(models
     holds: its inputs are never cut (a cut one embedded as another text)."""
     import copy
 
-    from batchkit.serve.app import _InputCutter
+    from batchkit.serve.tokenizing import InputCutter as _InputCutter
 
     _, encoder = models
     tokenizer = copy.deepcopy(encoder.tokenizer)

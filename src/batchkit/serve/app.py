@@ -63,7 +63,6 @@ from .protocol import (
     parse_tokenize,
     usage,
 )
-from .tokenizing import InputCutter as _InputCutter  # noqa: F401 - its old place, for callers of it
 from .transport import (
     EventStream,
     cancelled_by_the_http_server,
