@@ -36,15 +36,16 @@ import anyio
 from .._clock import Clock, ListenableClock, MonotonicClock
 from .._errors import BatcherClosed, BatchTimeout, QueueFull
 from ..control import AdaptiveBatchController, CircuitBreaker
-from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry
+from ._queue_core import TAKEN, Drop, QueueCore
 from .batcher import (
     BatcherShell,
+    LedgerEntry,
     check_batcher_options,
     is_async_callable,
     malformed_results,
 )
 from .former import FormedBatch
-from .ledger import NO_FALLBACK, Fail, Phase
+from .ledger import NO_FALLBACK, Fail
 from .queue import OnFull
 
 __all__ = ["AsyncBatcher"]
@@ -60,19 +61,14 @@ _get_running_loop = asyncio.get_running_loop
 _running_batch_of: contextvars.ContextVar[object] = contextvars.ContextVar("batchkit_running_batch_of", default=None)
 
 
-class _Entry(QueueEntry[Any]):
-    """One caller's item and the future of the loop that answers it (the queue entry itself)."""
+class _Entry(LedgerEntry):
+    """One caller's entry and the future of the loop that answers it."""
 
-    __slots__ = ("error", "fallback", "future", "phase", "value")
+    __slots__ = ("future",)
 
     def __init__(self, item: Any, future: asyncio.Future[Any], fallback: Any) -> None:
-        # The queue fields are filled in by QueueCore.add on admission; the phase is the ledger's.
-        self.item = item
+        super().__init__(item, fallback)
         self.future = future
-        self.fallback = fallback
-        self.phase = Phase.WAITING
-        self.value: Any = None
-        self.error: BaseException | None = None
 
 
 _Batch = FormedBatch[_Entry]

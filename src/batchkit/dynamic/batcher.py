@@ -51,6 +51,7 @@ __all__ = [
     "BatcherShell",
     "BatcherStatistics",
     "DynamicBatcher",
+    "LedgerEntry",
     "check_batcher_options",
     "is_async_callable",
     "item_key_and_cost",
@@ -65,29 +66,40 @@ R = TypeVar("R")
 _NO_FALLBACK: Any = NO_FALLBACK
 
 
-class _Request(QueueEntry[Any]):
-    """One caller's item, its place in the queue (it *is* the queue entry) and how to answer it.
+class LedgerEntry(QueueEntry[Any]):
+    """One caller's item, its place in the queue (it *is* the queue entry) and its answer: a
+    shell's request as the :class:`~batchkit.dynamic.ledger.RequestLedger` tracks it.
 
     The queue fields (priority, seq, arrival, ...) are filled in when it is admitted; its
-    ``phase`` is the ledger's (see :mod:`batchkit.dynamic.ledger`).
+    ``phase`` is the ledger's, and so are ``value`` and ``error`` once it is answered.
     """
 
-    __slots__ = ("error", "fallback", "notified", "phase", "sink", "value")
+    __slots__ = ("error", "fallback", "phase", "value")
 
-    def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
+    def __init__(self, item: Any, fallback: Any) -> None:
         self.item = item
-        self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
         self.fallback = fallback
         self.phase = Phase.WAITING
-        # A Future sink: set_running_or_notify_cancel() was called (it may be called only once).
-        self.notified = False
         self.value: Any = None
         self.error: BaseException | None = None
 
     def outcome(self) -> Any:
+        """The value the ledger answered with, or raise its error."""
         if self.error is not None:
             raise self.error
         return self.value
+
+
+class _Request(LedgerEntry):
+    """A :class:`DynamicBatcher` caller's entry, and how to wake it."""
+
+    __slots__ = ("notified", "sink")
+
+    def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
+        super().__init__(item, fallback)
+        self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
+        # A Future sink: set_running_or_notify_cancel() was called (it may be called only once).
+        self.notified = False
 
 
 _Batch = FormedBatch[_Request]
