@@ -1322,3 +1322,52 @@ class TestStatistics:
         slow.close()
         merged = batchkit.LatencySummary.merge(fast.statistics().latency, slow.statistics().latency)
         assert (merged.count, merged.max_ms, merged.p50_ms) == (35, 2000.0, 0.0)
+
+
+class TestBlockedWritersAndTheBreaker:
+    """A writer waiting for room in a full "block" queue meets an open breaker as new work does."""
+
+    def test_a_writer_waiting_for_room_fails_fast_when_a_failure_opens_the_breaker(self) -> None:
+        """The queue stays full (an open breaker dispatches nothing until its probe), so only the
+        failure that opened it can tell the blocked writer: it gets CircuitOpen, not a wait of
+        reset_timeout_s or of its own timeout."""
+        release, entered = threading.Event(), threading.Event()
+
+        def fn(xs: list[int]) -> list[int]:
+            entered.set()
+            release.wait(WAIT)
+            raise RuntimeError("down")
+
+        breaker = batchkit.CircuitBreaker(failure_threshold=1, reset_timeout_s=3600.0)
+        b = batchkit.DynamicBatcher(
+            fn, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block", circuit_breaker=breaker
+        )
+        try:
+            running = b.submit(1)  # taken: the batch blocks in fn
+            assert entered.wait(WAIT)
+            waiting = b.submit(2)  # the queue's one place
+            outcome: list[BaseException] = []
+            blocked = threading.Event()
+
+            def writer() -> None:
+                blocked.set()
+                try:
+                    b.submit(3, timeout=3 * WAIT)  # waits for room: the queue is full
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            t = threading.Thread(target=writer)
+            t.start()
+            assert blocked.wait(WAIT)
+            release.set()
+            with pytest.raises(RuntimeError, match="down"):
+                running.result(WAIT)
+            t.join(WAIT)
+            assert not t.is_alive(), "the writer still waits for room behind an open breaker"
+            assert len(outcome) == 1
+            assert isinstance(outcome[0], batchkit.CircuitOpen)
+        finally:
+            release.set()
+            b.close(drain=False, timeout=WAIT)
+        with pytest.raises(BatcherClosed):  # close(drain=False) fails what still waits
+            waiting.result(WAIT)

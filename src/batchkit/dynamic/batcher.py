@@ -1049,6 +1049,9 @@ class DynamicBatcher(BatcherShell[T, R]):
             now = self.clock.now()
             self._batch_time.add(now - t0)
             self.former.record(batch, len(live), now - t0, ok, now)
+        if not ok and self._block and self.circuit_breaker is not None:
+            # The failure may have opened the breaker: writers waiting for room fail fast now.
+            self.queue.wake_room_waiters()
         # Wake the last callers only now, so that one who saw this batch fail and submits again
         # meets the breaker in the state that failure put it in.
         self._wake(held)
