@@ -619,6 +619,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
         "embedding_model_name": "vectors",
         "dtype": "float32",
         "device": "cpu",
+        "tokenizer": None,  # the model here is loaded already: its own tokenizer
         "warmup": False,
     }
     assert set(values) == options
