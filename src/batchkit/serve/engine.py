@@ -97,7 +97,8 @@ class EngineBridge:
         self.created = int(time.time())  # the models' "created" time: when this server was made
         self.load_error: BaseException | None = None
         self.registry = CollectorRegistry()
-        self.collector = BatchkitCollector().register(self.registry)
+        # vLLM's names too: routers and autoscalers configured for vLLM then read this server as it is.
+        self.collector = BatchkitCollector(vllm_names=True).register(self.registry)
         self.metrics = ServerMetrics(self.registry)
         self._token_strings: dict[int, str] = {}
         self._in_flight = 0

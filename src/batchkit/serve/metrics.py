@@ -9,11 +9,16 @@ Usable without the server::
     BatchkitCollector(batchers={"embed": embed}, loops={"chat": loop}).register(registry)
     print(generate_latest(registry).decode())
 
-Every name starts with ``batchkit_`` and is in base units (seconds, ratios in 0..1, counts).
-Counters are the primitives' own lifetime counters; latency quantiles are gauges over the most
-recent samples each primitive keeps (its ``statistics()`` window), labelled ``quantile``. The
-label that names the object is ``batcher``, ``loop`` or ``pool``. Needs ``prometheus-client``
-(``pip install 'batchkit[serve]'``).
+Every name starts with ``batchkit_`` (the vLLM names below aside) and is in base units (seconds,
+ratios in 0..1, counts). Counters are the primitives' own lifetime counters; latency quantiles are
+gauges over the most recent samples each primitive keeps (its ``statistics()`` window), labelled
+``quantile``. The label that names the object is ``batcher``, ``loop`` or ``pool``.
+
+The ``batchkit_replica_*`` gauges carry no label: the totals over every decode loop the collector
+reads, the load of this replica as a router or an autoscaler weighs it (the Gateway API Inference
+Extension's model server protocol: requests queued, requests running, KV-cache use as a fraction).
+``vllm_names=True`` exports them under vLLM's names too, so that a router configured for vLLM
+reads batchkit unchanged. Needs ``prometheus-client`` (``pip install 'batchkit[serve]'``).
 """
 
 from __future__ import annotations
@@ -26,15 +31,25 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ..continuous.loop import ContinuousDecodeLoop
+from ..continuous.loop import ContinuousDecodeLoop, LoopStatistics
 from ..dynamic.batcher import DynamicBatcher
-from ..kv.allocator import PagedKVAllocator
+from ..kv.allocator import AllocatorStatistics, PagedKVAllocator
 from ..metrics import LatencySummary
 
-__all__ = ["BATCH_SIZE_BUCKETS", "BatchkitCollector", "ServerMetrics"]
+__all__ = ["BATCH_SIZE_BUCKETS", "VLLM_NAMES", "BatchkitCollector", "ServerMetrics"]
 
 #: Upper bounds of the batch-size histogram (the last bucket is +Inf).
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+#: The vLLM names each replica gauge is also exported under with ``vllm_names=True``: the names
+#: routers and autoscalers built for vLLM read by default (``vllm:gpu_cache_usage_perc`` is the
+#: older name of ``vllm:kv_cache_usage_perc``, still the default of older routers). vLLM's
+#: ``*_perc`` gauges are fractions in 0..1 too.
+VLLM_NAMES: Mapping[str, tuple[str, ...]] = {
+    "batchkit_replica_requests_waiting": ("vllm:num_requests_waiting",),
+    "batchkit_replica_requests_running": ("vllm:num_requests_running",),
+    "batchkit_replica_kv_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
 
 
 def _quantiles(name: str, doc: str, label: str, rows: Iterable[tuple[str, LatencySummary | None]]) -> Metric:
@@ -68,6 +83,9 @@ class BatchkitCollector(Collector):
         loops: ``ContinuousDecodeLoop`` objects by name (their KV pool is exported under the same
             name, as ``pool``).
         allocators: further ``PagedKVAllocator`` objects by name.
+        vllm_names: also export the ``batchkit_replica_*`` gauges under vLLM's names
+            (:data:`VLLM_NAMES`). Off by default: a process that also hosts vLLM's own metrics
+            would export those names twice.
 
     Objects can be added later with :meth:`add_batcher`, :meth:`add_loop` and :meth:`add_allocator`.
     Collecting reads each object's ``statistics()`` snapshot; it never blocks on a model call.
@@ -79,7 +97,9 @@ class BatchkitCollector(Collector):
         batchers: Mapping[str, Any] | None = None,
         loops: Mapping[str, ContinuousDecodeLoop] | None = None,
         allocators: Mapping[str, PagedKVAllocator] | None = None,
+        vllm_names: bool = False,
     ) -> None:
+        self.vllm_names = vllm_names
         self._batchers: dict[str, DynamicBatcher[Any, Any]] = {}
         self._loops: dict[str, ContinuousDecodeLoop] = {}
         self._allocators: dict[str, PagedKVAllocator] = {}
@@ -120,9 +140,56 @@ class BatchkitCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
+        loops = {name: loop.statistics() for name, loop in self._loops.items()}
+        pools = {name: a.statistics() for name, a in self._allocators.items()}
+        yield from self._collect_replica(loops, pools)
         yield from self._collect_batchers()
-        yield from self._collect_loops()
-        yield from self._collect_allocators()
+        yield from self._collect_loops(loops)
+        yield from self._collect_allocators(pools)
+
+    # ------------------------------------------------------------------ the replica
+
+    def _collect_replica(
+        self, loops: Mapping[str, LoopStatistics], pools: Mapping[str, AllocatorStatistics]
+    ) -> Iterator[Metric]:
+        """One unlabelled gauge each for what a router weighs a replica by: routers read one series
+        of a metric (the Inference Extension's picker the first one), so a total, not a series per loop."""
+        if not self._loops:
+            return
+        # Waiting: everything submitted and not running, as vLLM counts it (its preempted requests
+        # wait in its one queue): the loop's inbox, its waiting queue, and requests swapped out.
+        waiting = sum(loop.queue_depth() + loops[name].scheduler.swapped for name, loop in self._loops.items())
+        running = sum(s.scheduler.running for s in loops.values())
+        # KV use over the device pools the loops decode into, each counted once (loops may share
+        # one); a cached block nobody holds is reclaimable, so free, as vLLM counts it.
+        by_id = {id(a): pools[name] for name, a in self._allocators.items()}
+        used = total = 0
+        for a in {id(loop.allocator): loop.allocator for loop in self._loops.values()}.values():
+            s = by_id.get(id(a))
+            if s is None:  # its name was taken by another allocator: read it here
+                s = a.statistics()
+            used, total = used + s.used_blocks, total + s.total_blocks
+        for metric, doc, value in (
+            (
+                "batchkit_replica_requests_waiting",
+                "Requests submitted to the decode loops and not running: not yet admitted, preempted, or swapped out.",
+                float(waiting),
+            ),
+            (
+                "batchkit_replica_requests_running",
+                "Requests running in the decode loops (each holds a seat of max_num_seqs and its KV blocks).",
+                float(running),
+            ),
+            (
+                "batchkit_replica_kv_usage_ratio",
+                "Share of the decode loops' KV blocks held by requests, 0..1 (reclaimable cached blocks are free).",
+                used / total if total else 0.0,
+            ),
+        ):
+            yield GaugeMetricFamily(metric, doc, value=value)
+            if self.vllm_names:
+                for alias in VLLM_NAMES[metric]:
+                    yield GaugeMetricFamily(alias, f"{doc} The same as {metric}.", value=value)
 
     # ------------------------------------------------------------------ batchers
 
@@ -179,10 +246,9 @@ class BatchkitCollector(Collector):
 
     # ------------------------------------------------------------------ decode loops
 
-    def _collect_loops(self) -> Iterator[Metric]:
+    def _collect_loops(self, stats: Mapping[str, LoopStatistics]) -> Iterator[Metric]:
         if not self._loops:
             return
-        stats = {name: loop.statistics() for name, loop in self._loops.items()}
 
         def gauge(metric: str, doc: str, value: Any) -> GaugeMetricFamily:
             g = GaugeMetricFamily(metric, doc, labels=["loop"])
@@ -250,10 +316,9 @@ class BatchkitCollector(Collector):
 
     # ------------------------------------------------------------------ KV pools
 
-    def _collect_allocators(self) -> Iterator[Metric]:
+    def _collect_allocators(self, stats: Mapping[str, AllocatorStatistics]) -> Iterator[Metric]:
         if not self._allocators:
             return
-        stats = {name: a.statistics() for name, a in self._allocators.items()}
         blocks = GaugeMetricFamily(
             "batchkit_kv_blocks", "KV blocks by state (free, used, cached).", labels=["pool", "state"]
         )
