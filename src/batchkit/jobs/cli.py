@@ -34,6 +34,7 @@ MAX_CONCURRENCY = 1024
 MAX_WAIT_MS = 10_000.0
 MAX_RETRIES = 100
 MAX_SECONDS = 3600.0
+FORMATS = ("records", "openai-batch")
 # A failure with one of these (permissions, a read-only file system) fails a rerun the same way.
 _NOT_RERUNNABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
@@ -162,10 +163,29 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         help="where to read the tokenizer from when --model's directory has none (a directory, a .gguf file "
         "or an installed model package); default: the model's own",
     )
+    g.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="records",
+        help="the input: records (JSON objects; --model generates from each one's --prompt-field) or openai-batch "
+        "(OpenAI Batch API request lines, answered as batchkit serve answers them, in OpenAI's output format; "
+        "keyed by custom_id; needs --model); default: records",
+    )
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="with --format openai-batch: the name each body's model must give (other names are answered 404 "
+        "model_not_found) and the answers' model; default: any name is answered by --model, named as its own",
+    )
     g.add_argument("--prompt-field", default="prompt", metavar="FIELD", help="the record field holding the prompt")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template (a user turn)")
     g.add_argument(
-        "--max-new-tokens", type=_int_in(1, 1 << 20), default=256, metavar="N", help="tokens generated at most"
+        "--max-new-tokens",
+        type=_int_in(1, 1 << 20),
+        default=256,
+        metavar="N",
+        help="tokens generated at most (with --format openai-batch: for a body that sets no max_tokens)",
     )
     g.add_argument(
         "--temperature", type=_float_in(0, 100), default=0.0, metavar="T", help="sampling temperature (0: greedy)"
@@ -273,6 +293,13 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
 
     lm = load_pretrained(args.model, tokenizer=args.tokenizer)
     loop = lm.make_loop(args.num_blocks, max_num_seqs=args.max_num_seqs)
+    if args.format == "openai-batch":
+        from .openai_batch import OpenAIBatchFunction
+
+        batch_fn = OpenAIBatchFunction(
+            lm, loop, served_model_name=args.served_model_name, default_max_tokens=args.max_new_tokens
+        )
+        return batch_fn, loop
     encode = (lambda text: lm.chat_prompt([{"role": "user", "content": text}])) if args.chat else lm.encode
     fn = generate_fn(
         loop,
@@ -284,6 +311,54 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
         stop_token_ids=lm.stop_token_ids,
     )
     return fn, loop
+
+
+def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
+    """``--format openai-batch``: the options that go with it, and an input whose custom_ids are
+    unique (read through once, before the model loads). Without it, a ``--model`` job whose
+    input is such a file is told the option, instead of dead-lettering every line."""
+    if args.format != "openai-batch":
+        if args.served_model_name is not None:
+            raise _Usage("argument --served-model-name: goes with --format openai-batch (the name its bodies give)")
+        if args.model is not None and not is_parquet(src):
+            from .openai_batch import looks_like_openai_batch
+
+            if looks_like_openai_batch(src, args.prompt_field):
+                raise _Usage(
+                    f"argument --input: {str(src)!r} holds OpenAI Batch request lines (custom_id, body): pass "
+                    "--format openai-batch to answer them"
+                )
+        return
+    if args.model is None:
+        raise _Usage("argument --format: openai-batch answers each request with a model: pass --model SOURCE")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise _Usage("argument --served-model-name: must be a name (the one bodies give as their model), got ''")
+    given = [
+        option
+        for option, is_set in (
+            ("--line-ids", args.line_ids),
+            ("--id-field", args.id_field != "id"),
+            ("--prompt-field", args.prompt_field != "prompt"),
+            ("--chat", args.chat),
+            ("--temperature", args.temperature != 0.0),
+        )
+        if is_set
+    ]
+    if given:
+        raise _Usage(
+            f"argument {given[0]}: not with --format openai-batch: each line's custom_id is its id, and its url "
+            "and body say what to generate and how"
+        )
+    if is_parquet(src):
+        raise _Usage("argument --input: --format openai-batch reads a JSONL file of request lines, not Parquet")
+    if is_parquet(out):
+        raise _Usage("argument --output: --format openai-batch writes OpenAI's JSONL output format: name a .jsonl file")
+    from .openai_batch import check_custom_ids
+
+    try:
+        check_custom_ids(src)
+    except ValueError as exc:
+        raise _Usage(f"argument --input: {exc}") from None
 
 
 def _check_parquet_input(src: Path) -> None:
@@ -345,8 +420,13 @@ def run_cli(args: argparse.Namespace) -> int:
             raise _Usage(f"argument --input: {args.input!r} {what}: pass the input JSONL file")
         out = _check_file_arg(args.output, "--output")
         dead = _check_file_arg(args.dead_letter, "--dead-letter") if args.dead_letter is not None else None
+        _check_openai_batch(args, src, out)
         id_field: str | None = None
-        if not args.line_ids:
+        if args.format == "openai-batch":
+            from .openai_batch import ID_FIELD
+
+            id_field = ID_FIELD
+        elif not args.line_ids:
             id_field = args.id_field
             if not id_field or id_field in RESERVED_FIELDS:
                 raise _Usage(
@@ -414,6 +494,13 @@ def run_cli(args: argparse.Namespace) -> int:
         hint = "" if show_tb else " (--traceback shows where)"
         print(f"{prog}: failed: {_failure(exc, started=started, src=Path(args.input))}{hint}", file=sys.stderr)
         return 1
+    answered_errors = getattr(fn, "num_errors", 0)
+    if answered_errors:
+        print(
+            f"{prog}: {answered_errors:,} {'request was' if answered_errors == 1 else 'requests were'} answered "
+            'with an error status, as the server would answer it (see "error" in its output line)',
+            file=sys.stderr,
+        )
     if report.stopped is not None:
         print(
             f"{prog}: stopped: {report.stopped}: fix what made the records fail (the dead-letter file says), "

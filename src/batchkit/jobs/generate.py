@@ -13,7 +13,7 @@ from .._errors import KVCacheExhausted
 if TYPE_CHECKING:
     from ..continuous.loop import ContinuousDecodeLoop
 
-__all__ = ["GenerateFunction", "Generation", "generate_fn", "qualified_name"]
+__all__ = ["GenerateFunction", "Generation", "LoopFunction", "OutputLine", "generate_fn", "qualified_name"]
 
 
 def qualified_name(obj: object) -> str:
@@ -35,7 +35,40 @@ class Generation:
     num_prompt_tokens: int
 
 
-class GenerateFunction:
+@dataclass(frozen=True, slots=True)
+class OutputLine:
+    """A result that is its record's whole output line (an OpenAI Batch answer, say) rather than
+    the value under ``"output"``: ``fields`` holds the id field too, under the function's
+    :attr:`LoopFunction.result_field` the value a resume checks each committed line for."""
+
+    fields: dict[str, Any]
+    num_tokens: int  # generated, for the job's tokens/s and cost
+
+
+class LoopFunction:
+    """A decode loop as a job's function: :func:`batchkit.jobs.run` submits each record on its
+    own (:meth:`submit`), keeps ``2 * max_num_seqs`` in flight, and journals :attr:`job_name`
+    and :meth:`settings` as what the results were computed with."""
+
+    job_name = "batchkit.jobs:LoopFunction"  # the function's name in the job's journal
+    result_field = "output"  # the output lines' field that holds each result
+    loop: ContinuousDecodeLoop
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests the loop runs at once (the job keeps twice as many in flight)."""
+        return int(self.loop.scheduler.max_num_seqs)
+
+    def settings(self) -> dict[str, Any]:
+        """What shapes each record's result besides the record, as the job's journal records it."""
+        raise NotImplementedError
+
+    def submit(self, record: dict[str, Any]) -> concurrent.futures.Future[Any]:
+        """Start one record; the future resolves to its result or fails with its error."""
+        raise NotImplementedError
+
+
+class GenerateFunction(LoopFunction):
     """Generate text for records through a decode loop (see :func:`generate_fn`).
 
     Calling it with a list of records returns their texts (a batch function, usable anywhere);
@@ -62,6 +95,8 @@ class GenerateFunction:
         self.prompt_field = prompt_field
         self.sampling = sampling
 
+    job_name = "batchkit.jobs:generate_fn"
+
     def settings(self) -> dict[str, Any]:
         """What shapes each record's text besides its prompt, as a job's journal records it: the
         model's type, the tokenizer's functions, the prompt field and the sampling options."""
@@ -72,11 +107,6 @@ class GenerateFunction:
             "prompt_field": self.prompt_field,
             "sampling": self.sampling,
         }
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Requests the loop runs at once (the job keeps twice as many in flight)."""
-        return int(self.loop.scheduler.max_num_seqs)
 
     def submit(self, record: dict[str, Any]) -> concurrent.futures.Future[Generation]:
         """Start generating for one record; the future resolves to a :class:`Generation` or fails

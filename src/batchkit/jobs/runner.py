@@ -26,7 +26,7 @@ from .._clock import Clock, MonotonicClock
 from .._errors import BatchTimeout, JobStateError, QueueFull
 from ..dynamic.decorator import progress_bar
 from .fingerprint import Fingerprints, InputCheck, canonical_json, content_digest, is_id, record_key
-from .generate import GenerateFunction, Generation, qualified_name
+from .generate import Generation, LoopFunction, OutputLine, qualified_name
 from .parquet import export_parquet, is_parquet, open_parquet, parquet_rows, read_parquet, require_pyarrow
 from .source import Malformed, Row, count_lines, iter_lines, parse_line, read_jsonl, read_records
 from .store import DoneSet, JobStore, dead_letter_path_for
@@ -146,6 +146,7 @@ class _Target:
     # Submit a record to be run in a call of its own: a batch that timed out does not say which
     # of its records hung, so each is retried alone and only the culprit times out again.
     submit_alone: Callable[[dict[str, Any]], concurrent.futures.Future[Any]] | None = None
+    result_field: str = "output"  # the output lines' field that holds each result
 
 
 def _make_target(
@@ -158,9 +159,9 @@ def _make_target(
     def no_close(drain: bool) -> None:
         pass
 
-    if isinstance(fn, GenerateFunction):
+    if isinstance(fn, LoopFunction):
         n = fn.max_num_seqs
-        return _Target(fn.submit, lambda: None, no_close, 2 * n, None, True, n)
+        return _Target(fn.submit, lambda: None, no_close, 2 * n, None, True, n, result_field=fn.result_field)
     if isinstance(fn, ContinuousDecodeLoop):
         raise TypeError(
             "a ContinuousDecodeLoop generates from token ids: wrap it with its tokenizer, "
@@ -232,8 +233,8 @@ def _fn_identity(fn: Any) -> tuple[str, dict[str, Any]]:
     """The function's name and the settings that shape its results, as the journal records them."""
     from ..dynamic.batcher import DynamicBatcher
 
-    if isinstance(fn, GenerateFunction):
-        return "batchkit.jobs:generate_fn", fn.settings()
+    if isinstance(fn, LoopFunction):
+        return fn.job_name, fn.settings()
     if isinstance(fn, DynamicBatcher):
         fn = fn.fn
     return qualified_name(fn), {}
@@ -469,12 +470,18 @@ class _Job:
             return
         result = fut.result()
         tokens: int | None = None
+        line: dict[str, Any] | None = None
         if isinstance(result, Generation):
             tokens, result = result.num_tokens, result.text
+        elif isinstance(result, OutputLine):
+            tokens, line = result.num_tokens, result.fields
+            if line.get(self.key_field, _MISSING) != item.key:  # a resume finds each line by its id
+                self._call_failed(item, f"the output line does not hold the record's {self.key_field!r}")
+                return
         elif self.count_tokens is not None:
             tokens = int(self.count_tokens(item.record, result))
         try:
-            data = _line({self.key_field: item.key, "output": result})
+            data = _line(line if line is not None else {self.key_field: item.key, "output": result})
         except (TypeError, ValueError) as e:  # retrying would give the same result
             self._call_failed(
                 item, f"the result is not JSON-serialisable: {_error_text(e)}", attempts=item.attempts + 1
@@ -763,6 +770,12 @@ def run(
         batch_timeout_s=batch_timeout_s,
         owned_queue=window,
     )
+    if parquet_out is not None and target.result_field != "output":
+        target.close(False)
+        raise ValueError(
+            f"sink {str(sink)!r}: this function writes whole output lines (under {target.result_field!r}), which "
+            "have no Parquet form here: name a .jsonl sink"
+        )
     if max_in_flight is None:
         window = target.window
     if target.cap is not None:
@@ -780,6 +793,7 @@ def run(
         fn_options=settings,
         retry_dead_letters=retry_dead_letters,
         check=resume,
+        result_field=target.result_field,
     )
     assert resume.input_check is not None  # JobStore.open returned: it ran the check
     bar = None

@@ -157,12 +157,14 @@ class JobStore:
         journal: Path,
         header: dict[str, Any],
         key_field: str,
+        result_field: str = "output",
     ) -> None:
         self.output = output
         self.dead_letter = dead_letter
         self.journal = journal
         self.header = header
         self.key_field = key_field
+        self.result_field = result_field
         self.out_bytes = 0
         self.dead_bytes = 0
         self.commits = 0
@@ -188,6 +190,7 @@ class JobStore:
         fn_options: dict[str, Any] | None = None,
         retry_dead_letters: bool = False,
         check: Callable[[DoneSet], None] | None = None,
+        result_field: str = "output",
     ) -> tuple[JobStore, DoneSet]:
         """Open (or start) the job writing to ``output``; return the store and what is done.
 
@@ -196,7 +199,9 @@ class JobStore:
         once the files are read and before anything is written: it raises to refuse the resume
         (the job's input no longer holds what ``done`` was computed from). With
         ``retry_dead_letters``, the dead-letter file is emptied (after the journal records that)
-        and its records count as not done: the job tries them again.
+        and its records count as not done: the job tries them again. ``result_field``: the field
+        every output line holds beside the id field (``"output"``; ``"response"`` for OpenAI
+        Batch answers).
 
         Raises:
             JobStateError: another process runs this job; the journal names another input,
@@ -216,7 +221,8 @@ class JobStore:
             "fn": fn,
             "fn_options": json.loads(json.dumps(fn_options or {}, sort_keys=True, default=repr)),  # as read back
         }
-        store = cls(output, dead_letter, journal, header, id_field if id_field is not None else "line")
+        key_field = id_field if id_field is not None else "line"
+        store = cls(output, dead_letter, journal, header, key_field, result_field)
         try:
             done = store._recover(retry_dead_letters, check)
         except BaseException:
@@ -353,8 +359,10 @@ class JobStore:
         for n, raw in _lines(self.output, self.out_bytes):
             rec = self._parse(self.output, n, raw)
             value = rec.get(key)
-            if not is_id(value) or "output" not in rec:
-                raise JobStateError(f"{self.output}:{n} is not an output line of this job (no {key!r} and 'output')")
+            if not is_id(value) or self.result_field not in rec:
+                raise JobStateError(
+                    f"{self.output}:{n} is not an output line of this job (no {key!r} and {self.result_field!r})"
+                )
             keys.append(value)
         ids.update(keys)
         self._check_fingerprints(self.output, len(keys), self._out_fp)
