@@ -14,6 +14,8 @@ or from the shell: ``batchkit run mymodule:shout --input in.jsonl --output out.j
 
 - :func:`run`: the job (see its docstring for every option), returning a :class:`JobReport`.
 - :func:`generate_fn`: a :class:`~batchkit.ContinuousDecodeLoop` plus a tokenizer as a job function.
+- :mod:`batchkit.jobs.openai_batch`: OpenAI Batch API files answered as ``batchkit serve`` answers
+  them (``batchkit run --model M --format openai-batch``; imported on use: it reads the server's protocol).
 - :class:`JobStore`: the output, dead-letter file and journal, and how a crash is recovered.
 - :func:`add_run_parser`, :func:`run_cli`: the ``batchkit run`` sub-command.
 
