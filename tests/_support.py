@@ -121,3 +121,40 @@ def word_tokenizer(vocab: int = 128) -> Any:
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+
+
+def hf_greedy(hf: Any, prompt: list[int], max_new_tokens: int, **generate: Any) -> list[int]:
+    """transformers' greedy new tokens for ``prompt`` (EOS off; ``generate`` adds options such as
+    ``repetition_penalty``): the reference batchkit's loops are checked against."""
+    import torch
+
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **generate,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def drain(loop: Any, params: list[Any], prompts: list[list[int]], steps: int = 1_000) -> list[list[int]]:
+    """Every prompt's new tokens under its ``SamplingParams``, the loop (a ContinuousDecodeLoop
+    whose engine thread is unused) stepped in this thread until it is idle."""
+    from batchkit.continuous import Request
+
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        loop.scheduler.add(Request(i, prompt, p))
+    out: dict[Any, list[int]] = {i: [] for i in range(len(prompts))}
+    for _ in range(steps):
+        if not loop.scheduler.has_work():
+            return [out[i] for i in range(len(prompts))]
+        _, events = loop.step_once()
+        for ev in events:
+            assert ev.error is None, ev.error
+            if ev.token is not None:
+                out[ev.request_id].append(ev.token)
+    raise AssertionError("the loop did not finish")

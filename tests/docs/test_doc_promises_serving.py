@@ -98,6 +98,58 @@ def test_temperature_defaults_to_1_as_openai(live: LiveServer) -> None:
     assert texts[0] != texts[2]
 
 
+def test_logit_bias_forces_a_token_streamed_or_not(client: Any, models: tuple[Any, Any]) -> None:
+    """ "`logit_bias` ... added to those logits before sampling": +100 on one token makes it every
+    greedy choice, through the openai client, streamed or not; the logprobs stay the raw ones."""
+    lm, _ = models
+    (banana,) = lm.encode(" banana")
+    kwargs: dict[str, Any] = {"model": CHAT, "messages": HI, "max_tokens": 3, "temperature": 0}
+    r = client.chat.completions.create(**kwargs, logit_bias={str(banana): 100}, logprobs=True)
+    assert r.choices[0].message.content == " banana banana banana"
+    assert all(t.logprob < -1.0 for t in r.choices[0].logprobs.content), "raw logprobs, not the biased ones"
+    chunks = client.chat.completions.create(**kwargs, logit_bias={str(banana): 100}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " banana banana banana"
+
+
+def test_penalties_change_what_a_repeating_greedy_request_writes(client: Any) -> None:
+    """ "`frequency_penalty` (-2 to 2) ... `repetition_penalty` (> 0)": a prompt the model answers
+    by repeating itself is answered otherwise under each; the neutral values answer as no field."""
+    kwargs: dict[str, Any] = {"model": CHAT, "prompt": "1, 1, 1, 1, 1, 1, 1, 1,", "max_tokens": 12, "temperature": 0}
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert plain.startswith(" 1, 1, 1"), plain
+    for extra in ({"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 1.5}}):
+        assert client.completions.create(**kwargs, **extra).choices[0].text != plain, extra
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "extra_body": {"repetition_penalty": 1, "min_p": 0}}
+    assert client.completions.create(**kwargs, **neutral).choices[0].text == plain
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("frequency_penalty", "1"),
+        ("repetition_penalty", 0),
+        ("min_p", 1.5),
+        ("logit_bias", [1, 2]),
+        ("logit_bias", {"banana": 1}),
+        ("logit_bias", {"-1": 1}),
+        ("logit_bias", {"15": 101}),
+        ("logit_bias", {"15": True}),
+        ("logit_bias", {"49152": 1}),  # SmolLM2's vocabulary holds 49152 tokens: ids 0 to 49151
+    ],
+)
+def test_a_bad_penalty_or_bias_is_a_bad_request_naming_it(live: LiveServer, field: str, value: Any) -> None:
+    """ "Bad values ... 400 `invalid_value` naming the field", a token id past the vocabulary too."""
+    for path, body in (
+        ("/v1/chat/completions", {"model": CHAT, "messages": HI, "max_tokens": 1}),
+        ("/v1/completions", {"model": CHAT, "prompt": "Hi", "max_tokens": 1}),
+    ):
+        r = _post(f"{live.url}{path}", {**body, field: value})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value", field)
+
+
 def test_up_to_4_stop_strings(live: LiveServer) -> None:
     """ "`stop` (up to 4 strings)": four are taken, a fifth is 400 naming `stop`."""
     url = f"{live.url}/v1/chat/completions"
@@ -131,9 +183,6 @@ def test_every_documented_role_and_text_content_parts_are_taken(client: Any) -> 
 
 
 UNSUPPORTED = [
-    ("/v1/chat/completions", "logit_bias", {"15": 5}),
-    ("/v1/chat/completions", "presence_penalty", 0.5),
-    ("/v1/chat/completions", "frequency_penalty", 1.0),
     ("/v1/chat/completions", "n", 2),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
@@ -144,7 +193,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "web_search_options", {}),
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "suffix", "!"),
-    ("/v1/completions", "presence_penalty", 1.0),
     ("/v1/completions", "n", 3),
     ("/v1/embeddings", "dimensions", 8),
 ]

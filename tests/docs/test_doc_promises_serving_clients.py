@@ -457,7 +457,14 @@ def test_a_stop_string_completed_by_a_token_ending_mid_character_is_not_sent() -
 # ----------------------------------------------------------------------------- refused fields and prompts
 
 
-@pytest.mark.parametrize(("field", "value"), [("n", 2), ("presence_penalty", 0.5), ("logit_bias", {"15": 3})])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 2),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ],
+)
 def test_the_openai_client_gets_bad_request_for_an_unimplemented_field_streamed_or_not(
     client: Any, field: str, value: Any
 ) -> None:

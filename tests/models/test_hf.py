@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from _support import drain, hf_greedy
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -86,32 +88,12 @@ def _prompts() -> list[list[int]]:
 
 
 def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
+    return hf_greedy(hf, prompt, NEW_TOKENS)
 
 
 def _run(loop: ContinuousDecodeLoop, prompts: list[list[int]]) -> list[list[int]]:
     """Every prompt's greedy tokens, the loop stepped in this thread until it is idle."""
-    for i, p in enumerate(prompts):
-        loop.scheduler.add(Request(i, p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)))
-    out: dict[Any, list[int]] = {i: [] for i in range(len(prompts))}
-    for _ in range(1_000):
-        if not loop.scheduler.has_work():
-            return [out[i] for i in range(len(prompts))]
-        _, events = loop.step_once()
-        for ev in events:
-            assert ev.error is None, ev.error
-            if ev.token is not None:
-                out[ev.request_id].append(ev.token)
-    raise AssertionError("the loop did not finish")
+    return drain(loop, [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts), prompts)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))

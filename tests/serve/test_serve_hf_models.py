@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from _support import wait_for_ready
+from _support import hf_greedy, wait_for_ready
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -99,16 +99,7 @@ def _reference(folder: Path, prompt: list[int], max_new_tokens: int) -> str:
     """transformers' greedy text for ``prompt`` with the same weights (EOS off)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
     tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return str(tok.decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True))
+    return str(tok.decode(hf_greedy(hf, prompt, max_new_tokens), skip_special_tokens=True))
 
 
 def test_a_served_qwen2_answers_the_openai_client_with_transformers_greedy_text(qwen2_dir: Path, server: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from _support import wait_for_ready, wait_until, word_tokenizer
+from _support import hf_greedy, wait_for_ready, wait_until, word_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -52,16 +52,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     tokenizer = word_tokenizer(VOCAB)
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(root / "tok")
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([PROMPT]),
-            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.int64),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    text = tokenizer.decode(out[0, len(PROMPT) :].tolist(), skip_special_tokens=True)
+    text = tokenizer.decode(hf_greedy(hf, PROMPT, NEW_TOKENS), skip_special_tokens=True)
     return root / "model", root / "tok", str(text)
 
 

@@ -25,7 +25,7 @@ from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
 from ..metrics import LatencySummary, SampleWindow
 from .logprobs import TokenLogprobs, logprobs_of
-from .sampling import SamplingParams, sample, token_ids
+from .sampling import SamplingParams, adjust_logits, sample, token_ids
 from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
 from .step import StepBatch, check_logits
 
@@ -323,7 +323,11 @@ class ContinuousDecodeLoop:
         stream: _Stream | None = None,
         deadline_s: float | None = None,
     ) -> tuple[Hashable, _Stream]:
-        prompt = _check_prompt(prompt_ids, self._vocab_size())
+        vocab = self._vocab_size()
+        prompt = _check_prompt(prompt_ids, vocab)
+        bias = params.logit_bias_pairs
+        if vocab is not None and bias and bias[-1][0] >= vocab:
+            raise ValueError(f"logit_bias holds token id {bias[-1][0]}, past the vocabulary ({vocab} tokens)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
         try:
@@ -706,6 +710,10 @@ class ContinuousDecodeLoop:
         logits = all_logits if batch.sample_rows is None else all_logits.index_select(0, batch.sample_rows)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
         logits, broken = self._mask_bad_rows(logits, sampling)
+        if any(r.params.adjusts_logits for r in sampling):
+            logits = adjust_logits(
+                logits, [r.params for r in sampling], [r.tokens for r in sampling], [r.prompt_len for r in sampling]
+            )
         tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
         token_lps = None
         if plan is not None or any(r.params.logprobs is not None for r in sampling):

@@ -5,18 +5,20 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "sample"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "sample"]
 
 Tensor = Any
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,19 @@ class SamplingParams:
             before temperature and top-k/top-p (see :mod:`batchkit.continuous.logprobs`).
         prompt_logprobs: the same for every prompt token after the first (0 to 20); such a
             request computes its whole prompt (no prefix-cache hit: cached tokens have no logits).
+        presence_penalty: subtracted from the logit of every token the output holds already
+            (-2 to 2; OpenAI's and vLLM's meaning: the prompt does not count).
+        frequency_penalty: subtracted once per time a token occurs in the output so far (-2 to 2).
+        repetition_penalty: divides the positive logits and multiplies the negative ones of every
+            token of the prompt or the output (> 0; 1 is off; transformers' and vLLM's meaning).
+        logit_bias: ``{token_id: bias}`` added to those logits (-100 to 100 each, as OpenAI's);
+            ids past the vocabulary are refused at submit. Kept as sorted ``(id, bias)`` pairs.
+        min_p: when sampling, drop tokens less likely than ``min_p`` times the most likely one,
+            after temperature (0 to 1; 0 is off). Greedy decoding ignores it.
+
+    Penalties and biases change the logits both greedy decoding and sampling read, in the order
+    vLLM applies them (bias, then repetition, frequency and presence); the logprobs reported are
+    those of the raw logits, before all of them, as OpenAI and vLLM report them.
     """
 
     max_new_tokens: int = 64
@@ -50,6 +65,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = field(default_factory=tuple)
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         # Everything is checked here, at submit: a value the sampler or the stop check could only
@@ -98,10 +118,59 @@ class SamplingParams:
                 if count is None or not 0 <= count <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
                 object.__setattr__(self, name, count)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 is off), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty!r}"
+            )
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}")
+        object.__setattr__(self, "min_p", float(self.min_p))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as it is kept: ``(token_id, bias)`` pairs sorted by id."""
+        return cast(tuple[tuple[int, float], ...], self.logit_bias)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes this request's logits (see :func:`adjust_logits`)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``{token_id: bias}`` (or its items) as sorted ``(id, bias)`` pairs, each checked."""
+    if isinstance(bias, Mapping):
+        items: Iterable[Any] = bias.items()
+    elif isinstance(bias, Iterable) and not isinstance(bias, str | bytes):
+        items = bias
+    else:
+        raise TypeError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for item in items:
+        try:
+            key, value = item
+        except (TypeError, ValueError):
+            raise TypeError(f"logit_bias must be a mapping of token id to bias, got the entry {item!r}") from None
+        token = _index(key)
+        if token is None or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _is_real(x: object) -> bool:
@@ -177,6 +246,61 @@ def find_stop(text: str, stop: Sequence[str], start: int) -> int:
     return min(hits) if hits else -1
 
 
+def adjust_logits(
+    logits: Tensor, params: Sequence[SamplingParams], tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int]
+) -> Tensor:
+    """``logits`` ``[n, vocab]`` with each row's logit bias and penalties applied, in float32.
+
+    Row ``i`` has seen ``tokens[i]``, its prompt (the first ``prompt_lens[i]``) then its output
+    so far. Only the rows whose parameters adjust their logits are computed, all in one
+    vectorised pass per kind; ``logits`` itself is returned, unchanged, when no row adjusts.
+    """
+    import torch
+
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    device = logits.device
+    x = logits.index_select(0, torch.tensor(rows, device=device)).to(torch.float32)
+    picked = [params[i] for i in rows]
+
+    def scatter_index(seqs: list[Sequence[int]]) -> tuple[Tensor, Tensor]:
+        """(row, token) index tensors of every token of every picked row's sequence."""
+        row_ids = [j for j, seq in enumerate(seqs) for _ in range(len(seq))]
+        flat = [t for seq in seqs for t in seq]
+        return (
+            torch.tensor(row_ids, dtype=torch.long, device=device),
+            torch.tensor(flat, dtype=torch.long, device=device),
+        )
+
+    biased = [(j, t, b) for j, p in enumerate(picked) for t, b in p.logit_bias_pairs]
+    if biased:
+        r, t, b = zip(*biased, strict=True)
+        x.index_put_(
+            (torch.tensor(r, device=device), torch.tensor(t, device=device)),
+            torch.tensor(b, dtype=torch.float32, device=device),
+            accumulate=True,
+        )
+    if any(p.repetition_penalty != 1.0 for p in picked):
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[
+            scatter_index([tokens[i] if p.repetition_penalty != 1.0 else () for i, p in zip(rows, picked, strict=True)])
+        ] = True
+        penalty = torch.tensor([p.repetition_penalty for p in picked], dtype=torch.float32, device=device)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if any(p.presence_penalty or p.frequency_penalty for p in picked):
+        counts = torch.zeros_like(x)
+        outputs = [tokens[i][prompt_lens[i] :] for i in rows]
+        index = scatter_index(outputs)
+        counts.index_put_(index, torch.ones_like(index[0], dtype=torch.float32), accumulate=True)
+        freq = torch.tensor([p.frequency_penalty for p in picked], dtype=torch.float32, device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in picked], dtype=torch.float32, device=device)[:, None]
+        x -= freq * counts + presence * (counts > 0)
+    out = logits.to(torch.float32, copy=True)
+    out[torch.tensor(rows, device=device)] = x
+    return out
+
+
 def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[Any]) -> list[int]:
     """One token per row of ``logits`` ``[n, vocab]`` under each row's parameters.
 
@@ -215,6 +339,8 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
             out.append(int(row.argmax()))
             continue
         x = (xs - m).div_(p.temperature)
+        if p.min_p > 0:  # the best logit is 0 here: p / p_best < min_p where x < log(min_p)
+            x = x.masked_fill(x < math.log(p.min_p), float("-inf"))
         if p.top_k and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

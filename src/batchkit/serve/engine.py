@@ -312,9 +312,19 @@ class EngineBridge:
         is the list the request holds (checked against the vocabulary, not copied).
 
         Raises:
-            ApiError: 400 for a model without a chat template, or a token id past the vocabulary.
+            ApiError: 400 for a model without a chat template, or a token id (in a prompt or in
+                ``logit_bias``) past the vocabulary.
         """
         assert self.prompts is not None
+        assert self.lm is not None
+        vocab = self.lm.model.config.vocab_size
+        if req.logit_bias and req.logit_bias[-1][0] >= vocab:
+            raise ApiError(
+                400,
+                f"'logit_bias' token ids must be in [0, {vocab}), got {req.logit_bias[-1][0]}",
+                param="logit_bias",
+                code="invalid_value",
+            )
         if req.messages is None and all(not isinstance(p, str) for p in req.prompts):
             return self._checked_ids(req)  # nothing to tokenize: no thread needed
 
@@ -383,6 +393,11 @@ class EngineBridge:
             "ignore_eos": req.ignore_eos,
             "seed": req.seed,
             "stop_token_ids": stop_ids,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "min_p": req.min_p,
+            "logit_bias": req.logit_bias,
         }
         if req.stop:
             sampling["stop"] = req.stop

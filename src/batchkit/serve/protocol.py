@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..continuous.sampling import MAX_LOGPROBS, DecodedText, find_stop
+from ..continuous.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, DecodedText, find_stop
 
 __all__ = [
     "ApiError",
@@ -234,6 +234,11 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt's text (and its logprobs) before the output
     prompts: tuple[str | list[int], ...] = ()  # completions: every prompt, answered as choices by index
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension, as min_p
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
     def prompt_param(self, index: int) -> str:
         """The field errors about prompt ``index`` name: ``messages``, ``prompt`` or ``prompt[i]``."""
@@ -246,9 +251,6 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
     n = _opt_int(body, "n", lo=1)
     if n not in (None, 1):
         raise ApiError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _unsupported(body, name, (None, 0, 0.0))
-    _unsupported(body, "logit_bias", (None, {}))
     # Tools and structured output: silently ignored, the model would answer in plain text.
     for name in ("tools", "functions"):
         _unsupported(body, name, (None, []))
@@ -299,7 +301,29 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
         # Extensions vLLM's server also takes (the openai client sends them with extra_body=).
         "top_k": _opt_int(body, "top_k", lo=0) or 0,
         "ignore_eos": _opt_bool(body, "ignore_eos"),
+        "presence_penalty": _opt_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        "frequency_penalty": _opt_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        "repetition_penalty": _opt_number(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
+        "min_p": _opt_number(body, "min_p", 0.0, 0.0, 1.0),
+        "logit_bias": _logit_bias(body),
     }
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object of token ids (decimal strings) to biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _invalid("logit_bias", f"'logit_bias' must be an object of token ids to biases, got {value!r}")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise _invalid("logit_bias", f"'logit_bias' keys must be token ids (decimal integers), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise _invalid("logit_bias", f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for {key}")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 def _message_text(content: Any, index: int) -> str:
