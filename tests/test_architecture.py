@@ -79,6 +79,7 @@ FLOORS: dict[str, int] = {
     "demo.llm": 5,
     "demo": 5,
     "jobs": 6,
+    "jobs.openai_batch": 7,  # answers OpenAI Batch lines with serve/'s wire format: above serve/
     "serve": 6,
     "integrations": 6,
     # the old paths of the modules moved into dynamic/ and control/: aliases for one release
