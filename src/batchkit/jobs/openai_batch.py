@@ -13,7 +13,6 @@ dead letter, as for any job. This module knows nothing of files beyond :func:`ch
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import os
 import threading
@@ -22,7 +21,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import KVCacheExhausted
-from ..continuous.sampling import SamplingParams
 from ..serve.admission import PromptRoom
 from ..serve.protocol import (
     MAX_PROMPTS_PER_REQUEST,
@@ -53,11 +51,6 @@ __all__ = ["ID_FIELD", "ROUTES", "OpenAIBatchFunction", "check_custom_ids", "loo
 
 ID_FIELD = "custom_id"
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-# A request's fields that SamplingParams takes under the same name (temperature, top_p, seed,
-# stop, penalties...): the loop's options are read from the parsed request by name, so a field
-# the protocol learns reaches the batch job as it reaches the server.
-_SET_HERE = frozenset({"max_new_tokens", "stop_token_ids", "eos_token_id", "logprobs", "prompt_logprobs"})
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in _SET_HERE)
 
 
 def check_custom_ids(path: str | os.PathLike[str]) -> None:
@@ -246,15 +239,10 @@ class OpenAIBatchFunction(LoopFunction):
             )
             for i, p in enumerate(request.prompts)
         ]
-        stop_ids = () if req.ignore_eos else lm.stop_token_ids
-        sampling: dict[str, Any] = {name: getattr(req, name) for name in _SAMPLING_FIELDS if hasattr(req, name)}
-        sampling["stop_token_ids"] = stop_ids
+        sampling = req.sampling_options(lm.stop_token_ids)
         submit: Callable[..., concurrent.futures.Future[Any]] = loop.submit
         if req.logprobs is not None:
             submit = loop.submit_logprobs
-            sampling["logprobs"] = req.logprobs
-            if req.echo:
-                sampling["prompt_logprobs"] = req.logprobs
         try:
             for prompt, limit in zip(request.prompts, request.limits, strict=True):
                 # max_tokens=0 (an echoed prompt alone) still runs the prompt, as the server does.
@@ -271,23 +259,13 @@ class OpenAIBatchFunction(LoopFunction):
 
     def _prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         lm = self.lm
+        req.check_vocabulary(lm.model.config.vocab_size)  # as the server checks it
         if req.messages is not None:
             try:
                 return [lm.chat_prompt(req.messages)]
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
-        vocab = lm.model.config.vocab_size
-        prompts = []
-        for i, prompt in enumerate(req.prompts):
-            if isinstance(prompt, str):
-                prompts.append(lm.encode(prompt))
-            elif min(prompt) < 0 or max(prompt) >= vocab:
-                raise ApiError(
-                    400, f"token ids must be in [0, {vocab})", param=req.prompt_param(i), code="invalid_value"
-                )
-            else:
-                prompts.append(list(prompt))
-        return prompts
+        return [lm.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
 
     def _refused(self, custom_id: Any, err: ApiError) -> OutputLine:
         with self._lock:

@@ -317,16 +317,9 @@ class EngineBridge:
         """
         assert self.prompts is not None
         assert self.lm is not None
-        vocab = self.lm.model.config.vocab_size
-        if req.logit_bias and req.logit_bias[-1][0] >= vocab:
-            raise ApiError(
-                400,
-                f"'logit_bias' token ids must be in [0, {vocab}), got {req.logit_bias[-1][0]}",
-                param="logit_bias",
-                code="invalid_value",
-            )
+        req.check_vocabulary(self.lm.model.config.vocab_size)
         if req.messages is None and all(not isinstance(p, str) for p in req.prompts):
-            return self._checked_ids(req)  # nothing to tokenize: no thread needed
+            return [p for p in req.prompts if not isinstance(p, str)]  # nothing to tokenize: no thread needed
 
         def run(lm: PretrainedLM) -> list[list[int]]:
             if req.messages is not None:
@@ -334,21 +327,9 @@ class EngineBridge:
                     return [lm.chat_prompt(req.messages)]
                 except ValueError as exc:
                     raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
-            return [lm.encode(p) if isinstance(p, str) else p for p in self._checked_ids(req)]
+            return [lm.encode(p) if isinstance(p, str) else p for p in req.prompts]
 
         return await self.prompts.run(run)
-
-    def _checked_ids(self, req: GenerationRequest) -> list[Any]:
-        """The prompts, each token-id one checked against the vocabulary (the texts as they are)."""
-        lm = self.lm
-        assert lm is not None
-        vocab = lm.model.config.vocab_size
-        for i, prompt in enumerate(req.prompts):
-            if not isinstance(prompt, str) and (min(prompt) < 0 or max(prompt) >= vocab):
-                raise ApiError(
-                    400, f"token ids must be in [0, {vocab})", param=req.prompt_param(i), code="invalid_value"
-                )
-        return list(req.prompts)
 
     def output_limits(self, req: GenerationRequest, prompts: Sequence[Sequence[int]], tenant: str | None) -> list[int]:
         """Each prompt's output limit (see :class:`~batchkit.serve.admission.PromptRoom`).
@@ -385,27 +366,9 @@ class EngineBridge:
         lm, loop = self.lm, self.loop
         assert lm is not None
         assert loop is not None
-        stop_ids = () if req.ignore_eos else lm.stop_token_ids
-        sampling: dict[str, Any] = {
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "ignore_eos": req.ignore_eos,
-            "seed": req.seed,
-            "stop_token_ids": stop_ids,
-            "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "repetition_penalty": req.repetition_penalty,
-            "min_p": req.min_p,
-            "logit_bias": req.logit_bias,
-        }
-        if req.stop:
-            sampling["stop"] = req.stop
+        sampling = req.sampling_options(lm.stop_token_ids)
+        stop_ids = sampling["stop_token_ids"]
         detailed = req.logprobs is not None
-        if detailed:
-            sampling["logprobs"] = req.logprobs
-            if req.echo:
-                sampling["prompt_logprobs"] = req.logprobs
         generate = loop.generate_logprobs if detailed else loop.generate
         rid = new_id("chatcmpl" if route == "chat" else "cmpl")
         return [

@@ -240,6 +240,45 @@ class GenerationRequest:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
+    def sampling_options(self, stop_token_ids: Sequence[int]) -> dict[str, Any]:
+        """The decode loop's sampling options for this request (the fields of :class:`batchkit.SamplingParams`
+        but the output limit), ``stop_token_ids`` being the model's (dropped with ``ignore_eos``)."""
+        options: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": () if self.ignore_eos else tuple(stop_token_ids),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+        }
+        if self.stop:
+            options["stop"] = self.stop
+        if self.logprobs is not None:
+            options["logprobs"] = self.logprobs
+            if self.echo:
+                options["prompt_logprobs"] = self.logprobs
+        return options
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse a token id past the vocabulary, in a token-id prompt or in ``logit_bias``.
+
+        Raises:
+            ApiError: 400 ``invalid_value`` naming the prompt (``prompt`` / ``prompt[i]``) or
+                ``logit_bias``.
+        """
+        for i, prompt in enumerate(self.prompts):
+            if not isinstance(prompt, str) and (min(prompt) < 0 or max(prompt) >= vocab_size):
+                raise _invalid(self.prompt_param(i), f"token ids must be in [0, {vocab_size})")
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise _invalid(
+                "logit_bias", f"'logit_bias' token ids must be in [0, {vocab_size}), got {self.logit_bias[-1][0]}"
+            )
+
     def prompt_param(self, index: int) -> str:
         """The field errors about prompt ``index`` name: ``messages``, ``prompt`` or ``prompt[i]``."""
         if self.messages is not None:
