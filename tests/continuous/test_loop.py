@@ -1192,3 +1192,143 @@ class TestStatistics:
         assert (sched.ttft.count, sched.tpot.count, sched.queue_wait.count) == (1, 2, 1)
         assert s.step_time_recent.count == s.step_time.count == s.steps
         assert s.step_time_recent.max_ms == s.step_time.max_ms
+
+
+# --------------------------------------------------------------------------- n samples of one prompt
+
+
+class TableStep:
+    """A fake model whose logits are a fixed random row per last input token: sampling under a
+    seed is reproducible, and different seeds draw different tokens."""
+
+    def __init__(self) -> None:
+        self.table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+
+    def __call__(self, batch: StepBatch, kv: Any) -> Any:
+        return self.table[batch.input_ids[batch.sample_indices]]
+
+
+async def _all(streams: list[Any]) -> list[list[Any]]:
+    """Every stream read to its end, all at once (as a server reads the choices of a request)."""
+    out: list[list[Any]] = [[] for _ in streams]
+
+    async def read(i: int) -> None:
+        out[i] = [t async for t in streams[i]]
+
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(streams)):
+                tg.start_soon(read, i)
+    return out
+
+
+class TestGenerateN:
+    @pytest.mark.anyio
+    async def test_sample_i_is_the_request_seeded_seed_plus_i(self) -> None:
+        prompt = [1, 2, 3]
+        with make_loop(TableStep()) as loop:
+            got = await _all(loop.generate_n(prompt, 3, max_new_tokens=6, temperature=1.0, seed=7))
+            want = []
+            for i in range(3):
+                want.append([t async for t in loop.generate(prompt, max_new_tokens=6, temperature=1.0, seed=7 + i)])
+        assert got == want
+        assert len({tuple(x) for x in got}) > 1, "the seeds were meant to draw different samples"
+
+    @pytest.mark.anyio
+    async def test_a_seed_at_the_top_of_the_range_wraps_around(self) -> None:
+        with make_loop(TableStep()) as loop:
+            got = await _all(loop.generate_n([4], 2, max_new_tokens=4, temperature=1.0, seed=2**64 - 1))
+            wrapped = [t async for t in loop.generate([4], max_new_tokens=4, temperature=1.0, seed=-(2**63))]
+        assert got[1] == wrapped
+
+    @pytest.mark.anyio
+    async def test_the_samples_after_the_first_take_its_prompt_blocks_from_the_prefix_cache(self) -> None:
+        """A prompt of 10 tokens in blocks of 4: the first sample computes it; the other two are
+        admitted after it and each take its 2 full blocks (8 tokens) from the prefix cache."""
+        prompt = list(range(1, 11))
+        with make_loop(EchoStep(), enable_prefix_caching=True) as loop:
+            got = await _all(loop.generate_n(prompt, 3, max_new_tokens=3))
+            stats = loop.allocator.statistics()
+        assert got == [[11, 12, 13]] * 3
+        assert stats.prefix_hits == 2 * 8
+        assert stats.used_blocks == 0
+
+    @pytest.mark.anyio
+    async def test_without_prefix_caching_the_samples_run_together(self) -> None:
+        echo = EchoStep()
+        with make_loop(echo, enable_prefix_caching=False) as loop:
+            got = await _all(loop.generate_n([5, 6], 3, max_new_tokens=2, detailed=True))
+        assert [[item.token for item in g] for g in got] == [[7, 8]] * 3
+        assert all(math.isfinite(item.logprob) for g in got for item in g)
+        assert max(b.num_seqs for b in echo.batches) == 3
+
+    @pytest.mark.anyio
+    async def test_a_refusal_refuses_every_sample_and_none_runs(self) -> None:
+        """max_waiting=2 while the engine is busy: the third sample cannot be queued, so each of
+        the three iterators raises QueueFull and the two queued ones are aborted before they run."""
+        from batchkit import QueueFull
+
+        entered, release = threading.Event(), threading.Event()
+        echo = EchoStep()
+
+        def blocking_step(batch: StepBatch, kv: Any) -> Any:
+            entered.set()
+            assert release.wait(WAIT)
+            return echo(batch, kv)
+
+        with make_loop(blocking_step, max_num_seqs=1, max_waiting=2) as loop:
+            first = loop.submit([1], max_new_tokens=2)
+            assert entered.wait(WAIT)
+            streams = loop.generate_n([9], 3, max_new_tokens=2)
+            for stream in streams:
+                with pytest.raises(QueueFull, match="max_waiting=2"):
+                    await stream.__anext__()
+            release.set()
+            assert first.result(WAIT) == [2, 3]
+            assert [f.result(WAIT) for f in [loop.submit([1], max_new_tokens=1)]] == [[2]]
+        assert loop.scheduler.statistics().finished == 2, "only the two plain requests ran"
+
+    @pytest.mark.anyio
+    async def test_leaving_one_sample_aborts_it_alone(self) -> None:
+        with make_loop(EchoStep()) as loop:
+            streams = loop.generate_n([1], 2, max_new_tokens=50)
+            with anyio.fail_after(WAIT):
+                assert await streams[0].__anext__() == 2
+                await streams[0].aclose()
+                rest = [t async for t in streams[1]]
+            assert rest == [(1 + k) % VOCAB for k in range(1, 51)]
+            while loop.scheduler.has_work():
+                await anyio.sleep(0.001)
+            stats = loop.scheduler.statistics()
+        assert (stats.aborted, stats.finished) == (1, 1)
+
+    def test_n_and_the_sampling_fields_are_checked_on_the_call(self) -> None:
+        with make_loop() as loop:
+            for bad in (0, True, 1.5):
+                with pytest.raises(ValueError, match="n must be an int >= 1"):
+                    loop.generate_n([1], bad)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="temperature"):
+                loop.generate_n([1], 2, temperature=-1)
+
+
+def test_a_request_following_another_waits_until_that_one_has_computed_its_prompt() -> None:
+    """Scheduler: ``after`` holds a waiting request back while the request it follows computes
+    the same prompt (chunked over two steps here); a request behind it is admitted meanwhile."""
+    alloc = PagedKVAllocator(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(alloc, max_num_batched_tokens=6)
+    lead = Request("lead", list(range(1, 11)), SamplingParams(max_new_tokens=2))
+    follower = Request("follower", list(range(1, 11)), SamplingParams(max_new_tokens=2))
+    follower.after = lead
+    other = Request("other", [40], SamplingParams(max_new_tokens=2))
+    for r in (lead, follower, other):
+        sched.add(r, now=0.0)
+    first = sched.schedule(now=0.0)
+    assert [r.request_id for r in first.requests] == ["lead"]  # 6 of its 10 tokens: the budget
+    sched.update(first, [], now=0.0)
+    second = sched.schedule(now=1.0)
+    assert [r.request_id for r in second.requests] == ["lead", "other"], "the follower waits"
+    sched.update(second, [7, 8], now=1.0)
+    third = sched.schedule(now=2.0)
+    assert "follower" in [r.request_id for r in third.requests]
+    assert follower.after is None
+    assert alloc.statistics().prefix_hits == 8

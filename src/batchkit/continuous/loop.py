@@ -9,12 +9,23 @@ their own token stream, so the step never waits on them and they never wait on e
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import operator
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
@@ -88,6 +99,12 @@ class _Stream:
                 return True, None, None
             self.waiter = make_waiter()
             return False, None, self.waiter
+
+
+def _nth_seed(seed: int, i: int) -> int:
+    """``seed + i``, wrapped into the seeds a torch generator takes ([-2**63, 2**64 - 1])."""
+    low, span = -(2**63), 2**64 + 2**63
+    return (seed + i - low) % span + low
 
 
 def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int]:
@@ -322,7 +339,22 @@ class ContinuousDecodeLoop:
         tenant: Hashable,
         stream: _Stream | None = None,
         deadline_s: float | None = None,
+        after: Request | None = None,
     ) -> tuple[Hashable, _Stream]:
+        req, stream = self._enqueue(prompt_ids, params, priority, tenant, stream, deadline_s, after)
+        return req.request_id, stream
+
+    def _enqueue(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        tenant: Hashable,
+        stream: _Stream | None,
+        deadline_s: float | None,
+        after: Request | None,
+    ) -> tuple[Request, _Stream]:
+        """Check a request and queue it for the engine; its scheduler request and its stream."""
         vocab = self._vocab_size()
         prompt = _check_prompt(prompt_ids, vocab)
         bias = params.logit_bias_pairs
@@ -358,12 +390,13 @@ class ContinuousDecodeLoop:
             self._next_id += 1
             deadline = None if deadline_s is None else self.clock.now() + deadline_s
             req = Request(self._next_id, prompt, params, priority=priority, tenant=tenant, deadline=deadline)
+            req.after = after
             self._inbox.append((req, stream))
             if self._thread is None and self.engine == "thread":
                 self._thread = threading.Thread(target=self._engine, name="batchkit-decode-loop", daemon=True)
                 self._thread.start()
             self._cond.notify()
-        return req.request_id, stream
+        return req, stream
 
     def generate(
         self,
@@ -418,6 +451,12 @@ class ContinuousDecodeLoop:
         rid, stream = self._submit(
             prompt_ids, self._params(sampling), priority, tenant, _Stream(detailed), deadline_s=deadline_s
         )
+        async with contextlib.aclosing(self._read(rid, stream)) as items:  # closed when this one is
+            async for item in items:
+                yield item
+
+    async def _read(self, rid: Hashable, stream: _Stream) -> AsyncGenerator[Any, None]:
+        """A submitted request's items as they come; leaving early aborts it."""
         try:
             while True:
                 ready, item, waiter = stream._next_or_park(new_async_waiter)
@@ -430,6 +469,70 @@ class ContinuousDecodeLoop:
         finally:
             if not stream.done:
                 self.abort(rid)
+
+    def generate_n(
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        *,
+        priority: int = 0,
+        tenant: Hashable = None,
+        deadline_s: float | None = None,
+        detailed: bool = False,
+        **sampling: Any,
+    ) -> list[AsyncGenerator[Any, None]]:
+        """``n`` samples of one prompt: an async iterator each, of token ids as :meth:`generate`
+        streams them (``detailed``: of :class:`TokenLogprobs`, as :meth:`generate_logprobs`).
+
+        Sample ``i`` is seeded ``seed + i`` (wrapping within the seeds a generator takes; without
+        a seed, each draws its own). The ``n`` requests are queued together when any iterator
+        is first read, and refused together (the first refusal is raised by every iterator, and
+        none of them runs). With prefix caching, the samples after the first are admitted once
+        the first has computed the prompt, and take its full blocks from the prefix cache
+        instead of computing them again (its last, partial block each computes). Leaving an
+        iterator early aborts its own sample only.
+
+        Raises:
+            ValueError: ``n`` is not an int >= 1, or a sampling field is invalid (on the call).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if detailed:
+            sampling.setdefault("logprobs", 0)
+        first = self._params(dict(sampling))
+        seed = first.seed
+        params = [first] + [
+            first if seed is None else dataclasses.replace(first, seed=_nth_seed(seed, i)) for i in range(1, n)
+        ]
+        queued: list[tuple[Hashable, _Stream]] = []
+        refused: list[BaseException] = []
+
+        def queue_all() -> None:
+            if queued or refused:
+                return
+            lead: Request | None = None
+            try:
+                for p in params:
+                    req, stream = self._enqueue(prompt_ids, p, priority, tenant, _Stream(detailed), deadline_s, lead)
+                    lead = lead or req
+                    queued.append((req.request_id, stream))
+            except BaseException as exc:
+                refused.append(exc)
+                for rid, _ in queued:
+                    self.abort(rid)
+                queued.clear()
+                raise
+
+        async def sample_stream(i: int) -> AsyncGenerator[Any, None]:
+            queue_all()
+            if refused:
+                raise refused[0]
+            rid, stream = queued[i]
+            async with contextlib.aclosing(self._read(rid, stream)) as items:
+                async for item in items:
+                    yield item
+
+        return [sample_stream(i) for i in range(n)]
 
     def generate_sync(
         self,

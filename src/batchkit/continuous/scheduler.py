@@ -117,6 +117,7 @@ class Request:
     """One generation request and its progress."""
 
     __slots__ = (
+        "after",
         "arrival",
         "deadline",
         "finish_reason",
@@ -172,6 +173,10 @@ class Request:
         # the prompt's positions (from 1 on) have theirs.
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs_done = 0
+        # A request of the same prompt (n samples of one prompt): this one is admitted only once
+        # that one's prompt is computed, so that it takes the prompt's full blocks from the
+        # prefix cache instead of computing them again. Cleared at admission.
+        self.after: Request | None = None
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -731,9 +736,23 @@ class Scheduler:
             if not a.within_quota(total, req.tenant):
                 j += 1
                 continue
+            if self._waits_for_its_prompt(req):
+                j += 1  # its prompt's blocks are being computed by the request it follows
+                continue
             if not a.can_allocate(total, tenant=req.tenant):
                 break
             self._admit(plan, req, now)
+
+    def _waits_for_its_prompt(self, req: Request) -> bool:
+        """Whether ``req`` follows a live request (``req.after``) still computing the same prompt,
+        whose full blocks the prefix cache will then hand it."""
+        lead = req.after
+        return (
+            lead is not None
+            and self.allocator.enable_prefix_caching
+            and self._requests.get(lead.request_id) is lead
+            and lead.num_computed < lead.prompt_len
+        )
 
     def _admit(self, plan: _StepPlan, req: Request, now: float) -> None:
         """Allocate a waiting request's prompt, start it at ``now`` and schedule its first chunk."""
@@ -742,6 +761,7 @@ class Scheduler:
         # the prefix cache nor fills it (its length alone is allocated).
         prompt: Sequence[int] | int = len(req.tokens) if req.needs_prompt_logits else req.tokens
         cached = a.allocate(req.request_id, prompt, tenant=req.tenant)
+        req.after = None
         self._move(req, Transition.ADMIT)
         req.num_computed = cached
         if req.t_first_scheduled is None:
