@@ -150,6 +150,52 @@ def test_a_bad_penalty_or_bias_is_a_bad_request_naming_it(live: LiveServer, fiel
         assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value", field)
 
 
+def test_n_samples_are_the_requests_seeded_seed_plus_j(client: Any) -> None:
+    """ "`n` ... sample `j` is seeded `seed + j`; `usage` counts each prompt once": chat with
+    n=3 answers three choices by index, each the text of the same request with n=1 and seed
+    7 + j, and the usage counts the prompt once."""
+    kwargs: dict[str, Any] = {"model": CHAT, "messages": HI, "max_tokens": 8, "temperature": 1.0}
+    r = client.chat.completions.create(**kwargs, n=3, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(**kwargs, seed=7 + j) for j in range(3)]
+    assert [c.message.content for c in r.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in r.choices}) > 1, "the seeds were meant to differ"
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+
+def test_n_with_several_prompts_orders_choices_prompt_by_prompt(client: Any) -> None:
+    """On /v1/completions "choice `i * n + j` is prompt `i`'s sample `j`", streamed or not."""
+    kwargs: dict[str, Any] = {"model": CHAT, "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    prompts = ["Once upon a time", "The capital of France is"]
+    r = client.completions.create(**kwargs, prompt=prompts, n=2)
+    want = [
+        client.completions.create(**{**kwargs, "seed": 3 + j}, prompt=p).choices[0].text
+        for p in prompts
+        for j in (0, 1)
+    ]
+    assert [(c.index, c.text) for c in r.choices] == list(enumerate(want))
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(**kwargs, prompt=prompts, n=2, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want
+
+
+def test_n_streamed_chat_gives_each_choice_its_role_text_and_finish(client: Any) -> None:
+    kwargs: dict[str, Any] = {"model": CHAT, "messages": HI, "max_tokens": 5, "temperature": 1.0, "seed": 11}
+    plain = client.chat.completions.create(**kwargs, n=2)
+    texts, roles, finishes = ["", ""], [None, None], [None, None]
+    for chunk in client.chat.completions.create(**kwargs, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            roles[c.index] = roles[c.index] or c.delta.role
+            finishes[c.index] = finishes[c.index] or c.finish_reason
+    assert texts == [c.message.content for c in plain.choices]
+    assert roles == ["assistant", "assistant"]
+    assert finishes == [c.finish_reason for c in plain.choices]
+
+
 def test_up_to_4_stop_strings(live: LiveServer) -> None:
     """ "`stop` (up to 4 strings)": four are taken, a fifth is 400 naming `stop`."""
     url = f"{live.url}/v1/chat/completions"
@@ -183,7 +229,6 @@ def test_every_documented_role_and_text_content_parts_are_taken(client: Any) -> 
 
 
 UNSUPPORTED = [
-    ("/v1/chat/completions", "n", 2),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
@@ -193,7 +238,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "web_search_options", {}),
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "suffix", "!"),
-    ("/v1/completions", "n", 3),
     ("/v1/embeddings", "dimensions", 8),
 ]
 

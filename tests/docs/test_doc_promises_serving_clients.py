@@ -459,11 +459,7 @@ def test_a_stop_string_completed_by_a_token_ending_mid_character_is_not_sent() -
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [
-        ("n", 2),
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ],
+    [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required")],
 )
 def test_the_openai_client_gets_bad_request_for_an_unimplemented_field_streamed_or_not(
     client: Any, field: str, value: Any

@@ -112,7 +112,15 @@ def test_a_body_means_what_the_server_makes_of_it(model_dir: Path, in_tmp: Path)
     chat |= {"logprobs": True, "top_logprobs": 2, "stop": ["w40"]}
     comp = {"model": "m", "prompt": "w20 w21", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     comp |= {"echo": True, "logprobs": 1}
-    Path("batch.jsonl").write_text(_line("a", "/v1/chat/completions", chat) + _line("b", "/v1/completions", comp))
+    # n samples, seeded seed + j: choices by index, prompt by prompt
+    samples = {"model": "m", "messages": chat["messages"], "max_tokens": 4, "temperature": 1.0, "seed": 5, "n": 2}
+    prompts = {"model": "m", "prompt": ["w9", "w30 w31"], "max_tokens": 3, "temperature": 1.0, "seed": 2, "n": 2}
+    Path("batch.jsonl").write_text(
+        _line("a", "/v1/chat/completions", chat)
+        + _line("b", "/v1/completions", comp)
+        + _line("c", "/v1/chat/completions", samples)
+        + _line("d", "/v1/completions", prompts)
+    )
     assert _run(model_dir) == 0
     offline = {k: v["response"]["body"] for k, v in _answers(in_tmp / "out.jsonl").items()}
 
@@ -127,10 +135,14 @@ def test_a_body_means_what_the_server_makes_of_it(model_dir: Path, in_tmp: Path)
                         await anyio.sleep(0.01)
                     a = (await client.post("/v1/chat/completions", json=chat)).json()
                     b = (await client.post("/v1/completions", json=comp)).json()
-        return [a, b]
+                    c = (await client.post("/v1/chat/completions", json=samples)).json()
+                    d = (await client.post("/v1/completions", json=prompts)).json()
+        return [a, b, c, d]
 
-    a, b = anyio.run(served)
-    for mine, theirs in ((offline["a"], a), (offline["b"], b)):
+    a, b, c, d = anyio.run(served)
+    assert [x["index"] for x in c["choices"]] == [0, 1]
+    assert [x["index"] for x in d["choices"]] == [0, 1, 2, 3]
+    for mine, theirs in ((offline["a"], a), (offline["b"], b), (offline["c"], c), (offline["d"], d)):
         assert mine["choices"] == theirs["choices"]  # text, finish reason and logprobs
         assert mine["usage"] == theirs["usage"]
         assert mine["object"] == theirs["object"]

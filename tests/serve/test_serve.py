@@ -402,7 +402,9 @@ def test_an_embedding_queue_smaller_than_a_request_limits_the_request_with_400(m
     [
         ("/v1/chat/completions", b"{not json", 422, "invalid_json"),
         ("/v1/chat/completions", b"[1, 2]", 422, "invalid_json"),
-        ("/v1/chat/completions", {"model": CHAT, "messages": QUESTION, "n": 2}, 400, "unsupported_parameter"),
+        ("/v1/chat/completions", {"model": CHAT, "messages": QUESTION, "n": 129}, 400, "invalid_value"),
+        ("/v1/chat/completions", {"model": CHAT, "messages": QUESTION, "n": 0}, 400, "invalid_value"),
+        ("/v1/completions", {"model": CHAT, "prompt": "Hi", "n": 1.5}, 400, "invalid_value"),
         ("/v1/chat/completions", {"model": "gpt-9", "messages": QUESTION}, 404, "model_not_found"),
         ("/v1/chat/completions", {"model": CHAT, "messages": []}, 400, "invalid_value"),
         ("/v1/chat/completions", {"model": CHAT, "messages": QUESTION, "temperature": 3}, 400, "invalid_value"),

@@ -35,8 +35,9 @@ from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
 from ..metrics import LatencySummary, SampleWindow
+from .grammar import GrammarMatchers
 from .logprobs import TokenLogprobs, logprobs_of
-from .sampling import SamplingParams, adjust_logits, sample, token_ids
+from .sampling import SamplingParams, adjust_logits, nth_seed, sample, token_ids
 from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
 from .step import StepBatch, check_logits
 
@@ -99,12 +100,6 @@ class _Stream:
                 return True, None, None
             self.waiter = make_waiter()
             return False, None, self.waiter
-
-
-def _nth_seed(seed: int, i: int) -> int:
-    """``seed + i``, wrapped into the seeds a torch generator takes ([-2**63, 2**64 - 1])."""
-    low, span = -(2**63), 2**64 + 2**63
-    return (seed + i - low) % span + low
 
 
 def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int]:
@@ -300,6 +295,7 @@ class ContinuousDecodeLoop:
         self._t_first: float | None = None
         self._t_last = 0.0
         self._generated = 0
+        self._grammars = GrammarMatchers()  # the matchers of requests with SamplingParams.grammar
 
     @property
     def extra_eos_ids(self) -> tuple[int, ...]:
@@ -502,7 +498,7 @@ class ContinuousDecodeLoop:
         first = self._params(dict(sampling))
         seed = first.seed
         params = [first] + [
-            first if seed is None else dataclasses.replace(first, seed=_nth_seed(seed, i)) for i in range(1, n)
+            first if seed is None else dataclasses.replace(first, seed=nth_seed(seed, i)) for i in range(1, n)
         ]
         queued: list[tuple[Hashable, _Stream]] = []
         refused: list[BaseException] = []
@@ -817,13 +813,22 @@ class ContinuousDecodeLoop:
             logits = adjust_logits(
                 logits, [r.params for r in sampling], [r.tokens for r in sampling], [r.prompt_len for r in sampling]
             )
+        constrained = any(r.params.grammar is not None for r in sampling)
+        if constrained:
+            logits, dead = self._grammars.mask(logits, sampling)
+            broken += [sampling[i].request_id for i in dead]
         tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        if constrained:
+            skip = [i for i, r in enumerate(sampling) if r.request_id in broken] if broken else ()
+            broken += [sampling[i].request_id for i in self._grammars.advance(sampling, tokens, skip)]
         token_lps = None
         if plan is not None or any(r.params.logprobs is not None for r in sampling):
             token_lps = self._logprobs(all_logits, plan, sampling, tokens)
         done = self.clock.now()
         self._record_step(t0, done, len(tokens))
         events = self.scheduler.update(step, tokens, token_lps, done)
+        if self._grammars:
+            self._grammars.discard_finished()
         return self._fail_bad_rows(events, broken) if broken else events
 
     def _move_blocks(self, step: ScheduledStep) -> None:

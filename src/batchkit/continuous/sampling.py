@@ -11,6 +11,8 @@ from typing import Any, cast
 
 import numpy as np
 
+from .grammar import Grammar
+
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "sample"]
 
 Tensor = Any
@@ -48,6 +50,11 @@ class SamplingParams:
             ids past the vocabulary are refused at submit. Kept as sorted ``(id, bias)`` pairs.
         min_p: when sampling, drop tokens less likely than ``min_p`` times the most likely one,
             after temperature (0 to 1; 0 is off). Greedy decoding ignores it.
+        grammar: keep the output within this grammar (a :class:`~batchkit.continuous.grammar.Grammar`
+            from :func:`~batchkit.continuous.grammar.json_grammar`): each step, the tokens it does not allow next
+            are masked out of this request's logits, after penalties and biases. Its stop
+            tokens join ``stop_token_ids`` (even with ``ignore_eos``): once the grammar is
+            complete they are all it allows, and they end the request.
 
     Penalties and biases change the logits both greedy decoding and sampling read, in the order
     vLLM applies them (bias, then repetition, frequency and presence); the logprobs reported are
@@ -70,6 +77,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = field(default_factory=tuple)
     min_p: float = 0.0
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         # Everything is checked here, at submit: a value the sampler or the stop check could only
@@ -132,6 +140,13 @@ class SamplingParams:
             raise ValueError(f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}")
         object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise TypeError(f"grammar must be a batchkit Grammar (see json_grammar) or None, got {self.grammar!r}")
+            own = self.stop_token_ids
+            object.__setattr__(
+                self, "stop_token_ids", own + tuple(t for t in self.grammar.stop_token_ids if t not in own)
+            )
 
     @property
     def greedy(self) -> bool:
@@ -171,6 +186,13 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
         out[token] = float(value)
     return tuple(sorted(out.items()))
+
+
+def nth_seed(seed: int, i: int) -> int:
+    """The seed of sample ``i`` of a request seeded ``seed``: ``seed + i``, wrapped into the
+    seeds a torch generator takes ([-2**63, 2**64 - 1])."""
+    span = _SEED_MAX - _SEED_MIN + 1
+    return (seed + i - _SEED_MIN) % span + _SEED_MIN
 
 
 def _is_real(x: object) -> bool:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import KVCacheExhausted
+from ..continuous.sampling import nth_seed
 from ..serve.admission import PromptRoom
 from ..serve.protocol import (
     MAX_PROMPTS_PER_REQUEST,
@@ -28,6 +29,7 @@ from ..serve.protocol import (
     GenerationRequest,
     IncrementalDetokenizer,
     TokenText,
+    chat_choice,
     chat_logprobs,
     chat_response,
     completion_choice,
@@ -243,10 +245,14 @@ class OpenAIBatchFunction(LoopFunction):
         submit: Callable[..., concurrent.futures.Future[Any]] = loop.submit
         if req.logprobs is not None:
             submit = loop.submit_logprobs
+        seed = sampling.get("seed")
         try:
             for prompt, limit in zip(request.prompts, request.limits, strict=True):
-                # max_tokens=0 (an echoed prompt alone) still runs the prompt, as the server does.
-                request.futures.append(submit(prompt, max_new_tokens=max(1, limit), **sampling))
+                for j in range(req.n):  # sample j seeded seed + j, as the server seeds it
+                    if seed is not None:
+                        sampling["seed"] = nth_seed(seed, j)
+                    # max_tokens=0 (an echoed prompt alone) still runs the prompt, as the server does.
+                    request.futures.append(submit(prompt, max_new_tokens=max(1, limit), **sampling))
         except (ValueError, TypeError, KVCacheExhausted) as exc:  # this request's own fault
             for f in request.futures:
                 f.cancel()
@@ -275,59 +281,63 @@ class OpenAIBatchFunction(LoopFunction):
     # ------------------------------------------------------------------ an answer out
 
     def _answer(self, request: _Request) -> OutputLine:
-        """The answer once every prompt's future is done (in the thread that finished the last)."""
+        """The answer once every sample's future is done (in the thread that finished the last):
+        choice ``i * n + j`` is prompt ``i``'s sample ``j``, as the server orders them."""
         req, lm = request.req, self.lm
-        choices = []
+        chat_choices, choices = [], []
         num_prompt = num_completion = 0
-        for index, (fut, prompt, limit) in enumerate(
-            zip(request.futures, request.prompts, request.limits, strict=True)
-        ):
+        detailed = req.logprobs is not None
+        stop_ids = () if req.ignore_eos else lm.stop_token_ids
+        for index, fut in enumerate(request.futures):
+            p = index // req.n
+            prompt, limit = request.prompts[p], request.limits[p]
             exc = fut.exception()
             if exc is not None:
                 if isinstance(exc, (ValueError, KVCacheExhausted)):
                     raise _refusal(exc)
                 raise exc
             items: list[Any] = fut.result()
-            detailed = req.logprobs is not None
             outputs = [it for it in items if not it.prompt] if detailed else items
             ids = [it.token for it in outputs] if detailed else outputs
             if limit == 0:  # an echoed prompt alone: the token it sampled is no part of the answer
                 outputs, ids = [], []
             tail = IncrementalDetokenizer(lm.decode, req.stop)
-            n = 0
+            used = 0
             for token in ids:
-                n += 1
+                used += 1
                 tail.push(token)
                 if tail.stopped:
                     break
             if not tail.stopped:
                 tail.finish()
             text = tail.text
-            stop_ids = () if req.ignore_eos else lm.stop_token_ids
-            if tail.stopped or (n and ids[n - 1] in stop_ids):
+            if tail.stopped or (used and ids[used - 1] in stop_ids):
                 finish_reason = "stop"
             else:
-                finish_reason = "length" if n >= limit else "stop"
-            num_prompt += len(prompt)
-            num_completion += n
-            entries = [self._token_text(it) for it in outputs[:n]] if detailed else []
+                finish_reason = "length" if used >= limit else "stop"
+            num_prompt += len(prompt) if index % req.n == 0 else 0  # each prompt once, as the server counts
+            num_completion += used
+            entries = [self._token_text(it) for it in outputs[:used]] if detailed else []
             if request.route == "chat":
-                logprobs = chat_logprobs(entries) if detailed else None
-                body = chat_response(
-                    new_id("chatcmpl"), self.model_name, text, finish_reason, usage(len(prompt), n), logprobs
+                chat_choices.append(
+                    chat_choice(index, text, finish_reason, chat_logprobs(entries) if detailed else None)
                 )
-                return OutputLine(_line(request.custom_id, 200, body, None), n)
+                continue
             echoed = ""
             echoed_entries: list[TokenText | str] = []
             if req.echo:
-                source = req.prompts[index]
+                source = req.prompts[p]
                 echoed = source if isinstance(source, str) else lm.decode(prompt)
                 if detailed:
                     prompt_items = [it for it in items if it.prompt]
                     echoed_entries = [self._token_string(prompt[0]), *(self._token_text(it) for it in prompt_items)]
             lps = completion_logprobs([*echoed_entries, *entries]) if detailed else None
             choices.append(completion_choice(index, echoed + text, finish_reason, lps))
-        body = completion_response(new_id("cmpl"), self.model_name, choices, usage(num_prompt, num_completion))
+        counts = usage(num_prompt, num_completion)
+        if request.route == "chat":
+            body = chat_response(new_id("chatcmpl"), self.model_name, chat_choices, counts)
+        else:
+            body = completion_response(new_id("cmpl"), self.model_name, choices, counts)
         return OutputLine(_line(request.custom_id, 200, body, None), num_completion)
 
     def _token_string(self, token: int) -> str:

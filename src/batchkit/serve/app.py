@@ -47,6 +47,7 @@ from .protocol import (
     ApiError,
     GenerationRequest,
     TokenText,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -499,12 +500,17 @@ class ModelServer:
         model = self.model_name or ""
         lead = gens[0]
         if lead.route == "chat":
-            logprobs = chat_logprobs(lead.take_logprobs()) if lead.detailed else None
-            return chat_response(lead.rid, model, texts[0], lead.finish_reason, lead.usage(), logprobs)
+            chat_choices = [
+                chat_choice(
+                    gen.index, text, gen.finish_reason, chat_logprobs(gen.take_logprobs()) if gen.detailed else None
+                )
+                for gen, text in zip(gens, texts, strict=True)
+            ]
+            return chat_response(lead.rid, model, chat_choices, _usage_of(gens))
         choices = [
             completion_choice(
                 gen.index,
-                echoes[gen.index] + text,
+                echoes[gen.prompt_index] + text,
                 gen.finish_reason,
                 completion_logprobs([*self._echoed_logprobs(req, prompts, gen), *gen.take_logprobs()])
                 if gen.detailed
@@ -542,7 +548,7 @@ class ModelServer:
         so without a logprob), then the others'."""
         if not req.echo:
             return []
-        return [self.engine.token_string(prompts[gen.index][0]), *gen.prompt_entries()]
+        return [self.engine.token_string(prompts[gen.prompt_index][0]), *gen.prompt_entries()]
 
     async def _first_text(self, gen: Generation) -> list[str]:
         try:
@@ -578,7 +584,7 @@ class ModelServer:
         def piece(gen: Generation, text: str, echoed: bool = False) -> bytes:
             if chat:
                 lps = chat_logprobs(gen.take_logprobs()) if gen.detailed else None
-                return sse(chat_chunk(lead.rid, lead.created, model, {"content": text}, None, None, lps))
+                return sse(chat_chunk(lead.rid, lead.created, model, {"content": text}, None, None, lps, gen.index))
             lps = None
             if gen.detailed:
                 entries = self._echoed_logprobs(req, prompts, gen) if echoed else gen.take_logprobs()
@@ -586,11 +592,12 @@ class ModelServer:
             return sse(completion_chunk(lead.rid, lead.created, model, completion_choice(gen.index, text, None, lps)))
 
         try:
-            if chat:
-                yield sse(chat_chunk(lead.rid, lead.created, model, {"role": "assistant", "content": ""}))
             for gen in gens:
+                if chat:
+                    role = {"role": "assistant", "content": ""}
+                    yield sse(chat_chunk(lead.rid, lead.created, model, role, index=gen.index))
                 if req.echo:
-                    yield piece(gen, echoes[gen.index], echoed=True)
+                    yield piece(gen, echoes[gen.prompt_index], echoed=True)
                 for text in firsts[gen.index]:
                     if text or gen.has_unsent_logprobs:
                         yield piece(gen, text)
@@ -610,7 +617,9 @@ class ModelServer:
                 # Without include_usage, the usage rides on the last choice's final chunk.
                 final_usage = None if req.include_usage or gen is not gens[-1] else _usage_of(gens)
                 if chat:
-                    yield sse(chat_chunk(lead.rid, lead.created, model, {}, gen.finish_reason, final_usage))
+                    yield sse(
+                        chat_chunk(lead.rid, lead.created, model, {}, gen.finish_reason, final_usage, index=gen.index)
+                    )
                 else:
                     choice = completion_choice(gen.index, "", gen.finish_reason)
                     yield sse(completion_chunk(lead.rid, lead.created, model, choice, final_usage))
@@ -648,7 +657,9 @@ class ModelServer:
 
 
 def _usage_of(gens: list[Generation]) -> dict[str, int]:
-    return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens))
+    """A request's usage: each prompt's tokens once (however many samples it has), every output's."""
+    prompt_tokens = {g.prompt_index: g.prompt_tokens for g in gens}
+    return usage(sum(prompt_tokens.values()), sum(g.completion_tokens for g in gens))
 
 
 def create_app(model: ModelSource = None, **options: Any) -> Starlette:

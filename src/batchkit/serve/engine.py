@@ -29,6 +29,7 @@ from .admission import PromptRoom, Refused
 from .generation import Generation
 from .metrics import BatchkitCollector, ServerMetrics
 from .protocol import ApiError, GenerationRequest, TokenizeRequest, TokenText, new_id
+from .structured import compile_in_thread, grammar_for
 from .tokenizing import InputCutter, PromptTokenizer
 
 if TYPE_CHECKING:
@@ -312,12 +313,13 @@ class EngineBridge:
         is the list the request holds (checked against the vocabulary, not copied).
 
         Raises:
-            ApiError: 400 for a model without a chat template, or a token id (in a prompt or in
-                ``logit_bias``) past the vocabulary.
+            ApiError: 400 for a model without a chat template, a token id (in a prompt or in
+                ``logit_bias``) past the vocabulary, or a ``response_format`` it cannot compile.
         """
         assert self.prompts is not None
         assert self.lm is not None
         req.check_vocabulary(self.lm.model.config.vocab_size)
+        await compile_in_thread(req.response_format, self.lm)  # then grammar_for (in submit) is a cache hit
         if req.messages is None and all(not isinstance(p, str) for p in req.prompts):
             return [p for p in req.prompts if not isinstance(p, str)]  # nothing to tokenize: no thread needed
 
@@ -362,42 +364,52 @@ class EngineBridge:
         tenant: str | None,
         t_arrival: float,
     ) -> list[Generation]:
-        """A generation per prompt, all of one request (nothing runs until each is first read)."""
+        """``req.n`` generations per prompt, all of one request, choice ``i * n + j`` prompt
+        ``i``'s sample ``j`` (nothing runs until each is first read)."""
         lm, loop = self.lm, self.loop
         assert lm is not None
         assert loop is not None
-        sampling = req.sampling_options(lm.stop_token_ids)
+        sampling = req.sampling_options(lm.stop_token_ids, grammar_for(req.response_format, lm))
         stop_ids = sampling["stop_token_ids"]
         detailed = req.logprobs is not None
         generate = loop.generate_logprobs if detailed else loop.generate
         rid = new_id("chatcmpl" if route == "chat" else "cmpl")
-        return [
-            Generation(
-                # max_tokens=0 (echo alone) still runs the prompt: its last position's logits
-                # sample one token, which the answer leaves out.
-                generate(
-                    prompt,
-                    priority=priority,
-                    tenant=tenant,
-                    deadline_s=self.request_timeout_s,
-                    max_new_tokens=max(1, limit),
-                    **sampling,
-                ),
-                route=route,
-                rid=rid,
-                index=i,
-                prompt_tokens=len(prompt),
-                max_tokens=limit,
-                stop=req.stop,
-                stop_token_ids=stop_ids,
-                t_arrival=t_arrival,
-                decode=lm.decode,
-                token_text=self.token_text,
-                metrics=self.metrics,
-                detailed=detailed,
+        n = req.n
+        gens: list[Generation] = []
+        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+            # max_tokens=0 (echo alone) still runs the prompt: its last position's logits
+            # sample one token, which the answer leaves out.
+            options: dict[str, Any] = {
+                "priority": priority,
+                "tenant": tenant,
+                "deadline_s": self.request_timeout_s,
+                "max_new_tokens": max(1, limit),
+                **sampling,
+            }
+            if n == 1:
+                streams = [generate(prompt, **options)]
+            else:  # samples of one prompt: queued together, sharing its KV blocks
+                streams = list(loop.generate_n(prompt, n, detailed=detailed, **options))
+            gens.extend(
+                Generation(
+                    stream,
+                    route=route,
+                    rid=rid,
+                    index=i * n + j,
+                    prompt_index=i,
+                    prompt_tokens=len(prompt),
+                    max_tokens=limit,
+                    stop=req.stop,
+                    stop_token_ids=stop_ids,
+                    t_arrival=t_arrival,
+                    decode=lm.decode,
+                    token_text=self.token_text,
+                    metrics=self.metrics,
+                    detailed=detailed,
+                )
+                for j, stream in enumerate(streams)
             )
-            for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))
-        ]
+        return gens
 
     async def echo_texts(self, req: GenerationRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text that ``echo`` puts before its output ('' without echo); token-id

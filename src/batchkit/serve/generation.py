@@ -56,6 +56,7 @@ class Generation:
         route: str,
         rid: str,
         index: int,
+        prompt_index: int | None = None,
         prompt_tokens: int,
         max_tokens: int,
         stop: Sequence[str],
@@ -69,7 +70,8 @@ class Generation:
         self.tokens = tokens
         self.route = route
         self.rid = rid
-        self.index = index
+        self.index = index  # the choice's
+        self.prompt_index = index if prompt_index is None else prompt_index  # its prompt's, in the request
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(stop_token_ids)

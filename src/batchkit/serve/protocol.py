@@ -16,9 +16,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..continuous.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, DecodedText, find_stop
+
+if TYPE_CHECKING:
+    from ..continuous.grammar import Grammar
+    from .structured import ResponseFormat
 
 __all__ = [
     "ApiError",
@@ -26,6 +30,7 @@ __all__ = [
     "GenerationRequest",
     "IncrementalDetokenizer",
     "TokenizeRequest",
+    "chat_choice",
     "chat_chunk",
     "chat_response",
     "chat_logprobs",
@@ -48,6 +53,7 @@ MAX_STOP_STRINGS = 4
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch generator takes
 MAX_EMBEDDING_INPUTS = 2048
 MAX_PROMPTS_PER_REQUEST = 64  # prompts of one /v1/completions request (--max-prompts-per-request)
+MAX_N = 128  # choices per prompt (n), as OpenAI's limit
 # As Hugging Face's TGI and TEI servers (--payload-limit): room for a long-context prompt or a
 # full embedding request of short texts, and a bound on what one request makes the process hold.
 MAX_REQUEST_BYTES = 2_000_000
@@ -239,10 +245,22 @@ class GenerationRequest:
     repetition_penalty: float = 1.0  # vLLM's extension, as min_p
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    response_format: ResponseFormat | None = None  # json_object or json_schema; None: text
+    n: int = 1  # choices per prompt: choice i * n + j is prompt i's sample j, seeded seed + j
 
-    def sampling_options(self, stop_token_ids: Sequence[int]) -> dict[str, Any]:
+    def sampling_options(self, stop_token_ids: Sequence[int], grammar: Grammar | None = None) -> dict[str, Any]:
         """The decode loop's sampling options for this request (the fields of :class:`batchkit.SamplingParams`
-        but the output limit), ``stop_token_ids`` being the model's (dropped with ``ignore_eos``)."""
+        but the output limit), ``stop_token_ids`` being the model's (dropped with ``ignore_eos``),
+        ``grammar`` the one ``response_format`` compiles to (see :mod:`batchkit.serve.structured`).
+
+        Raises:
+            ApiError: 400 for a ``response_format`` without its ``grammar`` (a caller that does
+                not compile it refuses it rather than answer unconstrained).
+        """
+        if self.response_format is not None and grammar is None:
+            raise ApiError(
+                400, "'response_format' is not supported here", param="response_format", code="unsupported_parameter"
+            )
         options: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -256,6 +274,8 @@ class GenerationRequest:
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
         }
+        if grammar is not None:
+            options["grammar"] = grammar
         if self.stop:
             options["stop"] = self.stop
         if self.logprobs is not None:
@@ -287,15 +307,12 @@ class GenerationRequest:
 
 
 def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_tokens: int = 1) -> dict[str, Any]:
-    n = _opt_int(body, "n", lo=1)
-    if n not in (None, 1):
-        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_parameter")
-    # Tools and structured output: silently ignored, the model would answer in plain text.
+    n = _opt_int(body, "n", lo=1, hi=MAX_N) or 1
+    # Tools: silently ignored, the model would answer in plain text.
     for name in ("tools", "functions"):
         _unsupported(body, name, (None, []))
     for name in ("tool_choice", "function_call"):
         _unsupported(body, name, (None, "none", "auto"))
-    _unsupported(body, "response_format", (None, {"type": "text"}))
     # Audio output and web search: the answer would be plain text without them, silently.
     _unsupported(body, "audio", (None,))
     _unsupported(body, "modalities", (None, ["text"]))
@@ -326,8 +343,11 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
             "stream_options.include_usage", f"'stream_options.include_usage' must be a boolean, got {include_usage!r}"
         )
     seed = _opt_int(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1])
+    from .structured import parse_response_format  # structured.py builds on this module's ApiError
+
     return {
         "model": _model(body),
+        "n": n,
         "stream": stream,
         "include_usage": bool(include_usage),
         "max_tokens": max_tokens,
@@ -345,6 +365,7 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
         "repetition_penalty": _opt_number(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
         "min_p": _opt_number(body, "min_p", 0.0, 0.0, 1.0),
         "logit_bias": _logit_bias(body),
+        "response_format": parse_response_format(body),
     }
 
 
@@ -637,10 +658,14 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A ``chat.completion.chunk``; ``delta`` None gives the usage-only chunk (no choices)."""
+    """A ``chat.completion.chunk`` of choice ``index``; ``delta`` None gives the usage-only chunk
+    (no choices)."""
     choices = (
-        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        []
+        if delta is None
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return {
         "id": rid,
@@ -652,27 +677,25 @@ def chat_chunk(
     }
 
 
-def chat_response(
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str,
-    usage_: dict[str, int],
-    logprobs: dict[str, Any] | None = None,
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_response(rid: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    """A ``chat.completion`` of ``choices`` (:func:`chat_choice`)."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": choices,
         "usage": usage_,
     }
 
