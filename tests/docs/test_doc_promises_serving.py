@@ -196,6 +196,66 @@ def test_n_streamed_chat_gives_each_choice_its_role_text_and_finish(client: Any)
     assert finishes == [c.finish_reason for c in plain.choices]
 
 
+# For each field of serving.md's field table: a value it takes and one it refuses (None: no
+# value is refused by type or range alone). The chat route unless the table says completions.
+FIELD_VALUES: dict[str, tuple[Any, Any]] = {
+    "model": (CHAT, 7),
+    "messages": (HI, []),
+    "prompt": ("Hi", [[1], 2.5]),
+    "stream": (False, "yes"),
+    "stream_options.include_usage": (None, None),  # only with stream: checked in its own tests
+    "logprobs": (True, 3),  # chat: a boolean
+    "top_logprobs": (None, 21),
+    "echo": (True, "no"),
+    "temperature": (0.5, 2.5),
+    "top_p": (0.5, 0),
+    "top_k": (5, -1),
+    "min_p": (0.1, 1.5),
+    "seed": (3, 2**64),
+    "presence_penalty": (1.0, 2.5),
+    "frequency_penalty": (-1.0, -2.5),
+    "repetition_penalty": (1.1, 0),
+    "logit_bias": ({"15": 1}, {"15": 200}),
+    "stop": (["."], 5),
+    "n": (2, 0),
+    "max_tokens / max_completion_tokens": (2, 0),
+    "ignore_eos": (True, "x"),
+}
+
+
+def _field_table() -> list[str]:
+    text = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    table = text.split("The fields of the two generation routes", 1)[1].split("\n\n", 2)[1]
+    names = []
+    for row in table.splitlines()[2:]:
+        cell = row.split("|")[1]
+        names.append(" / ".join(re.findall(r"`([^`]+)`", cell)))
+    return names
+
+
+def test_the_field_table_lists_each_field_the_tests_know() -> None:
+    assert _field_table() == list(FIELD_VALUES), "serving.md's field table and FIELD_VALUES disagree"
+
+
+@pytest.mark.parametrize("field", [f for f, (ok, bad) in FIELD_VALUES.items() if ok is not None or bad is not None])
+def test_each_documented_field_takes_its_values_and_refuses_others(live: LiveServer, field: str) -> None:
+    """serving.md's field table: a documented value is answered 200; a value outside the
+    limits is 400 naming the field (invalid_value)."""
+    ok, bad = FIELD_VALUES[field]
+    name = field.split(" / ")[0]
+    completions = name in ("prompt", "echo")
+    path = "/v1/completions" if completions else "/v1/chat/completions"
+    body: dict[str, Any] = {"model": CHAT, "max_tokens": 2, "temperature": 0}
+    body |= {"prompt": "Hi"} if completions else {"messages": HI}
+    if ok is not None:
+        r = _post(f"{live.url}{path}", {**body, name: ok})
+        assert r.status_code == 200, r.text
+    if bad is not None:
+        r = _post(f"{live.url}{path}", {**body, name: bad})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value", name), r.text
+
+
 def test_up_to_4_stop_strings(live: LiveServer) -> None:
     """ "`stop` (up to 4 strings)": four are taken, a fifth is 400 naming `stop`."""
     url = f"{live.url}/v1/chat/completions"
