@@ -331,3 +331,37 @@ def test_load_encoder_given_a_file_says_to_pass_its_directory(tmp_path: Path) ->
     config.write_text("{}")
     with pytest.raises(FileNotFoundError, match="is a file; load_encoder takes the model's directory"):
         load_encoder(config)
+
+
+class TestFastDtype:
+    @pytest.mark.parametrize(
+        ("flags", "dtype", "why"),
+        [
+            ({"avx2", "amx_bf16", "amx_tile", "avx512_bf16"}, "bfloat16", "the CPU has AMX-BF16"),
+            ({"avx2", "avx512_bf16"}, "bfloat16", "the CPU has AVX512-BF16"),
+            ({"avx2", "avx512f"}, "float32", "the CPU has neither AMX-BF16 nor AVX512-BF16"),
+            (set(), "float32", "the CPU has neither AMX-BF16 nor AVX512-BF16"),
+        ],
+    )
+    def test_bfloat16_where_the_cpu_computes_it_fast(self, flags: set[str], dtype: str, why: str) -> None:
+        import torch
+
+        from batchkit.models.pretrained import fast_dtype
+
+        assert fast_dtype("cpu", frozenset(flags)) == (getattr(torch, dtype), why)
+
+    def test_cuda_is_bfloat16_whatever_the_cpu(self) -> None:
+        import torch
+
+        from batchkit.models.pretrained import fast_dtype
+
+        assert fast_dtype("cuda:0", frozenset()) == (torch.bfloat16, "CUDA")
+
+    def test_this_machines_flags_are_read(self) -> None:
+        from batchkit.models.pretrained import _cpu_flags, fast_dtype
+
+        assert fast_dtype("cpu")[1].startswith("the CPU has")
+        flags = _cpu_flags()
+        assert isinstance(flags, frozenset)
+        if Path("/proc/cpuinfo").exists():
+            assert flags, "Linux lists the CPU's flags"

@@ -85,6 +85,8 @@ def test_serve_with_tokenizer_answers_chat_and_completions_with_the_models_greed
             line = next((x for x in log.read_text().splitlines() if "listening on" in x), None)
             assert line is not None, log.read_text()
             url = line.split("listening on ", 1)[1].split()[0]
+            # the start-up says the dtype: float32 unless --dtype says otherwise
+            assert any(x.startswith("batchkit serve: dtype float32") for x in log.read_text().splitlines())
             wait_for_ready(proc, url, log)
             common: dict[str, Any] = {"model": "model", "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
             r = httpx.post(f"{url}/v1/completions", json={**common, "prompt": "w5 w6 w7"}, timeout=60)
