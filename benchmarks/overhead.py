@@ -3,6 +3,7 @@
 Measures requests/s and microseconds per request for:
   - 512 concurrent asyncio tasks (each awaits one request at a time) through ``asubmit``;
   - the same tasks through ``AsyncBatcher.submit`` (same loop, no thread, no lock);
+  - the same tasks awaiting an ``@batched async def`` (as users write it: the on-loop batcher);
   - the same callers through a bare, minimal asyncio batcher (a baseline with none of batchkit's
     guarantees: no bound, no deadlines, no thread safety), run side by side in the same process;
   - 64 threads calling the blocking ``batcher(x)``.
@@ -62,6 +63,20 @@ def bench_batchkit_same_loop(n: int, callers: int) -> float:
             return await _drive_async(b.submit, n, callers)
         finally:
             await b.aclose()
+
+    return asyncio.run(main())
+
+
+def bench_batchkit_decorator(n: int, callers: int) -> float:
+    async def main() -> float:
+        @batchkit.batched(max_batch=callers, max_wait_ms=1, max_queue=4 * callers)
+        async def predict(xs: list[int]) -> list[int]:
+            return xs
+
+        try:
+            return await _drive_async(predict, n, callers)
+        finally:
+            await predict.aclose()
 
     return asyncio.run(main())
 
@@ -150,6 +165,7 @@ def main() -> None:
     configs: list[tuple[str, Callable[[], float]]] = [
         ("bare asyncio batcher, 512 tasks (baseline)", lambda: bench_bare_asyncio(n, 512)),
         ("batchkit AsyncBatcher, 512 asyncio tasks", lambda: bench_batchkit_same_loop(n, 512)),
+        ("batchkit @batched async def, 512 asyncio tasks", lambda: bench_batchkit_decorator(n, 512)),
         ("batchkit asubmit, 512 asyncio tasks", lambda: bench_batchkit_async(n, 512, "asyncio")),
         ("batchkit asubmit, 512 trio tasks", lambda: bench_batchkit_async(n, 512, "trio")),
         ("batchkit blocking call, 64 threads", lambda: bench_batchkit_threads(n, 64)),

@@ -412,6 +412,69 @@ class TestAsyncDefWhereItRuns:
         echo.close()
 
 
+class TestCancellingAnOnLoopCall:
+    """A cancelled task that awaited an ``@batched async def`` on its loop: its item leaves the
+    queue if its batch has not started, and its result is discarded if it has."""
+
+    def test_cancelled_while_waiting_leaves_the_queue(self) -> None:
+        """The batch function never sees the item, and ``statistics()`` counts it cancelled."""
+        seen: list[list[int]] = []
+
+        @batched(max_batch=8, max_wait_ms=1e6)
+        async def echo(xs: list[int]) -> list[int]:
+            seen.append(list(xs))
+            return xs
+
+        async def main() -> batchkit.BatcherStatistics:
+            first = asyncio.ensure_future(echo(0))
+            await asyncio.sleep(0)  # queued: the on-loop batcher serves this loop from now on
+            echo.flush()
+            assert await first == 0
+            gone, kept = asyncio.ensure_future(echo(1)), asyncio.ensure_future(echo(2))
+            await asyncio.sleep(0)  # both queued
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            stats = echo.statistics()
+            echo.flush()
+            assert await kept == 2
+            await echo.aclose()
+            return stats
+
+        stats = asyncio.run(asyncio.wait_for(main(), WAIT))
+        assert (stats.pending, stats.cancelled) == (1, 1)
+        assert seen == [[0], [2]]
+
+    def test_cancelled_while_its_batch_runs_discards_the_result(self) -> None:
+        """The batch runs with the item; its caller sees CancelledError, the other its result."""
+        started, release = asyncio.Event(), asyncio.Event()
+
+        @batched(max_batch=2, max_wait_ms=1e6)
+        async def echo(xs: list[int]) -> list[int]:
+            if xs != [0]:
+                started.set()
+                await release.wait()
+            return xs
+
+        async def main() -> None:
+            first = asyncio.ensure_future(echo(0))
+            await asyncio.sleep(0)
+            echo.flush()
+            assert await first == 0
+            gone, kept = asyncio.ensure_future(echo(1)), asyncio.ensure_future(echo(2))
+            await started.wait()  # a full batch of both is running
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            release.set()
+            assert await kept == 2
+            await echo.aclose()
+
+        asyncio.run(asyncio.wait_for(main(), WAIT))
+        stats = echo.statistics()
+        assert (stats.succeeded, stats.cancelled, stats.pending) == (2, 1, 0)
+
+
 class TestAnAsyncDefRunsOnTheBatchersOwnLoop:
     """An ``async def`` batch function runs on the batcher's own asyncio loop, whatever its callers run."""
 

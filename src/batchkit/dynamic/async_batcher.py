@@ -45,7 +45,7 @@ from .batcher import (
     malformed_results,
 )
 from .former import FormedBatch
-from .ledger import NO_FALLBACK, Fail
+from .ledger import NO_FALLBACK, Fail, Phase
 from .queue import OnFull
 
 __all__ = ["AsyncBatcher"]
@@ -54,7 +54,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _NO_FALLBACK: Any = NO_FALLBACK
+_WAITING = Phase.WAITING  # an enum member read from the class costs more than a global
 _get_running_loop = asyncio.get_running_loop
+_running_loop_or_none = asyncio._get_running_loop  # the C function: None outside a loop, no raise
 
 # The AsyncBatcher whose ``async def`` batch function the current task runs, or a task it started
 # (tasks copy the context they are created in): its aclose() must not wait for its own batch.
@@ -67,7 +69,12 @@ class _Entry(LedgerEntry):
     __slots__ = ("future",)
 
     def __init__(self, item: Any, future: asyncio.Future[Any], fallback: Any) -> None:
-        super().__init__(item, fallback)
+        # LedgerEntry's fields, set here rather than through super(): one call less per request.
+        self.item = item
+        self.fallback = fallback
+        self.phase = _WAITING
+        self.value = None
+        self.error = None
         self.future = future
 
 
@@ -180,6 +187,8 @@ class AsyncBatcher(BatcherShell[T, R]):
         )
         self._is_async = is_async
         self.offload = offload
+        # submit's common path applies: nothing per item to check but room, and not closing.
+        self._fast = self._plain
         # The real clock's now() is time.monotonic: call it without the method frame.
         self._now = time.monotonic if type(self.clock) is MonotonicClock else self.clock.now
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -224,6 +233,23 @@ class AsyncBatcher(BatcherShell[T, R]):
             CircuitOpen: the circuit breaker is open.
             RuntimeError: called from another event loop than the first submit's.
         """
+        entry = enter(self, item, self._loop, fallback) if priority == 0 and deadline_ms is None else None
+        if entry is None:
+            entry = await self._admit_elsewise(item, priority, deadline_ms, fallback, timeout)
+        fut = entry.future
+        try:
+            return await fut  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            withdraw(self, entry)
+            raise
+
+    __call__ = submit
+
+    async def _admit_elsewise(
+        self, item: T, priority: int, deadline_ms: float | None, fallback: Any, timeout: float | None
+    ) -> _Entry:
+        """Admit ``item`` off :func:`enter`'s path (the first call on a loop, a priority or a
+        deadline, group keys or costs, a circuit breaker, waiting for room, or closing): its entry."""
         try:
             loop = _get_running_loop()
         except RuntimeError:
@@ -233,27 +259,13 @@ class AsyncBatcher(BatcherShell[T, R]):
             ) from None
         if loop is not self._loop:
             self._bind(loop)
-        fut: asyncio.Future[Any] = loop.create_future()
-        entry = _Entry(item, fut, fallback)
-        if self._plain and priority == 0 and deadline_ms is None and not self._closing:
-            drops, replan = self._admit_plain(entry)
-            if drops:
-                self._resolve_drops(drops)
-            if replan and not self._pump_soon:
-                self._pump_soon = True
-                loop.call_soon(self._pump)
-        else:
+        entry = enter(self, item, loop, fallback) if priority == 0 and deadline_ms is None else None
+        if entry is None:
+            entry = _Entry(item, loop.create_future(), fallback)
             key_cost = self._key_and_cost(item, priority, deadline_ms)  # once, however long it waits
             if not self._enqueue(entry, priority, deadline_ms, key_cost):
                 await self._wait_for_room(entry, priority, deadline_ms, timeout, key_cost)
-        try:
-            return await fut  # type: ignore[no-any-return]
-        except asyncio.CancelledError:
-            if fut.cancelled() or not fut.done():
-                self._cancel(entry)
-            raise
-
-    __call__ = submit
+        return entry
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -519,6 +531,7 @@ class AsyncBatcher(BatcherShell[T, R]):
             )
         if not self._closing:
             self._closing = True
+            self._fast = False
             self.former.close()
             for room in self._room:
                 if not room.done():
@@ -570,6 +583,47 @@ class AsyncBatcher(BatcherShell[T, R]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def enter(
+    batcher: AsyncBatcher[Any, Any], item: Any, owner: asyncio.AbstractEventLoop | None, fallback: Any = _NO_FALLBACK
+) -> _Entry | None:
+    """``batcher.submit(item)``'s common path up to its await, for a wrapper that awaits in its
+    own coroutine (``@batched`` on an ``async def``: one coroutine per call, not two): queue
+    ``item`` and return its entry, whose ``future`` the caller awaits (handing the entry to
+    :func:`withdraw` if it is cancelled meanwhile). None, with nothing done, where that path does
+    not apply: ``batcher`` does not serve the loop ``owner`` (or none yet), the caller is not a
+    task of that loop, ``batcher`` is closing, or it has ``group_by``, ``size_fn``, a circuit
+    breaker or an ``on_full="block"`` queue; await ``batcher.submit`` then.
+
+    Raises:
+        QueueFull: the queue refused the item (counted).
+    """
+    if not batcher._fast or owner is None or batcher._loop is not owner or _running_loop_or_none() is not owner:
+        return None
+    entry = _Entry(item, owner.create_future(), fallback)
+    now = batcher._now()
+    try:
+        drops, replan = batcher.former.add(entry, now)
+    except QueueFull:
+        batcher.ledger.refused()
+        raise
+    batcher.ledger.admitted(now)
+    if drops:
+        batcher._resolve_drops(drops)
+    if replan and not batcher._pump_soon:
+        batcher._pump_soon = True
+        owner.call_soon(batcher._pump)
+    return entry
+
+
+def withdraw(batcher: AsyncBatcher[Any, Any], entry: _Entry) -> None:
+    """The caller awaiting ``entry``'s future (from :func:`enter`) was cancelled: its item leaves
+    ``batcher``'s queue if its batch has not started, and its result is discarded otherwise
+    (nothing happens if it was answered before the cancel arrived)."""
+    fut = entry.future
+    if fut.cancelled() or not fut.done():
+        batcher._cancel(entry)
 
 
 def _wake(entries: list[_Entry]) -> None:

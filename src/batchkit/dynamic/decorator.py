@@ -33,7 +33,7 @@ from typing_extensions import Unpack
 
 from .._errors import BatcherClosed, QueueFull
 from ._progress import progress_bar
-from .async_batcher import AsyncBatcher
+from .async_batcher import AsyncBatcher, enter, withdraw
 from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, check_batcher_options, is_async_callable
 
 __all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched", "progress_bar"]
@@ -269,6 +269,18 @@ class AsyncBatchedFunction(_BatchedBase[T, R]):
         # async def, so that frameworks that ask inspect.iscoroutinefunction see one.
         if self._closed:  # at once, also while close() still drains the on-loop batcher
             raise BatcherClosed(f"{self.batcher.name}: the batcher is closed; create a new one to submit")
+        b = self._on_loop
+        if b is not None and not kwargs:
+            # The common case, awaited here rather than in b.submit() (one coroutine per call);
+            # None unless called from a task of the owner loop, which b serves.
+            entry = enter(b, item, self._owner)
+            if entry is not None:
+                fut = entry.future
+                try:
+                    return await fut  # type: ignore[no-any-return]
+                except asyncio.CancelledError:
+                    withdraw(b, entry)
+                    raise
         b = self._batcher_here()
         if b is not None:
             return await b.submit(item, **kwargs)

@@ -53,6 +53,9 @@ class FlushReason(str, enum.Enum):
 
 
 FLUSH_REASONS: tuple[str, ...] = tuple(r.value for r in FlushReason)
+# The values, as next_batch records them (an enum member's .value is a property: slow per batch).
+_SIZE, _COST, _TIMEOUT = FlushReason.SIZE.value, FlushReason.COST.value, FlushReason.TIMEOUT.value
+_FLUSH, _CLOSE = FlushReason.FLUSH.value, FlushReason.CLOSE.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +176,19 @@ class BatchFormer(Generic[E]):
                 former finds an entry's group by equality, so such an entry could never be
                 batched (nothing is admitted).
         """
-        if key is not None:
-            _check_key(key)
         q = self.queue
         depth = q.depth
+        if key is None and deadline_ms is None and 0 < depth < q.maxsize:
+            # The common case (no group, no deadline, room, not the first entry), in fewer steps:
+            # the plan changes only if the arrival fills the batch.
+            q.add(entry, priority, None, None, cost, now)
+            load = self._loads[None]
+            replan = load[0] >= self.max_batch_size or (
+                self.max_batch_cost is not None and load[1] >= self.max_batch_cost
+            )
+            return _NO_DROPS, replan
+        if key is not None:
+            _check_key(key)
         drops = q.admit(priority, now) if depth >= q.maxsize else _NO_DROPS
         deadline = None if deadline_ms is None else now + deadline_ms / 1e3
         q.add(entry, priority, deadline, key, cost, now)
@@ -237,14 +249,14 @@ class BatchFormer(Generic[E]):
         breaker = self.circuit_breaker
         if breaker is not None and breaker.state_at(now) is BreakerState.OPEN:
             return self._wait(_min_time(wake_at, breaker.half_open_at))  # a probe may go then
-        reason: FlushReason | None = None
+        reason: str | None = None  # a FlushReason's value
         key: Hashable = ANY_KEY
-        full: dict[Hashable, FlushReason] = {}
+        full: dict[Hashable, str] = {}
         for k, (count, cost) in self._loads.items():
             if count >= self.max_batch_size:
-                full[k] = FlushReason.SIZE
+                full[k] = _SIZE
             elif self.max_batch_cost is not None and cost >= self.max_batch_cost:
-                full[k] = FlushReason.COST
+                full[k] = _COST
         if full:
             # Several groups full at once (every batch slot was busy): the one whose best item
             # is served first goes, as when a batch is due by time.
@@ -255,14 +267,14 @@ class BatchFormer(Generic[E]):
             assert oldest is not None  # depth > 0
             key = oldest.key
             if self.closing:
-                reason = FlushReason.CLOSE
+                reason = _CLOSE
             elif oldest.seq <= self._flush_seq:
-                reason = FlushReason.FLUSH
+                reason = _FLUSH
             else:
                 due = oldest.arrival + self.max_wait_ms / 1e3
                 if now < due:
                     return self._wait(_min_time(wake_at, due))
-                reason = FlushReason.TIMEOUT
+                reason = _TIMEOUT
             if self.grouped:
                 # The oldest item says when; the group that goes is the one whose head is served
                 # first (best effective priority, FIFO within one), as a batch without groups is
@@ -286,16 +298,16 @@ class BatchFormer(Generic[E]):
         entries: list[E] = q.take(self.max_batch_size, now, self.max_batch_cost, key)  # type: ignore[assignment]
         info = BatchInfo(
             size=len(entries),
-            cost=float(sum(e.cost for e in entries)),
+            cost=float(sum([e.cost for e in entries])),
             key=None if key is ANY_KEY else key,
-            reason=reason.value,
+            reason=reason,
         )
         batch: FormedBatch[E] = FormedBatch(entries, info, now)
         running.append(batch)
         self.batches += 1
         self.batched_items += len(entries)
         self.sizes[len(entries)] += 1
-        self.reasons[reason.value] += 1
+        self.reasons[reason] += 1
         self.recent.append(info)
         return batch, wake_at
 

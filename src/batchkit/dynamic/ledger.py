@@ -52,6 +52,10 @@ class Phase(enum.Enum):
     EVICTED = "evicted"  # a full queue dropped it for a newer item
     ABANDONED = "abandoned"  # closing failed it before it ran
 
+    # Members are singletons compared by identity: hash them so too, in C, not by name in Python
+    # (Enum's own __hash__), since every request's moves look its phase up in the table.
+    __hash__ = object.__hash__
+
 
 class Event(enum.Enum):
     """What can happen to a request."""
@@ -63,6 +67,8 @@ class Event(enum.Enum):
     EXPIRE = "expire"
     EVICT = "evict"
     ABANDON = "abandon"
+
+    __hash__ = object.__hash__  # as Phase's
 
 
 W, R = Phase.WAITING, Phase.RUNNING
@@ -90,6 +96,10 @@ FINAL = frozenset(p for p in Phase if p not in TRANSITIONS)
 
 # TRANSITIONS by event: the phase each event moves a request to, from each phase it may.
 _NEXT: dict[Event, dict[Phase, Phase]] = {e: {p: row[e] for p, row in TRANSITIONS.items() if e in row} for e in Event}
+# Each event leads to one phase, whichever phase it moves a request from (unpacking checks it), so
+# that a batch's moves are counted once per batch.
+_TARGET: dict[Event, Phase] = {e: target for e, row in _NEXT.items() for (target,) in [set(row.values())]}
+_SUCCEEDED, _FAILED = _TARGET[Event.SUCCEED], _TARGET[Event.FAIL]
 
 
 class IllegalTransition(RuntimeError):
@@ -180,12 +190,27 @@ class RequestLedger:
         """
         nxt = _NEXT[event].get(req.phase)
         if nxt is None:
-            if req.phase in FINAL:
-                return False
-            raise IllegalTransition(f"a request {req.phase.value} cannot {event.value}")
+            return _refuse(req, event)
         req.phase = nxt
         self.entered[nxt] += 1
         return True
+
+    def _move_all(self, reqs: Sequence[K], event: Event) -> list[K]:
+        """:meth:`move` each of ``reqs`` (a batch's, on the per-request path: one loop, no call
+        per request); the ones it moved."""
+        row = _NEXT[event]
+        target = _TARGET[event]
+        moved: list[K] = []
+        try:
+            for r in reqs:
+                if r.phase in row:
+                    r.phase = target
+                    moved.append(r)
+                else:
+                    _refuse(r, event)
+        finally:  # counted also when a shell's bug raises IllegalTransition part way
+            self.entered[target] += len(moved)
+        return moved
 
     # ------------------------------------------------------------------ admission
 
@@ -229,7 +254,7 @@ class RequestLedger:
 
     def abandon(self, reqs: Sequence[K], exc: BaseException) -> list[K]:
         """Closing failed ``reqs`` before they ran (counted as cancelled): the ones to wake."""
-        woken = [r for r in reqs if self.move(r, Event.ABANDON)]
+        woken = self._move_all(reqs, Event.ABANDON)
         for r in woken:
             r.error = exc
         return woken
@@ -238,26 +263,39 @@ class RequestLedger:
 
     def start(self, reqs: Sequence[K]) -> list[K]:
         """A batch of ``reqs`` is about to run: the ones still wanted (not cancelled)."""
-        return [r for r in reqs if self.move(r, Event.START)]
+        return self._move_all(reqs, Event.START)
 
     def answer(self, reqs: Sequence[K], results: Sequence[Any], now: float) -> tuple[list[K], list[float]]:
         """The batch function returned ``results`` for ``reqs`` (in order; an Exception in a slot
         fails that caller only): the requests to wake and their latencies."""
-        woken = []
-        for r, v in zip(reqs, results, strict=True):
-            failed = isinstance(v, Exception)
-            if not self.move(r, Event.FAIL if failed else Event.SUCCEED):
-                continue
-            if failed:
-                r.error = v
-            else:
-                r.value = v
-            woken.append(r)
+        succeed, fail = _NEXT[Event.SUCCEED], _NEXT[Event.FAIL]
+        woken: list[K] = []
+        failed = 0
+        try:
+            for r, v in zip(reqs, results, strict=True):
+                if isinstance(v, Exception):
+                    if r.phase not in fail:
+                        _refuse(r, Event.FAIL)
+                        continue
+                    r.phase = _FAILED
+                    r.error = v
+                    failed += 1
+                elif r.phase in succeed:
+                    r.phase = _SUCCEEDED
+                    r.value = v
+                else:
+                    _refuse(r, Event.SUCCEED)
+                    continue
+                woken.append(r)
+        finally:  # counted once per batch, also when a shell's bug raises part way
+            entered = self.entered
+            entered[_SUCCEEDED] += len(woken) - failed
+            entered[_FAILED] += failed
         return woken, self._observe(woken, now)
 
     def fail(self, reqs: Sequence[K], exc: BaseException, now: float) -> tuple[list[K], list[float]]:
         """The batch of ``reqs`` failed with ``exc``: the requests to wake and their latencies."""
-        woken = [r for r in reqs if self.move(r, Event.FAIL)]
+        woken = self._move_all(reqs, Event.FAIL)
         for r in woken:
             r.error = exc
         return woken, self._observe(woken, now)
@@ -283,3 +321,15 @@ class RequestLedger:
         """Callers a batch answered per second, first admission to last answer."""
         span = (self.t_last - self.t_first) if self.t_first is not None else 0.0
         return (self.succeeded + self.failed) / span if span > 0 else 0.0
+
+
+def _refuse(req: Tracked, event: Event) -> bool:
+    """The table has no move for ``event`` from ``req``'s phase: False when that phase is final
+    (answered once, nothing done).
+
+    Raises:
+        IllegalTransition: ``req`` is not final (a bug in the shell).
+    """
+    if req.phase in FINAL:
+        return False
+    raise IllegalTransition(f"a request {req.phase.value} cannot {event.value}")
