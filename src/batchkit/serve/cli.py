@@ -71,7 +71,7 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         "--dtype",
         choices=(*_DTYPES, "auto"),
         default="float32",
-        help="weights and KV cache dtype (default float32, token-equal to transformers; auto: bfloat16 on CUDA "
+        help="weights and KV cache dtype (float32 is token-equal to transformers; auto: bfloat16 on CUDA "
         "and on CPUs with AMX-BF16 or AVX512-BF16, float32 elsewhere)",
     )
     m.add_argument("--device", default="cpu", help="torch device for the models")
