@@ -292,7 +292,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "web_search_options", {}),
