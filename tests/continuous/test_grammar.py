@@ -185,6 +185,15 @@ class TestGrammarMatchers:
         assert dead == [0]
         assert torch.equal(out[0], torch.zeros_like(out[0]))
 
+    def test_the_bit_unpacking_of_accelerators_matches_the_cpu_one(self) -> None:
+        """Token t is allowed by bit t % 32 of word t // 32: both unpackings read it so."""
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32)
+        m = GrammarMatchers()
+        cpu = m._banned(bitmask, torch.device("cpu"))
+        assert torch.equal(m._banned_by_shifts(bitmask, torch.device("cpu")), cpu)
+        word, bit = divmod(77, 32)
+        assert bool(cpu[1, 77]) == (not (int(bitmask[1, word]) >> bit) & 1)
+
 
 class TestLoopUnderAGrammar:
     """The loop's output parses and validates against the schema, greedy and sampled."""

@@ -208,6 +208,12 @@ class GrammarMatchers:
         if device.type == "cpu":  # numpy unpacks bits in one pass (~10 us for 4 rows of 49152)
             bits = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")
             return torch.from_numpy(bits.view(np.bool_))
+        return self._banned_by_shifts(bitmask, device)
+
+    def _banned_by_shifts(self, bitmask: Tensor, device: Any) -> Tensor:
+        """:meth:`_banned` by torch ops on ``device`` (an accelerator's: no copy of the mask back)."""
+        import torch
+
         if self._shifts is None or self._shifts.device != device:
             self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         words = (~bitmask).to(device, non_blocking=True)
