@@ -53,6 +53,7 @@ FLOORS: dict[str, int] = {
     "continuous.sampling": 0,
     "continuous.step": 0,
     "continuous.logprobs": 0,
+    "continuous.grammar": 0,
     "dynamic._queue_core": 1,
     "dynamic.ledger": 1,
     "control.controller": 1,

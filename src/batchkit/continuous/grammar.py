@@ -23,7 +23,7 @@ __all__ = ["INSTALL_HINT", "Grammar", "GrammarMatchers", "json_grammar"]
 
 Tensor = Any
 
-INSTALL_HINT = "pip install xgrammar (or pip install 'batchkit[serve]')"
+INSTALL_HINT = "pip install xgrammar (or pip install 'batchkit[structured]')"
 
 
 @dataclass(frozen=True, eq=False)
