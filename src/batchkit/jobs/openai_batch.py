@@ -41,6 +41,7 @@ from ..serve.protocol import (
     parse_completion,
     usage,
 )
+from ..serve.structured import grammar_for
 from .generate import LoopFunction, OutputLine, qualified_name
 from .source import iter_lines, parse_line
 
@@ -241,7 +242,8 @@ class OpenAIBatchFunction(LoopFunction):
             )
             for i, p in enumerate(request.prompts)
         ]
-        sampling = req.sampling_options(lm.stop_token_ids)
+        # response_format compiled here, in the job's thread (a cache hit after the first line)
+        sampling = req.sampling_options(lm.stop_token_ids, grammar_for(req.response_format, lm))
         submit: Callable[..., concurrent.futures.Future[Any]] = loop.submit
         if req.logprobs is not None:
             submit = loop.submit_logprobs
