@@ -208,6 +208,35 @@ def test_the_async_openai_client_gets_the_sync_answer_from_many_tasks_at_once(li
         assert usage.model_dump() == alone.usage.model_dump()
 
 
+def test_the_async_openai_client_gets_n_penalties_and_bias_as_the_sync_one(live: LiveServer, client: Any) -> None:
+    """`AsyncOpenAI` tasks at once, each with n=2, a penalty, a logit bias or min_p (sampled,
+    seeded): each answer's choices equal the sync client's for the same request."""
+    base: dict[str, Any] = {"model": CHAT, "messages": QUESTION, "max_tokens": 6, "temperature": 0.9, "seed": 4}
+    variants: list[dict[str, Any]] = [
+        {"n": 2},
+        {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"logit_bias": {"15": 8}},
+        {"extra_body": {"min_p": 0.2, "repetition_penalty": 1.3}},
+        {"n": 2, "logprobs": True, "top_logprobs": 2},
+    ]
+    want = [[c.message.content for c in client.chat.completions.create(**base, **v).choices] for v in variants]
+
+    async def main() -> list[list[str | None]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0
+        ) as aclient:
+
+            async def one(v: dict[str, Any]) -> list[str | None]:
+                r = await aclient.chat.completions.create(**base, **v)
+                return [c.message.content for c in r.choices]
+
+            return await asyncio.gather(*(one(v) for v in variants))
+
+    got = asyncio.run(main())
+    assert got == want
+    assert [len(x) for x in got] == [2, 1, 1, 1, 2]
+
+
 def test_a_client_leaving_while_its_request_waits_for_a_seat_aborts_it(models: tuple[Any, Any]) -> None:
     """A streamed request still waiting for admission (one seat, taken) whose client leaves is
     aborted too: the waiting queue empties, it counts 499, and the running request goes on."""
