@@ -703,13 +703,10 @@ def test_a_request_that_can_never_be_readmitted_is_ended_not_parked() -> None:
     assert loop.allocator.statistics().used_blocks == 0
 
 
-def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
-    """With max_waiting=2, two requests may wait while the engine is busy; a third is refused at
-    once with QueueFull, and the accepted ones all complete."""
-    from batchkit import QueueFull
-
-    entered = threading.Event()
-    release = threading.Event()
+def busy_loop(max_waiting: int) -> tuple[ContinuousDecodeLoop, concurrent.futures.Future[list[int]], threading.Event]:
+    """A one-seat loop whose engine is held inside the step of a first request (``[1]``, 2
+    tokens) until the returned event is set: what is submitted meanwhile waits."""
+    entered, release = threading.Event(), threading.Event()
     echo = EchoStep()
 
     def blocking_step(batch: StepBatch, kv: Any) -> Any:
@@ -717,9 +714,19 @@ def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
         assert release.wait(WAIT)
         return echo(batch, kv)
 
-    with make_loop(blocking_step, max_num_seqs=1, max_waiting=2) as loop:
-        first = loop.submit([1], max_new_tokens=2)
-        assert entered.wait(WAIT)
+    loop = make_loop(blocking_step, max_num_seqs=1, max_waiting=max_waiting)
+    first = loop.submit([1], max_new_tokens=2)
+    assert entered.wait(WAIT)
+    return loop, first, release
+
+
+def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
+    """With max_waiting=2, two requests may wait while the engine is busy; a third is refused at
+    once with QueueFull, and the accepted ones all complete."""
+    from batchkit import QueueFull
+
+    loop, first, release = busy_loop(max_waiting=2)
+    with loop:
         queued = [loop.submit([1], max_new_tokens=2) for _ in range(2)]
         with pytest.raises(QueueFull, match="max_waiting=2"):
             loop.submit([1], max_new_tokens=2)
@@ -1268,17 +1275,8 @@ class TestGenerateN:
         the three iterators raises QueueFull and the two queued ones are aborted before they run."""
         from batchkit import QueueFull
 
-        entered, release = threading.Event(), threading.Event()
-        echo = EchoStep()
-
-        def blocking_step(batch: StepBatch, kv: Any) -> Any:
-            entered.set()
-            assert release.wait(WAIT)
-            return echo(batch, kv)
-
-        with make_loop(blocking_step, max_num_seqs=1, max_waiting=2) as loop:
-            first = loop.submit([1], max_new_tokens=2)
-            assert entered.wait(WAIT)
+        loop, first, release = busy_loop(max_waiting=2)
+        with loop:
             streams = loop.generate_n([9], 3, max_new_tokens=2)
             for stream in streams:
                 with pytest.raises(QueueFull, match="max_waiting=2"):

@@ -809,20 +809,19 @@ class ContinuousDecodeLoop:
         logits = all_logits if batch.sample_rows is None else all_logits.index_select(0, batch.sample_rows)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
         logits, broken = self._mask_bad_rows(logits, sampling)
-        if any(r.params.adjusts_logits for r in sampling):
-            logits = adjust_logits(
-                logits, [r.params for r in sampling], [r.tokens for r in sampling], [r.prompt_len for r in sampling]
-            )
-        constrained = any(r.params.grammar is not None for r in sampling)
+        params = [r.params for r in sampling]
+        if any(p.adjusts_logits for p in params):
+            logits = adjust_logits(logits, params, [r.tokens for r in sampling], [r.prompt_len for r in sampling])
+        constrained = any(p.grammar is not None for p in params)
         if constrained:
             logits, dead = self._grammars.mask(logits, sampling)
             broken += [sampling[i].request_id for i in dead]
-        tokens = sample(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        tokens = sample(logits, params, [r.generator for r in sampling])
         if constrained:
             skip = [i for i, r in enumerate(sampling) if r.request_id in broken] if broken else ()
             broken += [sampling[i].request_id for i in self._grammars.advance(sampling, tokens, skip)]
         token_lps = None
-        if plan is not None or any(r.params.logprobs is not None for r in sampling):
+        if plan is not None or any(p.logprobs is not None for p in params):
             token_lps = self._logprobs(all_logits, plan, sampling, tokens)
         done = self.clock.now()
         self._record_step(t0, done, len(tokens))

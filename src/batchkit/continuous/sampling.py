@@ -283,7 +283,8 @@ def adjust_logits(
     if not rows:
         return logits
     device = logits.device
-    x = logits.index_select(0, torch.tensor(rows, device=device)).to(torch.float32)
+    row_index = torch.tensor(rows, device=device)
+    x = logits.index_select(0, row_index).to(torch.float32)
     picked = [params[i] for i in rows]
 
     def scatter_index(seqs: list[Sequence[int]]) -> tuple[Tensor, Tensor]:
@@ -319,7 +320,7 @@ def adjust_logits(
         presence = torch.tensor([p.presence_penalty for p in picked], dtype=torch.float32, device=device)[:, None]
         x -= freq * counts + presence * (counts > 0)
     out = logits.to(torch.float32, copy=True)
-    out[torch.tensor(rows, device=device)] = x
+    out[row_index] = x
     return out
 
 
