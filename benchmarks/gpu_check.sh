@@ -9,8 +9,11 @@
 #                copy_blocks against the torch reference bit for bit, the gather bounds guard,
 #                ordering on a side stream, CUDA-graph capture + replay, the chained copy race,
 #                host time per launch (each check in its own process with its own timeout)
-#   4. tests:    pytest -m gpu tests/cuda
-#   5. bench:    benchmarks/kv_kernels.py (GB/s of the kernels against torch's indexing)
+#   4. tests:    pytest -m gpu tests/cuda/test_kernels_gpu.py
+#   5. models:   pytest -m gpu tests/cuda/test_models_gpu.py: Qwen2 and Mistral (tiny, random, from
+#                configs) through the continuous loop on the GPU, token-equal to transformers'
+#                generate() there (needs transformers in the image; INFO if it is missing)
+#   6. bench:    benchmarks/kv_kernels.py (GB/s of the kernels against torch's indexing)
 #
 # Each step prints one OK / FAIL / INFO line (its full output goes to the log) and the script
 # never stops early. Exit status: 0 when no step failed.
@@ -146,7 +149,7 @@ fi
 
 # ---------------------------------------------------------------- 4. GPU tests
 T=$(limit 180)
-run tests "$T" "$PY" -m pytest -q -m gpu tests/cuda -p no:cacheprovider -ra --junitxml="$RES/gpu_tests.xml"
+run tests "$T" "$PY" -m pytest -q -m gpu tests/cuda/test_kernels_gpu.py -p no:cacheprovider -ra --junitxml="$RES/gpu_tests.xml"
 TESTS_SUM=$(sed -n '/^===== tests:/,$p' "$LOG" | grep -E '(passed|failed|skipped|error|no tests ran)' | tail -n 1)
 if [ "$HAVE_GPU" -ne 1 ]; then
   record FAIL tests "$TOOK" "no CUDA device, so nothing ran (${TESTS_SUM:-rc $RC})"
@@ -158,7 +161,21 @@ else
   record FAIL tests "$TOOK" "rc $RC: ${TESTS_SUM:-no summary}"
 fi
 
-# ---------------------------------------------------------------- 5. bandwidth benchmark
+# ---------------------------------------------------------------- 5. models on the GPU
+T=$(limit 120)
+if timeout 60 "$PY" -c "import transformers" >/dev/null 2>&1; then
+  run models "$T" "$PY" -m pytest -q -m gpu tests/cuda/test_models_gpu.py -p no:cacheprovider -ra
+  MODELS_SUM=$(sed -n '/^===== models:/,$p' "$LOG" | grep -E '(passed|failed|skipped|error|no tests ran)' | tail -n 1)
+  if [ "$RC" -eq 0 ] && [ "$HAVE_GPU" -eq 1 ] && ! echo "$MODELS_SUM" | grep -q skipped; then
+    record OK models "$TOOK" "$MODELS_SUM"
+  else
+    record FAIL models "$TOOK" "rc $RC: ${MODELS_SUM:-no summary}"
+  fi
+else
+  record INFO models 0 "transformers is not installed in this image: the token-equality run did not happen"
+fi
+
+# ---------------------------------------------------------------- 6. bandwidth benchmark
 T=$(limit 120)
 run bench "$T" "$PY" benchmarks/kv_kernels.py --json "$RES/kv_kernels.json"
 BENCH_TABLE=$(sed -n '/^===== bench:/,$p' "$LOG" | grep -vE '^=====')

@@ -123,6 +123,32 @@ def word_tokenizer(vocab: int = 128) -> Any:
     )
 
 
+# The shape of the tiny random-weight transformers models the model tests build from configs.
+TINY_LM: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def tiny_lm(model_type: str, device: str = "cpu", **config: Any) -> Any:
+    """A seeded random-weight float32 transformers causal LM of ``model_type`` (TINY_LM's shape,
+    ``config`` on top), in eval mode on ``device``."""
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY_LM, **config})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).eval()  # type: ignore[no-untyped-call]
+
+
 def hf_greedy(hf: Any, prompt: list[int], max_new_tokens: int, **generate: Any) -> list[int]:
     """transformers' greedy new tokens for ``prompt`` (EOS off; ``generate`` adds options such as
     ``repetition_penalty``): the reference batchkit's loops are checked against."""

@@ -278,7 +278,8 @@ def test_fragmentation_counts_unused_tail_slots() -> None:
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random sequences of allocate/append/fork/free/swap with prefix caching and eviction."""
+    """Random sequences of allocate/append/fork/free/swap/release (a sliding window giving blocks
+    back) with prefix caching and eviction."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -359,6 +360,19 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        resident = self._resident()
+        if not resident:
+            return
+        sid = data.draw(st.sampled_from(resident))
+        before = self.a.block_table(sid)
+        released = self.a.release_before(sid, data.draw(st.integers(0, len(self.tokens[sid]))))
+        after = self.a.block_table(sid)
+        assert int((after == 0).sum()) - int((before == 0).sum()) == released
+        assert after[-1] != 0, "the last block is always kept"
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
         self.a.free(sid)
@@ -418,3 +432,69 @@ class TestNeverFits:
         assert alloc.never_fits(8, "a") is None
         assert alloc.never_fits(9, "a") == "needs 3 KV blocks, over tenant 'a''s quota of 2"
         assert alloc.never_fits(9, "b") is None
+
+
+class TestReleaseBefore:
+    """release_before: a sliding window gives back the blocks no later step reads."""
+
+    def test_blocks_wholly_before_the_position_go_back_and_read_as_the_null_block(self) -> None:
+        """Tokens 0..9 in blocks of 4: before position 9, blocks 0 and 1 (tokens 0..7) go back."""
+        alloc = PagedKVAllocator(16, 4, tenant_quotas={"t": 8})
+        alloc.allocate("s", 10, tenant="t")
+        held = alloc.block_table("s").tolist()
+        free = alloc.num_free_blocks
+        assert alloc.release_before("s", 9) == 2
+        assert alloc.block_table("s").tolist() == [0, 0, held[2]]
+        assert alloc.num_free_blocks == free + 2
+        assert alloc.statistics().tenant_usage == {"t": 1}
+        assert alloc.release_before("s", 9) == 0, "given back once"
+        check_invariants(alloc)
+
+    def test_the_last_block_is_kept_and_growth_continues_after_it(self) -> None:
+        """Even past every token, the block the next token may land in stays; appends go on."""
+        alloc = PagedKVAllocator(16, 4)
+        alloc.allocate("s", 8)
+        assert alloc.release_before("s", 8) == 1
+        slots = alloc.append_slots("s", 3)
+        assert (slots // 4 != 0).all()
+        assert alloc.num_tokens("s") == 11
+        check_invariants(alloc)
+
+    def test_free_swap_and_fork_skip_the_given_back_blocks(self) -> None:
+        """Swap-out copies and swap-in takes only the held blocks; a fork shares only those;
+        freeing everything leaves no block used and no tenant charged."""
+        alloc = PagedKVAllocator(16, 4, num_cpu_blocks=8, tenant_quotas={"t": 8})
+        alloc.allocate("s", 13, tenant="t")
+        alloc.release_before("s", 8)
+        copies = alloc.swap_out("s")
+        assert len(copies) == 2
+        assert all(gpu != 0 for gpu, _ in copies)
+        assert len(alloc.swap_in("s")) == 2
+        assert alloc.block_table("s")[:2].tolist() == [0, 0]
+        alloc.fork("s", "c")
+        assert alloc.block_table("c")[:2].tolist() == [0, 0]
+        assert alloc.statistics().tenant_usage == {"t": 4}
+        check_invariants(alloc)
+        alloc.free("s")
+        alloc.free("c")
+        stats = alloc.statistics()
+        assert stats.used_blocks == 0
+        assert stats.tenant_usage == {}
+
+    def test_with_prefix_caching_only_computed_blocks_go_back_and_stay_hits(self) -> None:
+        """A block not yet marked computed is kept (its key is not indexed yet); once computed,
+        a given-back block is still a prefix-cache hit for the next sequence."""
+        alloc = PagedKVAllocator(16, 4, enable_prefix_caching=True)
+        prompt = list(range(10))
+        alloc.allocate("s", prompt)
+        assert alloc.release_before("s", 9) == 0
+        alloc.mark_computed("s", 10)
+        assert alloc.release_before("s", 9) == 2
+        assert alloc.allocate("t", prompt) == 8
+        check_invariants(alloc)
+
+    def test_a_negative_position_is_refused(self) -> None:
+        alloc = PagedKVAllocator(16, 4)
+        alloc.allocate("s", 4)
+        with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+            alloc.release_before("s", -1)

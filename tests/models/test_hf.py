@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from _support import drain, hf_greedy
+from _support import TINY_LM, drain, hf_greedy, tiny_lm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -21,21 +21,9 @@ from batchkit.kv.planner import layer_windows  # noqa: E402
 from batchkit.models import LlamaModel, load_pretrained  # noqa: E402
 from batchkit.models.hf import HFStepModel  # noqa: E402
 
-VOCAB = 128
+VOCAB = TINY_LM["vocab_size"]
 WINDOW = 6  # sliding windows shorter than every prompt and its output
-TINY: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-# model_type -> what its tiny config sets beyond TINY: the feature of the family each exercises.
+# model_type -> what its tiny config sets beyond TINY_LM: the feature of the family each exercises.
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),  # attention biases on q/k/v
@@ -72,9 +60,7 @@ NEW_TOKENS = 8
 def _tiny(name: str, **overrides: Any) -> Any:
     """A seeded random-weight float32 transformers model of architecture ``name``."""
     model_type, extra = ARCHITECTURES[name]
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return tiny_lm(model_type, **{**extra, **overrides})
 
 
 def _prompts() -> list[list[int]]:
@@ -110,10 +96,13 @@ def test_greedy_tokens_equal_transformers_through_the_loop(arch: tuple[str, Any,
     caching, or by swap): each one's greedy tokens equal transformers' generate() in float32."""
     name, hf, want = arch
     model = HFStepModel(copy.deepcopy(hf))
+    # A model whose every layer slides (Mistral) gives back the blocks behind its window, so
+    # only a smaller pool, shared by more requests, still forces it to preempt.
+    num_blocks, max_num_seqs = (8, 6) if model.sliding_window else (16, 4)
     loop = ContinuousDecodeLoop(
         model,
-        model.make_cache(num_blocks=16, block_size=4),
-        max_num_seqs=4,
+        model.make_cache(num_blocks=num_blocks, block_size=4),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=8,
         watermark=0.0,
         preemption_mode=mode,  # type: ignore[arg-type]
@@ -149,6 +138,33 @@ def test_a_sliding_window_model_decodes_past_its_window_like_transformers() -> N
     assert want != [_hf_greedy(wide, p) for p in prompts], "the window was meant to change the tokens"
     model = HFStepModel(copy.deepcopy(hf))
     assert _run(ContinuousDecodeLoop(model, model.make_cache(num_blocks=64, block_size=4)), prompts) == want
+
+
+def test_a_model_whose_every_layer_slides_gives_back_the_blocks_behind_its_window() -> None:
+    """Mistral (every layer sliding, window 6, blocks of 4): a 14-token prompt decoding 40 tokens
+    holds 54 tokens' positions, 14 blocks, yet never more than the blocks its window and the
+    current block span; the given-back blocks serve other requests, and the tokens still equal
+    transformers'. Gemma2 (alternating layers) keeps all of its blocks."""
+    hf = _tiny("mistral")
+    prompt = _prompts()[3]
+    new_tokens = 40
+    want = hf_greedy(hf, prompt, new_tokens)
+    model = HFStepModel(copy.deepcopy(hf))
+    assert model.sliding_window == WINDOW
+    assert HFStepModel(_tiny("gemma2")).sliding_window is None
+    loop = ContinuousDecodeLoop(model, model.make_cache(num_blocks=64, block_size=4))
+    loop.scheduler.add(Request(0, prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+    got: list[int] = []
+    peak = 0
+    while loop.scheduler.has_work():
+        _, events = loop.step_once()
+        got += [ev.token for ev in events if ev.token is not None]
+        peak = max(peak, loop.allocator.statistics().used_blocks)
+    assert got == want
+    # The window's 6 positions straddle at most 3 blocks of 4, plus the block being filled:
+    # far fewer than the 14 blocks of its 54 positions (the prompt's own prefill holds 4).
+    assert peak <= 4 < loop.allocator.blocks_needed(len(prompt) + new_tokens)
+    assert loop.allocator.statistics().used_blocks == 0
 
 
 def test_attention_soft_capping_changes_the_tokens_it_is_checked_against() -> None:

@@ -171,6 +171,13 @@ def _checked_loop_args(
     return eos_token_id
 
 
+def _sliding_window_of(step_fn: object) -> int | None:
+    """The window every layer of the step's model attends over (its ``sliding_window``
+    attribute, as :class:`~batchkit.models.HFStepModel` has), or None."""
+    window = getattr(step_fn, "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) and window >= 1 else None
+
+
 @dataclass(frozen=True, slots=True)
 class _LogitsPlan:
     """A step's logits rows when some request wants its prompt's logprobs: ``rows`` index the
@@ -266,6 +273,7 @@ class ContinuousDecodeLoop:
             preemption_mode=preemption_mode,
             clock=self.clock,
             detokenize=detokenize,
+            sliding_window=_sliding_window_of(step_fn),
         )
         self.cpu_cache: PagedKVCache | None = None  # the CPU swap pool's tensors
         if num_cpu_blocks:

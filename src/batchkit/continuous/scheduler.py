@@ -290,6 +290,8 @@ class Scheduler:
         clock: the time ``add``, ``schedule`` and ``update`` read when they are not told
             ``now`` (arrivals, deadlines and the metrics).
         detokenize: ``detokenize(token_ids) -> str``, needed for stop strings.
+        sliding_window: the window every layer of the model attends over (None: the whole past):
+            a running request's blocks that fall out of it go back to the pool after each step.
 
     Raises:
         ValueError: non-positive limits or an unknown preemption mode.
@@ -304,6 +306,7 @@ class Scheduler:
         preemption_mode: PreemptionMode = "recompute",
         clock: Clock | None = None,
         detokenize: Callable[[Sequence[int]], str] | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         if not isinstance(allocator, PagedKVAllocator):
             raise TypeError(f"allocator must be a batchkit.PagedKVAllocator, got {allocator!r}")
@@ -314,6 +317,11 @@ class Scheduler:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and allocator.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs an allocator with num_cpu_blocks > 0")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+        self.sliding_window = sliding_window
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -490,6 +498,7 @@ class Scheduler:
         held: Counter[int] = Counter()
         for r in requests:
             held.update(a.block_table(r.request_id).tolist())
+        held.pop(0, None)  # the null block: where a sliding window gave blocks back
         freed = sum(1 for block, n in held.items() if a.ref_count(block) == n)
         return a.num_free_blocks + freed - a.watermark_blocks
 
@@ -867,6 +876,13 @@ class Scheduler:
         if a.enable_prefix_caching and before // a.block_size != req.num_computed // a.block_size:
             # The step wrote these blocks' K/V: only now may they serve as prefix-cache hits.
             a.mark_computed(req.request_id, req.num_computed)
+        window = self.sliding_window
+        if window is not None:
+            # The next token, at position num_computed, sees only the window's last positions:
+            # a block wholly before them is read by no later step.
+            first = req.num_computed + 1 - window
+            if first >= a.block_size and max(before + 1 - window, 0) // a.block_size < first // a.block_size:
+                a.release_before(req.request_id, first)
         if was_prompt:
             self._prompt_computed += min(req.num_computed, req.prompt_len) - before
 

@@ -102,11 +102,14 @@ class SeqBatch:
 
 
 class _SeqInfo:
-    __slots__ = ("cpu_blocks", "keys", "row", "tenant")
+    __slots__ = ("cpu_blocks", "keys", "num_dropped", "row", "tenant")
 
     def __init__(self, row: int, tenant: Hashable) -> None:
         self.row = row
         self.tenant = tenant
+        # Leading blocks given back by release_before (a sliding window): their table entries
+        # are the null block, and nothing of the sequence holds them any more.
+        self.num_dropped = 0
         # Prefix-cache keys of the sequence's blocks (None: no caching, or its ids are unknown).
         # The allocator keeps no token list: the caller holds the tokens.
         self.keys: SeqKeys | None = None
@@ -600,15 +603,17 @@ class PagedKVAllocator:
         if child in self._seqs:
             raise ValueError(f"sequence {child!r} is already allocated")
         t = self.tables
-        nb = int(t.num_blocks[info.row])
+        dropped = info.num_dropped
+        nb = int(t.num_blocks[info.row]) - dropped
         if not self.quotas.allows(info.tenant, nb):
             quota = self.quotas.quota_of(info.tenant)
             raise KVCacheExhausted(f"tenant {info.tenant!r} would exceed its quota of {quota} blocks by forking")
         row = t.new_row()
         blocks = t.blocks(info.row).copy()
         t.set_blocks(row, blocks, int(t.lens[info.row]))
-        self.pool.share(blocks)
+        self.pool.share(blocks[dropped:])
         new = _SeqInfo(row, info.tenant)
+        new.num_dropped = dropped
         if info.keys is not None:
             new.keys = info.keys.copy()
         self._seqs[child] = new
@@ -623,14 +628,44 @@ class PagedKVAllocator:
         info = self._seq(seq_id)
         del self._seqs[seq_id]
         row = info.row
-        nb = int(self.tables.num_blocks[row])
+        nb = int(self.tables.num_blocks[row]) - info.num_dropped
         if info.cpu_blocks is not None:
             self.swap_space.discard(info.cpu_blocks)
         else:
-            self._release_blocks(self.tables.blocks(row).copy())
+            self._release_blocks(self.tables.blocks(row)[info.num_dropped :].copy())
         self.quotas.refund(info.tenant, nb)
         self.tables.release_row(row)
         self._epoch += 1
+
+    def release_before(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Give back the sequence's blocks that hold only tokens before position ``num_tokens``:
+        no later step reads them (a model whose every layer attends over a sliding window).
+
+        Their table entries become the null block 0 (the attention masks them out); the last
+        block is always kept, and with prefix caching only blocks already indexed (marked
+        computed) are given back, so that they stay reusable until evicted. Returns how many
+        blocks were given back by this call.
+
+        Raises:
+            UnknownSequence, BatchkitError (swapped out), ValueError (a negative count).
+        """
+        info = self._resident(seq_id)
+        num_tokens = _int(num_tokens, "num_tokens")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        row = info.row
+        end = min(num_tokens // self.block_size, int(self.tables.num_blocks[row]) - 1)
+        if info.keys is not None:
+            end = min(end, info.keys.num_indexed)
+        start = info.num_dropped
+        if end <= start:
+            return 0
+        table = self.tables.table
+        self._release_blocks(table[row, start:end].copy())
+        table[row, start:end] = 0
+        info.num_dropped = end
+        self.quotas.refund(info.tenant, end - start)
+        return end - start
 
     # ------------------------------------------------------------------ swap
 
@@ -644,7 +679,7 @@ class PagedKVAllocator:
         """
         info = self._resident(seq_id)
         row = info.row
-        gpu = self.tables.blocks(row).copy()
+        gpu = self.tables.blocks(row)[info.num_dropped :].copy()
         nb = gpu.size
         if not self.swap_space.can_swap_out(nb):
             raise KVCacheExhausted(
@@ -671,7 +706,7 @@ class PagedKVAllocator:
         if nb > self.num_free_blocks:
             raise KVCacheExhausted(f"swap_in needs {nb} blocks, {self.num_free_blocks} free")
         new = self._take_blocks(nb)
-        self.tables.attach(info.row, new)
+        self.tables.attach(info.row, new, info.num_dropped)
         info.cpu_blocks = None
         self.swap_space.swap_in(cpu)
         # The blocks come back under fresh ids. Those indexed before the swap-out stay indexed
@@ -699,7 +734,8 @@ class PagedKVAllocator:
         return int(self.tables.lens[self._seq(seq_id).row])
 
     def block_table(self, seq_id: Hashable) -> np.ndarray:
-        """The sequence's blocks, in order (a copy, int32)."""
+        """The sequence's blocks, in order (a copy, int32); blocks given back by
+        :meth:`release_before` read as the null block 0."""
         return self.tables.blocks(self._resident(seq_id).row).copy()
 
     def block_tables(self, seq_ids: Sequence[Hashable], width: int | None = None) -> np.ndarray:
@@ -741,11 +777,13 @@ class PagedKVAllocator:
 
     def statistics(self) -> AllocatorStatistics:
         used = self.pool.num_used
-        resident_rows = [i.row for i in self._seqs.values() if i.cpu_blocks is None]
-        rows = np.asarray(resident_rows, dtype=np.int64)
+        resident = [i for i in self._seqs.values() if i.cpu_blocks is None]
+        rows = np.asarray([i.row for i in resident], dtype=np.int64)
         t = self.tables
+        dropped_slots = sum(i.num_dropped for i in resident) * self.block_size
         tokens = int(t.lens[rows].sum()) if rows.size else 0
-        slots = int(t.num_blocks[rows].sum()) * self.block_size if rows.size else 0
+        # Slots of the blocks held (a sliding window's given-back blocks are neither held nor filled).
+        slots = int(t.num_blocks[rows].sum()) * self.block_size - dropped_slots if rows.size else 0
         prefix = self.prefix
         swap = self.swap_space
         return AllocatorStatistics(
@@ -757,7 +795,7 @@ class PagedKVAllocator:
             usage=used / self.total_blocks,
             num_seqs=len(self._seqs),
             num_tokens=tokens,
-            fragmentation=(slots - tokens) / slots if slots else 0.0,
+            fragmentation=(slots - tokens + dropped_slots) / slots if slots else 0.0,
             prefix_queries=prefix.queries,
             prefix_hits=prefix.hits,
             prefix_hit_rate=prefix.hit_rate,

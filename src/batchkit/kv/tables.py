@@ -58,9 +58,10 @@ class BlockTables:
         """Point the row's blocks at the null block, keeping its counts (a swapped-out sequence)."""
         self.table[row, : self.num_blocks[row]] = 0
 
-    def attach(self, row: int, blocks: np.ndarray) -> None:
-        """Give a detached row its (new) blocks back."""
-        self.table[row, : blocks.size] = blocks
+    def attach(self, row: int, blocks: np.ndarray, start: int = 0) -> None:
+        """Give a detached row its (new) blocks back, from its block ``start`` on (those before
+        stay the null block)."""
+        self.table[row, start : start + blocks.size] = blocks
 
     def ensure_cols(self, num_blocks: int) -> None:
         """Make room for tables of ``num_blocks`` blocks."""

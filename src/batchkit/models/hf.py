@@ -205,6 +205,8 @@ class HFStepModel(nn.Module):
         config: its config (``vocab_size`` is what the loop checks prompts against).
         num_layers, num_kv_heads, head_dim: the shape of the KV cache it needs.
         windows: each layer's sliding window (None: full attention).
+        sliding_window: the window when every layer slides over the same one, else None; a
+            :class:`~batchkit.ContinuousDecodeLoop` then gives back the KV blocks that fall out of it.
 
     Raises:
         ValueError: a feature the paged attention cannot give (see :func:`check_supported`).
@@ -227,6 +229,7 @@ class HFStepModel(nn.Module):
         self.num_kv_heads = _config_int(config, "num_key_value_heads", heads)
         self.head_dim = _config_int(config, "head_dim", _config_int(config, "hidden_size") // heads)
         self.windows = layer_windows(config)
+        self.sliding_window = self.windows[0] if len(set(self.windows)) == 1 else None
         self._logits_to_keep = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
 
     @property
