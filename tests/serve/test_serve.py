@@ -1387,6 +1387,18 @@ class _StandInTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
+class _Free(threading.Event):
+    """Set: every step runs without a permit, the one waiting for a permit now included."""
+
+    def __init__(self, permits: threading.Semaphore) -> None:
+        super().__init__()
+        self._permits = permits
+
+    def set(self) -> None:
+        super().set()
+        self._permits.release()  # a step blocked in acquire() would otherwise wait out its timeout
+
+
 class _SteppedModel:
     """A tiny Llama model that takes one step per permit the test hands it (or any once ``free``)."""
 
@@ -1396,7 +1408,7 @@ class _SteppedModel:
         self.model = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
         self.config = self.model.config
         self.permits = threading.Semaphore(0)
-        self.free = threading.Event()
+        self.free = _Free(self.permits)
 
     def make_cache(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.make_cache(*args, **kwargs)
