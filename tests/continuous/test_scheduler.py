@@ -302,6 +302,45 @@ class TestPreemptForWaiting:
         assert statuses(s, "low")["low"] is RequestStatus.WAITING
         assert plan.swap_out == []
 
+    def test_better_arrivals_take_their_seats_from_each_worse_request_in_turn(self) -> None:
+        """Two priority-1 requests arrive together; a priority-0 one pushes out the earlier ("a"),
+        ends, and "a" comes back; the next priority-0 arrival pushes out "b", preempted fewer
+        times, not "a" again (which a stream of them would starve)."""
+        s = scheduler(num_blocks=16, max_num_seqs=2)
+        s.add(request("a", priority=1), 0.0)
+        s.add(request("b", priority=1), 0.0)
+        step(s, 0.0)
+        s.add(request("high-1", max_new=1), 1.0)
+        step(s, 1.0)  # high-1 in for a; it samples its one token and ends
+        assert statuses(s, "a", "b") == {"a": RequestStatus.WAITING, "b": RequestStatus.RUNNING}
+        step(s, 2.0)  # a back in the seat high-1 left
+        assert statuses(s, "a")["a"] is RequestStatus.RUNNING
+        s.add(request("high-2", max_new=1), 3.0)
+        step(s, 3.0)
+        assert statuses(s, "a", "b") == {"a": RequestStatus.RUNNING, "b": RequestStatus.WAITING}
+        assert [s.get(r).num_preemptions for r in "ab"] == [1, 1]  # type: ignore[union-attr]
+
+    def test_a_stream_of_better_arrivals_costs_the_worse_ones_only_its_seats(self) -> None:
+        """The gateway case: 24 priority-1 requests of 96 tokens, 8 seats; from step 18 on, 8
+        priority-0 requests of 16 tokens arrive 9 steps apart (each outlives the next arrival).
+        Every step runs 8 requests, and the run takes exactly the 304 steps its tokens need
+        (24 x 96 + 8 x 16 over 8 seats). Pushing out the most recent arrival each time, while
+        victims came back in arrival order, left one request behind every other's return, to
+        end alone: 367 steps, 72 of them with fewer than 8 running."""
+        s = scheduler(num_blocks=400, max_num_seqs=8)
+        for i in range(24):
+            s.add(request(f"bulk-{i}", priority=1, max_new=96), 0.0)
+        steps = thin = chats = 0
+        while s.has_work() or chats < 8:
+            if chats < 8 and steps == 18 + 9 * chats:
+                s.add(request(f"chat-{chats}", max_new=16), float(steps))
+                chats += 1
+            scheduled = step(s, float(steps))
+            steps += 1
+            thin += len(scheduled.requests) < 8
+        assert (steps, thin) == (304, 0)
+        assert s.statistics().preemptions == 8
+
     def test_no_one_is_pushed_out_for_a_request_its_tenant_quota_holds_back(self) -> None:
         """Other tenants' blocks would not let in a request over its own tenant's quota."""
         s = scheduler(max_num_seqs=2, quotas={"t": 1})

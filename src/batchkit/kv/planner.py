@@ -5,8 +5,9 @@ is K and V). A device's budget for the cache is what is left of ``gpu_memory_uti
 memory after the weights and the activation peak.
 
 A config's sliding window (Mistral, Gemma2, Qwen2 with ``use_sliding_window``) is read and
-reported, but counts no saving: batchkit's cache keeps every layer's whole context (attention
-masks the window; blocks that leave it are not freed), so a sliding layer needs what a full one does.
+reported, but counts no saving: one block table serves every layer, admission reserves a
+request's whole length, and only a model whose every layer slides (Mistral) gives blocks back as
+it decodes (to other requests), so the plan counts a sliding layer as a full one.
 """
 
 from __future__ import annotations
