@@ -30,15 +30,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+from _server_proc import free_port, start_server, stop_server
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -73,14 +71,8 @@ class Scenario:
         return sum(1 for t in self.bulk_chunks if start <= t < end) / (end - start) if end > start else 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_server(port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    cmd = [
+def _server_command(port: int, args: argparse.Namespace) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "batchkit",
@@ -94,20 +86,6 @@ def _start_server(port: int, args: argparse.Namespace) -> subprocess.Popen[bytes
         "--max-num-seqs",
         str(args.max_num_seqs),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"batchkit serve exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("batchkit serve did not become ready within 300 s")
 
 
 async def _metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -220,9 +198,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="the server's torch threads")
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = _start_server(port, args)
+    server = start_server(_server_command(port, args), f"{url}/ready", args.threads)
     rows: list[Scenario] = []
     try:
         print(
@@ -238,11 +216,7 @@ def main() -> None:
             }
             rows += [ran[name] for name, _ in scenarios]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
     print(
         "\n| round | scenario | bulk tok/s | bulk loss | bulk chunks/s while chats run | its loss | "
         "chat TTFT p50 / max ms | preemptions | steps | steps vs bulk alone | prompt tokens computed |"

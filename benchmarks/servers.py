@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from _server_proc import free_port, start_server, stop_server
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -66,12 +64,6 @@ class Run:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _command(server: str, folder: Path, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
     """The server's command line and the path it answers 200 on once it serves."""
     if server == "batchkit":
@@ -82,35 +74,6 @@ def _command(server: str, folder: Path, port: int, args: argparse.Namespace) -> 
     cmd = [str(exe), "serve", str(folder), "--continuous-batching", "--attn-implementation", "sdpa"]
     cmd += ["--device", "cpu", "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1"]
     return cmd, "/health"
-
-
-def _start(server: str, folder: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    cmd, ready = _command(server, folder, port, args)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-            raise RuntimeError(f"{server} server exited: {err}")
-        try:
-            if httpx.get(url + ready, timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"the {server} server did not answer {ready} within 300 s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 async def _load(url: str, model: str, n: int, args: argparse.Namespace) -> tuple[float, list[float], list[str]]:
@@ -150,13 +113,16 @@ async def _load(url: str, model: str, n: int, args: argparse.Namespace) -> tuple
 
 
 def _measure(server: str, folder: Path, tokenizer: object, args: argparse.Namespace) -> Run:
-    proc, url = _start(server, folder, args)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd, ready = _command(server, folder, port, args)
+    proc = start_server(cmd, url + ready, args.threads)
     try:
         model = str(folder) if server == "transformers" else httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(_load(url, model, 2, args))  # warm-up: the first requests load or compile what they need
         seconds, ttft, text = asyncio.run(_load(url, model, args.requests, args))
     finally:
-        _stop(proc)
+        stop_server(proc)
     encode = tokenizer.encode  # type: ignore[attr-defined]
     tokens = sum(len(encode(t, add_special_tokens=False)) for t in text)
     return Run(server, seconds, tokens, ttft, text)

@@ -1,0 +1,50 @@
+"""A server in a subprocess for the benchmarks that load one over HTTP (gateway.py, servers.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(cmd: list[str], ready_url: str, threads: int, timeout_s: float = 300) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (``threads`` OpenMP threads, offline) and wait until ``ready_url`` answers 200.
+
+    Raises:
+        RuntimeError: the server exited first (its last stderr lines are in the message).
+        TimeoutError: it did not answer within ``timeout_s``.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            raise RuntimeError(f"{cmd[0]} exited: {err}")
+        try:
+            if httpx.get(ready_url, timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{' '.join(cmd[:3])} did not answer {ready_url} within {timeout_s:g} s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 60 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
