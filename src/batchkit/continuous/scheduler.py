@@ -480,34 +480,27 @@ class Scheduler:
             ),
         )
 
-    def _victim(self, exclude: set[int], *, tenant_of: Request | None = None) -> Request | None:
+    def _victim(
+        self, exclude: set[int], *, tenant_of: Request | None = None, for_better: bool = False
+    ) -> Request | None:
         """The running request to preempt: worst priority, then most recent arrival (with
-        ``tenant_of``, only among the requests of that request's tenant)."""
-        best: Request | None = None
-        for r in self.running:
-            if id(r) in exclude or (tenant_of is not None and r.tenant != tenant_of.tenant):
-                continue
-            if best is None or (r.priority, r.order) > (best.priority, best.order):
-                best = r
-        return best
+        ``tenant_of``, only among the requests of that request's tenant).
 
-    def _victim_for_better(self) -> Request | None:
-        """The running request a better-priority arrival pushes out: worst priority, then the one
-        preempted fewest times, then the earliest arrival. A stream of better arrivals thus takes
-        its seats from each worse request in turn, and the victims come back in the order they
-        left (the waiting queue is in arrival order): no one of them is pushed out again and again
-        or waits behind the others' returns (it would starve, and a set of equal requests would
-        end with it running alone). The earliest holds the most blocks, so with prefix caching off
-        its recompute costs the most; with it, its full blocks come back from the cache."""
-        best: Request | None = None
-        for r in self.running:
-            if best is None or (r.priority, -r.num_preemptions, -r.order) > (
-                best.priority,
-                -best.num_preemptions,
-                -best.order,
-            ):
-                best = r
-        return best
+        With ``for_better`` (a better-priority arrival pushes one out): worst priority, then the
+        one preempted fewest times, then the earliest arrival. A stream of better arrivals thus
+        takes its seats from each worse request in turn, and the victims come back in the order
+        they left (the waiting queue is in arrival order): none is pushed out again and again or
+        waits behind the others' returns (it would starve, and a set of equal requests would end
+        with it running alone). The earliest holds the most blocks, so with prefix caching off
+        its recompute costs the most; with it, its full blocks come back from the cache.
+        """
+        key: Callable[[Request], tuple[int, ...]] = (
+            (lambda r: (r.priority, -r.num_preemptions, -r.order)) if for_better else (lambda r: (r.priority, r.order))
+        )
+        candidates = (
+            r for r in self.running if id(r) not in exclude and (tenant_of is None or r.tenant == tenant_of.tenant)
+        )
+        return max(candidates, key=key, default=None)
 
     def _room_without(self, requests: list[Request]) -> int:
         """Blocks admission could hand out if these running requests gave theirs back: the
@@ -618,11 +611,11 @@ class Scheduler:
         ):
             return
         if len(self.running) >= self.max_num_seqs:
-            worst = self._victim_for_better()
+            worst = self._victim(set(), for_better=True)
             if worst is not None and worst.priority > head.priority:
                 self._preempt(worst, plan, allow_swap=False)
         while len(self.running) < self.max_num_seqs and not a.can_allocate(total, tenant=head.tenant):
-            worst = self._victim_for_better()
+            worst = self._victim(set(), for_better=True)
             if worst is None or worst.priority <= head.priority:
                 break
             self._preempt(worst, plan, allow_swap=False)
