@@ -34,18 +34,12 @@ from typing import Any, TypeVar
 import anyio
 
 from .._clock import Clock, ListenableClock, MonotonicClock
-from .._errors import BatcherClosed, BatchTimeout, QueueFull
+from .._errors import BatcherClosed, QueueFull
 from ..control import AdaptiveBatchController, CircuitBreaker
-from ._queue_core import TAKEN, Drop, QueueCore
-from .batcher import (
-    BatcherShell,
-    LedgerEntry,
-    check_batcher_options,
-    is_async_callable,
-    malformed_results,
-)
+from ._queue_core import TAKEN
+from .batcher import BatcherOptions, BatcherShell, LedgerEntry, is_async_callable
 from .former import FormedBatch
-from .ledger import NO_FALLBACK, Fail, Phase
+from .ledger import NO_FALLBACK, Phase, Split
 from .queue import OnFull
 
 __all__ = ["AsyncBatcher"]
@@ -138,23 +132,21 @@ class AsyncBatcher(BatcherShell[T, R]):
         clock: Clock | None = None,
         name: str | None = None,
     ) -> None:
-        check_batcher_options(
-            fn,
-            max_batch_size,
-            max_wait_ms,
-            {
-                "max_queue": max_queue,
-                "on_full": on_full,
-                "max_concurrent_batches": max_concurrent_batches,
-                "size_fn": size_fn,
-                "max_batch_cost": max_batch_cost,
-                "group_by": group_by,
-                "batch_timeout_s": batch_timeout_s,
-                "controller": controller,
-                "circuit_breaker": circuit_breaker,
-                "clock": clock,
-            },
-        )
+        options: BatcherOptions = {
+            "max_queue": max_queue,
+            "on_full": on_full,
+            "max_concurrent_batches": max_concurrent_batches,
+            "size_fn": size_fn,
+            "max_batch_cost": max_batch_cost,
+            "group_by": group_by,
+            "isolate_errors": isolate_errors,
+            "batch_timeout_s": batch_timeout_s,
+            "controller": controller,
+            "circuit_breaker": circuit_breaker,
+            "clock": clock,
+            "name": name,
+        }
+        super().__init__(fn, max_batch_size, max_wait_ms, options, locked=False)
         is_async = is_async_callable(fn)
         if offload and is_async:
             raise ValueError(
@@ -166,25 +158,6 @@ class AsyncBatcher(BatcherShell[T, R]):
                 "batch_timeout_s needs a batch function that can be interrupted: an async def, or "
                 "offload=True for a plain function (on the loop, a stuck call holds the loop)"
             )
-        core: QueueCore[Any] = QueueCore(max_queue, on_full)
-        super().__init__(
-            fn,
-            core,
-            contextlib.nullcontext(),
-            max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
-            max_batch_cost=max_batch_cost,
-            size_fn=size_fn,
-            group_by=group_by,
-            isolate_errors=isolate_errors,
-            max_concurrent_batches=max_concurrent_batches,
-            batch_timeout_s=batch_timeout_s,
-            controller=controller,
-            circuit_breaker=circuit_breaker,
-            clock=clock if clock is not None else MonotonicClock(),
-            name=name,
-            block=on_full == "block",
-        )
         self._is_async = is_async
         self.offload = offload
         # submit's common path applies: nothing per item to check but room, and not closing.
@@ -199,10 +172,8 @@ class AsyncBatcher(BatcherShell[T, R]):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # The threads of the current executor (each adds itself as it starts), joined by aclose().
         self._offload_threads: list[threading.Thread] = []
-        self._room: list[asyncio.Future[None]] = []
         self._listener: _LoopWake | None = None
         self._finished: asyncio.Event | None = None
-        core.on_release = self._on_release if self._block else None
 
     # ------------------------------------------------------------------ submitting
 
@@ -262,9 +233,10 @@ class AsyncBatcher(BatcherShell[T, R]):
         entry = enter(self, item, loop, fallback) if priority == 0 and deadline_ms is None else None
         if entry is None:
             entry = _Entry(item, loop.create_future(), fallback)
-            key_cost = self._key_and_cost(item, priority, deadline_ms)  # once, however long it waits
-            if not self._enqueue(entry, priority, deadline_ms, key_cost):
-                await self._wait_for_room(entry, priority, deadline_ms, timeout, key_cost)
+            if self._block:
+                await self._enqueue_when_room(entry, priority, deadline_ms, timeout)
+            else:
+                self._enqueue(entry, priority, deadline_ms)
         return entry
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -288,10 +260,11 @@ class AsyncBatcher(BatcherShell[T, R]):
             self.clock.add_listener(self._listener)
 
     def _enqueue(
-        self, entry: _Entry, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float]
+        self, entry: _Entry, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float] | None = None
     ) -> bool:
-        """Admit ``entry`` (of group key and cost ``key_cost``); False when a ``"block"`` queue
-        has no room (nothing done)."""
+        """Admit ``entry``; False when a ``"block"`` queue has no room (nothing done)."""
+        if key_cost is None:
+            key_cost = self._key_and_cost(entry.item, priority, deadline_ms)
         added = self._admit(entry, priority, deadline_ms, *key_cost)
         if added is None:
             return False
@@ -301,48 +274,6 @@ class AsyncBatcher(BatcherShell[T, R]):
         if replan:
             self._kick()
         return True
-
-    async def _wait_for_room(
-        self,
-        entry: _Entry,
-        priority: int,
-        deadline_ms: float | None,
-        timeout: float | None,
-        key_cost: tuple[Hashable, float],
-    ) -> None:
-        loop = self._loop
-        assert loop is not None
-        try:
-            with anyio.fail_after(timeout):
-                while True:
-                    room = loop.create_future()
-                    self._room.append(room)
-                    try:
-                        await room
-                    except BaseException:
-                        if room in self._room:
-                            self._room.remove(room)
-                        elif room.done() and not room.cancelled():
-                            # Woken for a freed slot, then cancelled (or timed out) before it could
-                            # take it: pass the slot on, or the next waiter sleeps beside room.
-                            self._on_release(1)
-                        raise
-                    if room in self._room:  # woken by aclose(), which leaves the list to the waiters
-                        self._room.remove(room)
-                    if self._enqueue(entry, priority, deadline_ms, key_cost):
-                        return
-        except TimeoutError:
-            self.ledger.refused()
-            self._core.count_rejection()
-            raise QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s") from None
-
-    def _on_release(self, n: int) -> None:
-        """The core freed ``n`` slots: wake as many tasks waiting for room."""
-        while n > 0 and self._room:
-            room = self._room.pop(0)
-            if not room.done():
-                room.set_result(None)
-                n -= 1
 
     def _cancel(self, entry: _Entry) -> None:
         """The caller gave up: its item leaves the queue if it still waits."""
@@ -403,6 +334,7 @@ class AsyncBatcher(BatcherShell[T, R]):
     # ------------------------------------------------------------------ running batches
 
     async def _run(self, batch: _Batch) -> None:
+        batch.runner = self._tasks.get(batch)
         entries = self.ledger.start(batch.entries)
         try:
             if not entries:
@@ -438,50 +370,33 @@ class AsyncBatcher(BatcherShell[T, R]):
         return self.fn(items)
 
     async def _call_and_deliver(self, batch: _Batch, entries: list[_Entry]) -> bool:
-        """Run the batch function and answer the callers; False if the batch failed."""
+        """Run the batch function (split and retried as the ledger says) and answer the callers;
+        False if a call failed."""
         try:
-            results = await self._call([e.item for e in entries])
-        except asyncio.CancelledError as exc:
+            results, exc = await self._call([e.item for e in entries]), None
+        except asyncio.CancelledError as cancelled:
             cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python >= 3.11
             if cancelling is not None and not cancelling():
                 # Raised by the batch function itself, nobody cancelled this batch: a failure of
                 # it, also while aclose() drains (its callers are still waiting).
-                self._fail(entries, exc)
+                self._fail(entries, cancelled)
                 return False
             if batch.abandoned or self._closing:
                 return False  # its callers were answered by whoever cancelled it
             raise
-        except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
-            verdict = self._verdict(exc, entries)
-            if isinstance(verdict, Fail):
-                self._fail(entries, exc)
-                return False
-            first = await self._call_and_deliver(batch, verdict.first)
-            return await self._call_and_deliver(batch, verdict.second) and first
-        malformed = malformed_results(self.name, results, len(entries))
-        if malformed is not None:
-            self._fail(entries, malformed)
-            return False
-        if batch.abandoned:
-            return False
-        now = self._now()
-        answered, latencies = self.ledger.answer(entries, results, now)
-        self._observed(latencies, now)
+        except BaseException as raised:  # noqa: BLE001 - every failure goes to the callers
+            results, exc = None, raised
+        settled = self._settle(batch, entries, results, exc)
+        if isinstance(settled, Split):
+            first = await self._call_and_deliver(batch, settled.first)
+            return await self._call_and_deliver(batch, settled.second) and first
+        answered, ok = settled
         _wake(answered)
-        return True
-
-    def _fail(self, entries: list[_Entry], exc: BaseException) -> None:
-        now = self._now()
-        failed, latencies = self.ledger.fail(entries, exc, now)
-        self._observed(latencies, now)
-        _wake(failed)
+        return ok
 
     def _abandon(self, batch: _Batch) -> None:
         """A batch ran past ``batch_timeout_s``: its callers fail, its task is cancelled."""
-        self._fail(
-            batch.entries,
-            BatchTimeout(f"{self.name}: batch function ran past batch_timeout_s={self.batch_timeout_s}"),
-        )
+        self._fail(batch.entries, self._timed_out())
         task = self._tasks.pop(batch, None)
         if task is not None:
             task.cancel()
@@ -491,9 +406,8 @@ class AsyncBatcher(BatcherShell[T, R]):
             self._executor = None
             self._offload_threads = []
 
-    def _resolve_drops(self, drops: Sequence[Drop], *, closing: bool = False) -> None:
-        """Answer entries that left the queue without running (expired, evicted, closed)."""
-        _wake(self.ledger.drop(drops, closing=closing))
+    def _wake(self, entries: list[_Entry]) -> None:
+        _wake(entries)
 
     # ------------------------------------------------------------------ controls
 
@@ -533,9 +447,7 @@ class AsyncBatcher(BatcherShell[T, R]):
             self._closing = True
             self._fast = False
             self.former.close()
-            for room in self._room:
-                if not room.done():
-                    room.set_result(None)
+            self.queue.wake_room_waiters()  # writers waiting for room get BatcherClosed now
         if self._loop is None:  # never used
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -553,17 +465,11 @@ class AsyncBatcher(BatcherShell[T, R]):
                 await finished.wait()
         except TimeoutError:
             timed_out = True
-            closed = BatcherClosed(f"{self.name}: closed with timeout={timeout!r}; this batch was still running")
-            for batch, task in list(self._tasks.items()):
-                self._fail(batch.entries, closed)
-                task.cancel()
-                # Its slot is free now: statistics() stop counting it in flight when aclose returns
-                # (the task ends at a later loop iteration, or never starts if it had not yet).
-                self.former.complete(batch)
-            self._resolve_drops(
-                [(e, closed) for e in self.former.drain(self._now())],
-                closing=True,
-            )
+            woken, waiting = self._cut_off(timeout)
+            for task in self._tasks.values():
+                task.cancel()  # it ends at a later loop iteration, or never starts if it had not yet
+            self._wake(woken)
+            self._resolve_drops(waiting, closing=True)
         finally:
             if self._timer is not None:
                 self._timer.cancel()
@@ -609,8 +515,8 @@ def enter(
         batcher.ledger.refused()
         raise
     batcher.ledger.admitted(now)
-    if drops:
-        batcher._resolve_drops(drops)
+    if drops:  # evicted by it: answer them (the ledger's drop rule, no guard on one loop)
+        _wake(batcher.ledger.drop(drops))
     if replan and not batcher._pump_soon:
         batcher._pump_soon = True
         owner.call_soon(batcher._pump)

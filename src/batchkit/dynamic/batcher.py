@@ -40,9 +40,9 @@ from .._waiters import ThreadWaiter, new_async_waiter, wait_limit, wake_all
 from ..control import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from ..metrics import LatencySummary, SampleWindow
 from ._loop_thread import LoopThread
-from ._queue_core import TAKEN, Drop, QueueCore, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
+from ._queue_core import TAKEN, Drop, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
-from .ledger import FINAL, NO_FALLBACK, Fail, Phase, RequestLedger, Verdict
+from .ledger import FINAL, NO_FALLBACK, Phase, RequestLedger, Split
 from .queue import BoundedQueue, OnFull
 
 __all__ = [
@@ -65,6 +65,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _NO_FALLBACK: Any = NO_FALLBACK
+
+Settled = tuple[list[Any], bool] | Split
+"""What :meth:`BatcherShell._settle` makes of a call: the entries to wake and whether it
+succeeded, or the halves to call next."""
 
 
 class LedgerEntry(QueueEntry[Any]):
@@ -244,39 +248,39 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
 class BatcherShell(Generic[T, R]):
     """What :class:`DynamicBatcher` (threads) and :class:`~batchkit.AsyncBatcher` (one event
     loop) share around their :class:`~batchkit.former.BatchFormer`: the settings, the counters,
-    ``statistics()`` and the ``TunableTarget`` methods. ``guard`` is the lock the shell drives
-    its former under (a null context where one event loop is the only driver)."""
+    ``statistics()``, the ``TunableTarget`` methods, admission (waiting for room included) and
+    what a call of the batch function answers."""
 
     def __init__(
-        self,
-        fn: Any,
-        core: QueueCore[Any],
-        guard: contextlib.AbstractContextManager[Any],
-        *,
-        max_batch_size: int,
-        max_wait_ms: float,
-        max_batch_cost: float | None,
-        size_fn: Callable[[T], float] | None,
-        group_by: Callable[[T], Hashable] | None,
-        isolate_errors: bool,
-        max_concurrent_batches: int,
-        batch_timeout_s: float | None,
-        controller: AdaptiveBatchController | None,
-        circuit_breaker: CircuitBreaker | None,
-        clock: Clock,
-        name: str | None,
-        block: bool,
+        self, fn: Any, max_batch_size: int, max_wait_ms: float, options: BatcherOptions, *, locked: bool
     ) -> None:
+        """Check ``options`` (those of :class:`DynamicBatcher`, see :func:`check_batcher_options`)
+        and build the queue, former and ledger; ``locked``: the shell drives its former under the
+        queue's mutex (threads), else under no lock (one event loop is the only driver)."""
+        check_batcher_options(fn, max_batch_size, max_wait_ms, options)
+        queue = options.get("queue")
+        if queue is None:
+            on_full = options.get("on_full", "reject")
+            queue = BoundedQueue(options.get("max_queue", 4096), on_full, clock=options.get("clock"))
+        self.queue: BoundedQueue[Any] = queue
+        """The queue items wait in (its capacity and ``on_full`` apply)."""
+        queue.on_drop = self._on_drop
+        queue.stop_waiting = self._is_closing
         self.fn = fn
-        self.name: str = name or str(getattr(fn, "__qualname__", type(fn).__name__))
-        self.size_fn = size_fn
-        self.group_by = group_by
-        self.isolate_errors = isolate_errors
-        self.clock: Clock = clock
-        self._now = clock.now
-        self._core = core
-        self._guard = guard
-        self._block = block  # on_full="block": a full queue makes the caller wait for room
+        self.name: str = options.get("name") or str(getattr(fn, "__qualname__", type(fn).__name__))
+        size_fn = self.size_fn = options.get("size_fn")
+        group_by = self.group_by = options.get("group_by")
+        self.isolate_errors = isolate_errors = options.get("isolate_errors", False)
+        self.clock: Clock = queue.clock
+        self._now = self.clock.now
+        core = self._core = queue.core
+        self._guard: contextlib.AbstractContextManager[Any] = queue.mutex if locked else contextlib.nullcontext()
+        self._block = block = queue.on_full == "block"  # a full queue makes the caller wait for room
+        max_batch_cost = options.get("max_batch_cost")
+        max_concurrent_batches = options.get("max_concurrent_batches", 1)
+        batch_timeout_s = options.get("batch_timeout_s")
+        controller = options.get("controller")
+        circuit_breaker = options.get("circuit_breaker")
         self.former: BatchFormer[Any] = BatchFormer(
             core,
             max_batch_size=max_batch_size,
@@ -398,19 +402,126 @@ class BatcherShell(Generic[T, R]):
         self.ledger.admitted(now)
         return added
 
-    def _verdict(self, exc: BaseException, reqs: Sequence[Any]) -> Verdict:
-        """The batch function raised ``exc`` on ``reqs``: the ledger's verdict (split or fail),
-        after telling the controller of an out-of-memory."""
-        oom = is_out_of_memory(exc)
-        if oom and self.controller is not None:
-            with self._guard:
-                self.former.on_oom(len(reqs), self._now())
-        return self.ledger.after_error(reqs, exc, oom=oom)
+    def _enqueue(
+        self, entry: Any, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float] | None = None
+    ) -> bool:
+        """Admit ``entry`` (the shell's own way); False, nothing done, when a ``"block"`` queue
+        has no room. ``key_cost``: its group key and cost, when the caller computed them."""
+        raise NotImplementedError
 
-    def _observed(self, latencies: list[float], now: float) -> None:
-        """Callers a batch answered: their latencies go to the controller (guard held)."""
-        if latencies:
-            self.former.observe_latencies(latencies, now)
+    async def _enqueue_when_room(
+        self, entry: Any, priority: int, deadline_ms: float | None, timeout: float | None
+    ) -> None:
+        """Admit ``entry`` into a ``"block"`` queue from async code, awaiting room (woken by the
+        queue as slots free, see :meth:`BoundedQueue.await_room`) for up to ``timeout`` seconds.
+
+        Raises:
+            QueueFull: no room within ``timeout`` (counted).
+            BatcherClosed, CircuitOpen, TypeError, ValueError: refused.
+        """
+        key_cost = self._key_and_cost(entry.item, priority, deadline_ms)  # once, however long it waits
+        waited = False
+        try:
+            with anyio.move_on_after(timeout):
+                while not self._enqueue(entry, priority, deadline_ms, key_cost):
+                    waited = True
+                    await self.queue.await_room()
+                return
+        except (BatcherClosed, CircuitOpen):
+            if waited:  # this writer may have taken a wake-up meant for room: pass it on
+                self.queue.wake_room_waiters()
+            raise
+        raise self._no_room(timeout)
+
+    def _no_room(self, timeout: float | None) -> QueueFull:
+        """A writer waited ``timeout`` seconds for room in vain: count it, and the error to raise."""
+        with self._guard:
+            self.ledger.refused()
+            self._core.count_rejection()
+        return QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s")
+
+    def _settle(self, batch: FormedBatch[Any], reqs: list[Any], results: Any, exc: BaseException | None) -> Settled:
+        """The batch function returned ``results`` for ``reqs`` (or raised ``exc``): answer them
+        through the ledger and return the entries to wake and whether the call succeeded, or the
+        ledger's :class:`~batchkit.dynamic.ledger.Split`, whose halves the shell calls next. A
+        malformed return fails the call (:class:`BatchSizeMismatch`); per-item exceptions in
+        the results fail only their callers. A batch abandoned meanwhile (timed out, closed) had
+        its callers answered by whoever abandoned it: nothing is done."""
+        if batch.abandoned:
+            return [], False
+        if exc is not None:
+            oom = is_out_of_memory(exc)
+            if oom and self.controller is not None:
+                with self._guard:
+                    self.former.on_oom(len(reqs), self._now())
+            verdict = self.ledger.after_error(reqs, exc, oom=oom)
+            if isinstance(verdict, Split):
+                return verdict
+            error: BaseException | None = exc
+        else:
+            error = malformed_results(self.name, results, len(reqs))
+        return self._answer(reqs, results, error), error is None
+
+    def _answer(self, reqs: Sequence[Any], results: Any, error: BaseException | None) -> list[Any]:
+        """Answer ``reqs`` with ``results`` or ``error`` (those not answered yet): the entries to
+        wake. Their latencies go to the controller."""
+        with self._guard:
+            now = self._now()
+            if error is None:
+                answered, latencies = self.ledger.answer(reqs, results, now)
+            else:
+                answered, latencies = self.ledger.fail(reqs, error, now)
+            if latencies:
+                self.former.observe_latencies(latencies, now)
+        return answered
+
+    def _fail(self, reqs: Sequence[Any], error: BaseException) -> None:
+        """Fail the callers of ``reqs`` not answered yet with ``error``, and wake them."""
+        self._wake(self._answer(reqs, None, error))
+
+    def _timed_out(self) -> BatchTimeout:
+        return BatchTimeout(f"{self.name}: batch function ran past batch_timeout_s={self.batch_timeout_s}")
+
+    def _cut_off(self, timeout: float | None) -> tuple[list[Any], list[Drop]]:
+        """(guard held) close's ``timeout`` passed with batches still running: fail their callers
+        with :class:`BatcherClosed` (those of a batch no driver started yet count as cancelled:
+        none of it ran), free their slots, and take the items still waiting. The entries to
+        wake, and the drops to resolve as closed."""
+        closed = BatcherClosed(self._cut_off_message(timeout))
+        now = self._now()
+        woken: list[Any] = []
+        for b in list(self.former.running):
+            b.abandoned = True
+            self.former.complete(b)
+            if b.runner is None:
+                woken += self.ledger.abandon(b.entries, closed)
+            else:
+                failed, latencies = self.ledger.fail(b.entries, closed, now)
+                if latencies:
+                    self.former.observe_latencies(latencies, now)
+                woken += failed
+        return woken, [(e, closed) for e in self.former.drain(now)]
+
+    def _cut_off_message(self, timeout: float | None) -> str:
+        return (
+            f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at the "
+            "deadline and was cancelled"
+        )
+
+    def _wake(self, entries: list[Any]) -> None:
+        """Hand each answered entry its ``value`` or ``error`` (the shell's own way)."""
+        raise NotImplementedError
+
+    def _on_drop(self, entry: QueueEntry[Any], exc: BaseException) -> None:
+        self._resolve_drops([(entry, exc)])
+
+    def _resolve_drops(self, drops: Sequence[Drop], *, closing: bool = False) -> None:
+        """Answer requests that left the queue without running (expired, evicted, closed)."""
+        if not drops:
+            return
+        with self._guard:
+            claimed = self.ledger.drop(drops, closing=closing)
+        self._wake(claimed)
 
     def statistics(self) -> BatcherStatistics:
         """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
@@ -522,49 +633,24 @@ class DynamicBatcher(BatcherShell[T, R]):
         clock: Clock | None = None,
         name: str | None = None,
     ) -> None:
-        check_batcher_options(
-            fn,
-            max_batch_size,
-            max_wait_ms,
-            {
-                "queue": queue,
-                "max_queue": max_queue,
-                "on_full": on_full,
-                "max_concurrent_batches": max_concurrent_batches,
-                "size_fn": size_fn,
-                "max_batch_cost": max_batch_cost,
-                "group_by": group_by,
-                "batch_timeout_s": batch_timeout_s,
-                "controller": controller,
-                "circuit_breaker": circuit_breaker,
-                "clock": clock,
-            },
-        )
-        if queue is None:
-            queue = BoundedQueue(max_queue, on_full, clock=clock)
-        super().__init__(
-            fn,
-            queue.core,
-            queue.mutex,
-            max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
-            max_batch_cost=max_batch_cost,
-            size_fn=size_fn,
-            group_by=group_by,
-            isolate_errors=isolate_errors,
-            max_concurrent_batches=max_concurrent_batches,
-            batch_timeout_s=batch_timeout_s,
-            controller=controller,
-            circuit_breaker=circuit_breaker,
-            clock=clock if clock is not None else queue.clock,
-            name=name,
-            block=queue.on_full == "block",
-        )
-        self.queue: BoundedQueue[Any] = queue
-        queue.on_drop = self._on_drop
-        queue.stop_waiting = self._is_closing
+        options: BatcherOptions = {
+            "queue": queue,
+            "max_queue": max_queue,
+            "on_full": on_full,
+            "max_concurrent_batches": max_concurrent_batches,
+            "size_fn": size_fn,
+            "max_batch_cost": max_batch_cost,
+            "group_by": group_by,
+            "isolate_errors": isolate_errors,
+            "batch_timeout_s": batch_timeout_s,
+            "controller": controller,
+            "circuit_breaker": circuit_breaker,
+            "clock": clock,
+            "name": name,
+        }
+        super().__init__(fn, max_batch_size, max_wait_ms, options, locked=True)
         self._is_async = is_async_callable(fn)
-        self._mutex = queue.mutex
+        self._mutex = self.queue.mutex
         self._cond = threading.Condition(self._mutex)
         self._work: SimpleQueue[_Batch | None] = SimpleQueue()
         self._dispatcher: threading.Thread | None = None
@@ -644,7 +730,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         waiter = new_async_waiter()
         req = _Request(item, waiter, fallback)
         if self._block:
-            await self._enqueue_async_blocking(req, priority, deadline_ms, timeout)
+            await self._enqueue_when_room(req, priority, deadline_ms, timeout)
         else:
             self._enqueue(req, priority, deadline_ms)
         try:
@@ -717,12 +803,6 @@ class DynamicBatcher(BatcherShell[T, R]):
             self._dispatcher_idle = False
             self._cond.notify()
 
-    def _no_room(self, timeout: float | None) -> QueueFull:
-        with self._mutex:
-            self.ledger.refused()
-            self._core.count_rejection()
-        return QueueFull(f"{self.name}: no room in the queue within timeout={timeout!r} s")
-
     def _enqueue_sync(self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None) -> None:
         if not self._block:
             self._enqueue(req, priority, deadline_ms)
@@ -741,23 +821,6 @@ class DynamicBatcher(BatcherShell[T, R]):
             if waited:  # this writer may have taken a wake-up meant for room: pass it on
                 self.queue.wake_room_waiters()
             raise
-
-    async def _enqueue_async_blocking(
-        self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None
-    ) -> None:
-        key_cost = self._key_and_cost(req.item, priority, deadline_ms)  # once, however long it waits
-        waited = False
-        try:
-            with anyio.move_on_after(timeout):
-                while not self._enqueue(req, priority, deadline_ms, key_cost):
-                    waited = True
-                    await self.queue.await_room()
-                return
-        except (BatcherClosed, CircuitOpen):
-            if waited:  # this writer may have taken a wake-up meant for room: pass it on
-                self.queue.wake_room_waiters()
-            raise
-        raise self._no_room(timeout)
 
     def _cancel(self, req: _Request) -> None:
         """The caller gave up: drop its item if still queued, else let its result be discarded."""
@@ -849,31 +912,14 @@ class DynamicBatcher(BatcherShell[T, R]):
 
     def _abandon_at_close(self, timeout: float | None) -> None:
         """close(timeout=...) passed its deadline with calls of the ``async def`` batch function
-        still running: answer their callers (they fail) and those of the batches not started yet
-        and of the items still waiting (cancelled: they never ran) with :class:`BatcherClosed`
-        now, from close, before it returns, and free the batches' slots. The workers, when the
-        stopped portal ends their calls, find every caller answered."""
-        closed = BatcherClosed(
-            f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at the "
-            "deadline and was cancelled"
-        )
-        claimed: list[_Request] = []
+        still running: answer every caller now, before close returns (see :meth:`_cut_off`).
+        The workers, when the stopped portal ends their calls, find every caller answered."""
         with self._mutex:
-            now = self._now()
-            for b in list(self.former.running):
-                b.abandoned = True
-                self.former.complete(b)
-                if b.runner is None:  # no worker started it (see _run_batch): none of it ran
-                    claimed += self.ledger.abandon(b.entries, closed)
-                else:
-                    mine, latencies = self.ledger.fail(b.entries, closed, now)
-                    self._observed(latencies, now)
-                    claimed += mine
-            waiting = self.former.drain(now)
+            woken, waiting = self._cut_off(timeout)
             self._dispatcher_idle = False
             self._cond.notify_all()  # the dispatcher sees the end
-        self._wake(claimed)
-        self._resolve_drops([(e, closed) for e in waiting], closing=True)
+        self._wake(woken)
+        self._resolve_drops(waiting, closing=True)
 
     def _called_from_inside(self, dispatcher: threading.Thread | None) -> bool:
         """Whether this thread is one close() must not wait for: the dispatcher, a worker, or the
@@ -886,10 +932,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         calls still running past close's deadline are cancelled (their callers get
         :class:`BatcherClosed`) rather than waited for."""
         self._loop_thread.stop(
-            f"{self.name}: closed with timeout={timeout!r}; this batch was still running or waiting at "
-            "the deadline and was cancelled"
-            if cancel_running
-            else f"{self.name}: the batcher is closed",
+            self._cut_off_message(timeout) if cancel_running else f"{self.name}: the batcher is closed",
             cancel_running=cancel_running,
         )
 
@@ -962,11 +1005,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 if drops:
                     self._resolve_drops(drops)
                 for b in timed_out:
-                    self._deliver(
-                        b,
-                        None,
-                        BatchTimeout(f"{self.name}: batch function ran past batch_timeout_s={self.batch_timeout_s}"),
-                    )
+                    self._fail(b.entries, self._timed_out())
                     call = b.call
                     if call is not None:  # an async def's call: cancel it (a plain one cannot be)
                         call.cancel()
@@ -1056,71 +1095,32 @@ class DynamicBatcher(BatcherShell[T, R]):
         return self._loop_thread.run(self.fn, items, started)
 
     def _call_and_deliver(self, batch: _Batch, reqs: list[_Request], held: list[_Request] | None) -> bool:
-        """Run the batch function and answer the callers; False if the batch failed: the
-        function raised, or returned a malformed result (:class:`BatchSizeMismatch`). Per-item
-        exceptions in the results fail only their callers, not the batch.
-
-        The answered requests of the last call are put in ``held`` (not woken) when it is given.
-        """
+        """Run the batch function (split and retried as the ledger says) and answer the callers;
+        False if a call failed. The answered requests of the last call go to ``held`` (not woken)
+        when it is given."""
         stopped = self._loop_thread.stopped
         if stopped is not None and self._is_async:
             # close(timeout=...) stopped the event loop of the async batch function before this
             # batch could start: its callers are answered as closed before they ran.
-            self._deliver(batch, None, BatcherClosed(stopped), reqs, held, never_ran=True)
-            return False
-        items = [r.item for r in reqs]
-        try:
-            results = self._call(batch, items)
-        except BaseException as exc:  # noqa: BLE001 - every failure goes to the callers
-            if batch.abandoned:
-                return False  # timed out: its callers have their BatchTimeout; no halves to retry
-            verdict = self._verdict(exc, reqs)
-            if isinstance(verdict, Fail):
-                self._deliver(batch, None, exc, reqs, held)
-                return False
-            first = self._call_and_deliver(batch, verdict.first, None)
-            return self._call_and_deliver(batch, verdict.second, held) and first
-        malformed = malformed_results(self.name, results, len(reqs))
-        if malformed is not None:
-            self._deliver(batch, None, malformed, reqs, held)
-            return False
-        self._deliver(batch, results, None, reqs, held)
-        return True
-
-    def _deliver(
-        self,
-        batch: _Batch,
-        results: Any,
-        error: BaseException | None,
-        reqs: list[_Request] | None = None,
-        held: list[_Request] | None = None,
-        *,
-        never_ran: bool = False,
-    ) -> None:
-        """Resolve each request once (lock for the bookkeeping, wakes outside it, or appends
-        them to ``held`` for the caller to wake). ``never_ran``: the batch function was not
-        called; its callers count as cancelled, not failed."""
-        if reqs is None:
-            reqs = batch.entries
-        if batch.abandoned and error is None:
-            return  # its callers were already failed with BatchTimeout
-        with self._mutex:
-            now = self._now()
-            if never_ran:
-                claimed = self.ledger.abandon(reqs, error)  # type: ignore[arg-type]
-            else:
-                if error is None:
-                    claimed, latencies = self.ledger.answer(reqs, results, now)
-                else:
-                    claimed, latencies = self.ledger.fail(reqs, error, now)
-                self._observed(latencies, now)
-        if held is not None:
-            held.extend(claimed)
+            with self._mutex:
+                settled: Settled = self.ledger.abandon(reqs, BatcherClosed(stopped)), False
         else:
-            self._wake(claimed)
+            try:
+                results, exc = self._call(batch, [r.item for r in reqs]), None
+            except BaseException as raised:  # noqa: BLE001 - every failure goes to the callers
+                results, exc = None, raised
+            settled = self._settle(batch, reqs, results, exc)
+        if isinstance(settled, Split):
+            first = self._call_and_deliver(batch, settled.first, None)
+            return self._call_and_deliver(batch, settled.second, held) and first
+        answered, ok = settled
+        if held is not None:
+            held.extend(answered)
+        else:
+            self._wake(answered)
+        return ok
 
-    @staticmethod
-    def _wake(reqs: list[_Request]) -> None:
+    def _wake(self, reqs: list[_Request]) -> None:
         waiters = []
         for r in reqs:
             sink = r.sink
@@ -1134,17 +1134,6 @@ class DynamicBatcher(BatcherShell[T, R]):
                 waiters.append(sink)
         if waiters:
             wake_all(waiters)
-
-    def _on_drop(self, entry: QueueEntry[Any], exc: BaseException) -> None:
-        self._resolve_drops([(entry, exc)])
-
-    def _resolve_drops(self, drops: Sequence[Drop], *, closing: bool = False) -> None:
-        """Answer requests that left the queue without running (expired, evicted, closed)."""
-        if not drops:
-            return
-        with self._mutex:
-            claimed = self.ledger.drop(drops, closing=closing)
-        self._wake(claimed)
 
 
 def _check_positive_int(name: str, value: object) -> None:
