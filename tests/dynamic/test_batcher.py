@@ -321,7 +321,7 @@ def test_an_earlier_deadline_wakes_a_dispatcher_that_sleeps_until_later() -> Non
     with DynamicBatcher(rec, max_batch_size=3, max_wait_ms=3_600_000) as b:
         first = b.submit(0)
         asleep = time.monotonic() + WAIT
-        while not b._dispatcher_idle:  # let it go to sleep first: this test is about waking it
+        while not b._threads.idle:  # let it go to sleep first: this test is about waking it
             assert time.monotonic() < asleep, "the dispatcher never went idle"
             time.sleep(0.001)
         late = b.submit(1, deadline_ms=20)
@@ -420,9 +420,9 @@ def test_close_drains_waiting_items_then_refuses() -> None:
     assert b.statistics().flush_reasons == {"close": 1}
     with pytest.raises(BatcherClosed, match="closed"):
         b.submit(9)
-    assert b._dispatcher is not None
-    assert not b._dispatcher.is_alive()
-    assert not any(w.is_alive() for w in b._workers)
+    assert b._threads.dispatcher is not None
+    assert not b._threads.dispatcher.is_alive()
+    assert not any(w.is_alive() for w in b._threads.workers)
     b.close()  # idempotent
 
 
@@ -630,10 +630,10 @@ def _spy_on_joins(name: str, clock: _FakeMonotonic, monkeypatch: pytest.MonkeyPa
 def test_close_timeout_is_one_deadline_for_all_threads(closer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """close(timeout=t) / aclose(timeout=t) wait t seconds in all, not t per thread: with two hung
     batches (max_concurrent_batches=2) the dispatcher and both workers share one deadline."""
-    import batchkit.dynamic.batcher
+    import batchkit.dynamic._threads
 
     clock = _FakeMonotonic()
-    monkeypatch.setattr(batchkit.dynamic.batcher, "_monotonic", clock)
+    monkeypatch.setattr(batchkit.dynamic._threads, "_monotonic", clock)
     rec = Recorder(hold=True)
     # A name of its own: the threads of the other parametrization, released at its end, may still
     # be exiting when this one starts.
@@ -659,10 +659,10 @@ def test_close_timeout_cancels_a_hung_async_batch_function(monkeypatch: pytest.M
     """With an async batch function, close(timeout=t) does not wait past t for calls that hang:
     at the deadline they are cancelled, and their callers and those still queued fail with
     BatcherClosed."""
-    import batchkit.dynamic.batcher
+    import batchkit.dynamic._threads
 
     clock = _FakeMonotonic()
-    monkeypatch.setattr(batchkit.dynamic.batcher, "_monotonic", clock)
+    monkeypatch.setattr(batchkit.dynamic._threads, "_monotonic", clock)
     release = threading.Event()
     started = threading.Semaphore(0)
 

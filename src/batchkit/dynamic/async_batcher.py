@@ -23,19 +23,18 @@ It belongs to the loop of its first ``submit``; callers on other loops or thread
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import contextvars
-import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import anyio
 
-from .._clock import Clock, ListenableClock, MonotonicClock
+from .._clock import Clock, MonotonicClock
 from .._errors import BatcherClosed, QueueFull
 from ..control import AdaptiveBatchController, CircuitBreaker
+from ._loop_pump import LoopPump
+from ._offload import OffloadThreads
 from ._queue_core import TAKEN
 from .batcher import BatcherOptions, BatcherShell, LedgerEntry, is_async_callable
 from .former import FormedBatch
@@ -73,19 +72,6 @@ class _Entry(LedgerEntry):
 
 
 _Batch = FormedBatch[_Entry]
-
-
-class _LoopWake(threading.Condition):
-    """What a :class:`ListenableClock` notifies when it advances: a call of the pump on the loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, pump: Callable[[], None]) -> None:
-        super().__init__()
-        self._loop = loop
-        self._pump = pump
-
-    def notify_all(self) -> None:
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._pump)
 
 
 class AsyncBatcher(BatcherShell[T, R]):
@@ -165,15 +151,16 @@ class AsyncBatcher(BatcherShell[T, R]):
         # The real clock's now() is time.monotonic: call it without the method frame.
         self._now = time.monotonic if type(self.clock) is MonotonicClock else self.clock.now
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pump_soon = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._pump = LoopPump(
+            self.former,
+            self.clock,
+            self._now,
+            start=self._start,
+            resolve_drops=self._resolve_drops,
+            timed_out=self._abandon,
+        )
         self._tasks: dict[_Batch, asyncio.Task[None]] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        # The threads of the current executor (each adds itself as it starts), joined by aclose().
-        self._offload_threads: list[threading.Thread] = []
-        self._listener: _LoopWake | None = None
-        self._finished: asyncio.Event | None = None
+        self._offload = OffloadThreads(self.name, self.max_concurrent_batches) if offload else None
 
     # ------------------------------------------------------------------ submitting
 
@@ -245,19 +232,8 @@ class AsyncBatcher(BatcherShell[T, R]):
                 f"{self.name}: this AsyncBatcher serves the event loop of its first submit; callers "
                 "on other loops or threads need a DynamicBatcher (or one AsyncBatcher per loop)"
             )
-        if self._listener is not None and isinstance(self.clock, ListenableClock):
-            self.clock.remove_listener(self._listener)
-            self._listener = None
-        # Whatever was scheduled on a closed loop will never run: start afresh on this one.
         self._loop = loop
-        self._pump_soon = False
-        self._timer = None
-        self._timer_at = None
-        self._finished = asyncio.Event()
-        self._t_first = self._now()
-        if isinstance(self.clock, ListenableClock):
-            self._listener = _LoopWake(loop, self._pump)
-            self.clock.add_listener(self._listener)
+        self._pump.bind(loop)
 
     def _enqueue(
         self, entry: _Entry, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float] | None = None
@@ -272,66 +248,21 @@ class AsyncBatcher(BatcherShell[T, R]):
         if drops:
             self._resolve_drops(drops)
         if replan:
-            self._kick()
+            self._pump.soon()
         return True
 
     def _cancel(self, entry: _Entry) -> None:
         """The caller gave up: its item leaves the queue if it still waits."""
         if self._core.cancel(entry):
             self.ledger.cancel(entry)
-            self._kick()
+            self._pump.soon()
         elif entry.state == TAKEN:
             self.ledger.cancel(entry)  # its result will find no one waiting
 
-    # ------------------------------------------------------------------ the pump
-
-    def _kick(self) -> None:
-        if not self._pump_soon and self._loop is not None:
-            self._pump_soon = True
-            self._loop.call_soon(self._pump)
-
-    def _pump(self) -> None:
-        """Expire, time out, start every due batch, and set the timer for the next decision."""
-        self._pump_soon = False
-        former = self.former
-        now = self._now()
-        drops = former.expire(now)
-        if drops:
-            self._resolve_drops(drops)
-        for b in former.timed_out(now):
-            self._abandon(b)
-        while True:
-            batch, wake_at = former.next_batch(now)
-            if batch is None:
-                break
-            task = self._loop.create_task(self._run(batch))  # type: ignore[union-attr]
-            self._tasks[batch] = task
-        if former.finished:
-            if self._finished is not None:
-                self._finished.set()
-            return
-        self._arm(wake_at, now)
-
-    def _arm(self, wake_at: float | None, now: float) -> None:
-        """Have the pump run again at ``wake_at`` (clock time); a mock clock wakes it instead."""
-        if wake_at == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = wake_at
-        if wake_at is None or self._listener is not None:
-            return
-        loop = self._loop
-        assert loop is not None
-        self._timer = loop.call_at(loop.time() + max(wake_at - now, 0.0), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        self._pump()
-
     # ------------------------------------------------------------------ running batches
+
+    def _start(self, batch: _Batch) -> None:
+        self._tasks[batch] = self._loop.create_task(self._run(batch))  # type: ignore[union-attr]
 
     async def _run(self, batch: _Batch) -> None:
         batch.runner = self._tasks.get(batch)
@@ -348,25 +279,14 @@ class AsyncBatcher(BatcherShell[T, R]):
         finally:
             self._tasks.pop(batch, None)
             self.former.complete(batch)
-            self._kick()
+            self._pump.soon()
 
     async def _call(self, items: list[Any]) -> Any:
         if self._is_async:
             _running_batch_of.set(self)  # this task's own context (see _running_batch_of)
             return await self.fn(items)
-        if self.offload:
-            if self._executor is None:
-                threads: list[threading.Thread] = []
-                self._offload_threads = threads
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    self.max_concurrent_batches,
-                    thread_name_prefix=f"batchkit-{self.name}",
-                    initializer=lambda: threads.append(threading.current_thread()),
-                )
-            result = await self._loop.run_in_executor(self._executor, _call_boxed, self.fn, items)  # type: ignore[union-attr]
-            if type(result) is _GeneratorExitBox:
-                raise result.exc  # raised here, not thrown into the awaiting coroutines (see _call_boxed)
-            return result
+        if self._offload is not None:
+            return await self._offload.run(self.fn, items)
         return self.fn(items)
 
     async def _call_and_deliver(self, batch: _Batch, entries: list[_Entry]) -> bool:
@@ -400,11 +320,8 @@ class AsyncBatcher(BatcherShell[T, R]):
         task = self._tasks.pop(batch, None)
         if task is not None:
             task.cancel()
-        if self.offload and self._executor is not None:
-            # The stuck call keeps its thread; later batches get fresh ones.
-            self._executor.shutdown(wait=False)
-            self._executor = None
-            self._offload_threads = []
+        if self._offload is not None:
+            self._offload.abandon()
 
     def _wake(self, entries: list[_Entry]) -> None:
         _wake(entries)
@@ -412,20 +329,12 @@ class AsyncBatcher(BatcherShell[T, R]):
     # ------------------------------------------------------------------ controls
 
     def _limit_changed(self) -> None:
-        # An AdaptiveTuner sets the limit from its own thread: reach the loop thread-safely.
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        if asyncio._get_running_loop() is loop:
-            self._kick()
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._kick)
+        self._pump.soon_threadsafe()  # an AdaptiveTuner sets the limit from its own thread
 
     def flush(self) -> None:
         """Dispatch everything waiting now without waiting for ``max_wait_ms``."""
         self.former.flush()
-        self._kick()
+        self._pump.soon()
 
     async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item
@@ -451,13 +360,13 @@ class AsyncBatcher(BatcherShell[T, R]):
         if self._loop is None:  # never used
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._pump()
+        self._pump.pump()
         if _running_batch_of.get() is self:
             # From the batch function itself (or a task it started): waiting for the batches to
             # finish would wait for this one. The rest drains on its own; a later aclose() from
             # elsewhere waits for it.
             return
-        finished = self._finished
+        finished = self._pump.finished
         assert finished is not None
         timed_out = False
         try:
@@ -471,18 +380,9 @@ class AsyncBatcher(BatcherShell[T, R]):
             self._wake(woken)
             self._resolve_drops(waiting, closing=True)
         finally:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if self._listener is not None and isinstance(self.clock, ListenableClock):
-                self.clock.remove_listener(self._listener)
-                self._listener = None
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)
-                self._executor = None
-        threads, self._offload_threads = self._offload_threads, []
-        if not timed_out:
-            await _join_idle_threads(threads, deadline)
+            self._pump.stop()
+        if self._offload is not None:
+            await self._offload.aclose(deadline, join=not timed_out)
 
     async def __aenter__(self) -> AsyncBatcher[T, R]:
         return self
@@ -517,9 +417,8 @@ def enter(
     batcher.ledger.admitted(now)
     if drops:  # evicted by it: answer them (the ledger's drop rule, no guard on one loop)
         _wake(batcher.ledger.drop(drops))
-    if replan and not batcher._pump_soon:
-        batcher._pump_soon = True
-        owner.call_soon(batcher._pump)
+    if replan:
+        batcher._pump.soon()
     return entry
 
 
@@ -542,31 +441,3 @@ def _wake(entries: list[_Entry]) -> None:
             fut.set_exception(e.error)
         else:
             fut.set_result(e.value)
-
-
-async def _join_idle_threads(threads: Sequence[threading.Thread], deadline: float | None) -> None:
-    """Wait, without blocking the loop, until the worker threads of a shut-down executor have
-    exited (they were idle: each leaves as soon as it sees the shutdown), or ``deadline`` passes."""
-    delay = 0.0
-    while any(t.is_alive() for t in threads):
-        if deadline is not None and time.monotonic() >= deadline:
-            return
-        await asyncio.sleep(delay)
-        delay = min(0.01, delay * 2 or 0.0005)
-
-
-class _GeneratorExitBox:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: GeneratorExit) -> None:
-        self.exc = exc
-
-
-def _call_boxed(fn: Callable[[list[Any]], Any], items: list[Any]) -> Any:
-    """``fn(items)`` in an offload thread, a GeneratorExit returned boxed: thrown back into the
-    awaiting task, Python would close the coroutines it awaits through instead of raising it in
-    them, and the batch task would end with it unhandled."""
-    try:
-        return fn(items)
-    except GeneratorExit as exc:
-        return _GeneratorExitBox(exc)

@@ -28,19 +28,19 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from queue import SimpleQueue
 from time import monotonic as _monotonic
 from typing import Any, Generic, TypedDict, TypeVar
 
 import anyio
 
-from .._clock import Clock, ListenableClock
+from .._clock import Clock
 from .._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
-from .._waiters import ThreadWaiter, new_async_waiter, wait_limit, wake_all
+from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..control import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from ..metrics import LatencySummary, SampleWindow
 from ._loop_thread import LoopThread
 from ._queue_core import TAKEN, Drop, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
+from ._threads import BatchThreads
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
 from .ledger import FINAL, NO_FALLBACK, Phase, RequestLedger, Split
 from .queue import BoundedQueue, OnFull
@@ -651,14 +651,18 @@ class DynamicBatcher(BatcherShell[T, R]):
         super().__init__(fn, max_batch_size, max_wait_ms, options, locked=True)
         self._is_async = is_async_callable(fn)
         self._mutex = self.queue.mutex
-        self._cond = threading.Condition(self._mutex)
-        self._work: SimpleQueue[_Batch | None] = SimpleQueue()
-        self._dispatcher: threading.Thread | None = None
-        self._workers: list[threading.Thread] = []
+        self._threads = BatchThreads(
+            self.name,
+            self.former,
+            self._mutex,
+            self.clock,
+            max_concurrent_batches,
+            run=self._run_batch,
+            resolve_drops=self._resolve_drops,
+            timed_out=self._on_timeout,
+        )
         self._loop_thread = LoopThread()  # where an async def batch function runs
         self._closed = False
-        self._dispatcher_idle = False
-        self._dispatcher_until: float | None = None  # when an idle dispatcher wakes (None: when told)
 
     # ------------------------------------------------------------------ submitting
 
@@ -763,45 +767,21 @@ class DynamicBatcher(BatcherShell[T, R]):
         else:
             key, cost = self._key_and_cost(req.item, priority, deadline_ms)
         with self._mutex:
-            if plain and not self._closing and self._dispatcher is not None:
+            if plain and not self._closing and self._threads.dispatcher is not None:
                 drops, replan = self._admit_plain(req)
             else:
                 added = self._admit(req, priority, deadline_ms, key, cost)
                 if added is None:
                     return False
                 drops, replan = added
-                if self._dispatcher is None:
-                    self._start()
+                if self._threads.dispatcher is None:
+                    self._threads.start()
                     replan = False  # the new dispatcher asks the former first thing
             if replan:  # the arrival changes the plan (see BatchFormer.add)
-                drops = [*drops, *self._dispatch_due()]
+                drops = [*drops, *self._threads.dispatch_due()]
         if drops:
             self._resolve_drops(drops)
         return True
-
-    def _dispatch_due(self) -> list[Drop]:
-        """Hand every batch due now straight to the workers, from the thread that made it due
-        (lock held), and wake the dispatcher only if it must now wake sooner than it planned:
-        a full batch costs one thread switch (to a worker), not two. Returns the expired entries."""
-        former = self.former
-        now = self._now()
-        drops = former.expire(now)
-        batch, wake_at = former.next_batch(now)
-        while batch is not None:
-            self._work.put(batch)
-            batch, wake_at = former.next_batch(now)
-        self._nudge_dispatcher(wake_at)
-        return drops
-
-    def _nudge_dispatcher(self, wake_at: float | None) -> None:
-        """(lock held) Wake an idle dispatcher if ``wake_at`` comes before the time it sleeps
-        until, or if the batcher is closing (it must see the end)."""
-        if not self._dispatcher_idle:
-            return  # it is awake and will ask the former itself
-        until = self._dispatcher_until
-        if self.former.closing or (wake_at is not None and (until is None or wake_at < until)):
-            self._dispatcher_idle = False
-            self._cond.notify()
 
     def _enqueue_sync(self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None) -> None:
         if not self._block:
@@ -852,15 +832,13 @@ class DynamicBatcher(BatcherShell[T, R]):
 
     def _limit_changed(self) -> None:
         with self._mutex:
-            self._dispatcher_idle = False
-            self._cond.notify()
+            self._threads.wake()
 
     def flush(self) -> None:
         """Dispatch everything waiting now without waiting for ``max_wait_ms``."""
         with self._mutex:
             self.former.flush()
-            self._dispatcher_idle = False
-            self._cond.notify()
+            self._threads.wake()
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting work, then finish it: with ``drain`` (the default) every waiting item is
@@ -891,20 +869,15 @@ class DynamicBatcher(BatcherShell[T, R]):
             if not self._closing:
                 self._closing = True
                 self.former.close()
-                self._dispatcher_idle = False
-                self._cond.notify_all()
-            dispatcher = self._dispatcher
+                self._threads.wake()
         self._resolve_drops(drops, closing=True)
         self.queue.wake_room_waiters()  # writers blocked on a full "block" queue get BatcherClosed now
-        inside = self._called_from_inside(dispatcher)
-        stuck = False
-        if dispatcher is not None and not inside:
-            # One deadline for every join: close(timeout=t) returns after about t, not t per thread.
-            deadline = None if timeout is None else _monotonic() + timeout
-            for t in [dispatcher, *self._workers]:
-                t.join(None if deadline is None else wait_limit(deadline - _monotonic()))
-                stuck = stuck or t.is_alive()
+        current = threading.current_thread()
+        # From the batch function itself (a worker, or the event loop of an async def): the
+        # threads cannot be waited for (one of them is the caller).
+        inside = self._threads.owns(current) or current is self._loop_thread.thread
         if not inside:
+            stuck = self._threads.join(timeout)
             if stuck and self._is_async:
                 self._abandon_at_close(timeout)
             self._stop_portal(cancel_running=stuck, timeout=timeout)
@@ -916,16 +889,9 @@ class DynamicBatcher(BatcherShell[T, R]):
         The workers, when the stopped portal ends their calls, find every caller answered."""
         with self._mutex:
             woken, waiting = self._cut_off(timeout)
-            self._dispatcher_idle = False
-            self._cond.notify_all()  # the dispatcher sees the end
+            self._threads.wake()  # the dispatcher sees the end
         self._wake(woken)
         self._resolve_drops(waiting, closing=True)
-
-    def _called_from_inside(self, dispatcher: threading.Thread | None) -> bool:
-        """Whether this thread is one close() must not wait for: the dispatcher, a worker, or the
-        event loop thread of an ``async def`` batch function (a close from the batch function)."""
-        current = threading.current_thread()
-        return current is dispatcher or current in self._workers or current is self._loop_thread.thread
 
     def _stop_portal(self, *, cancel_running: bool, timeout: float | None) -> None:
         """End the event loop thread of an async batch function. With ``cancel_running``, the
@@ -956,101 +922,14 @@ class DynamicBatcher(BatcherShell[T, R]):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # ------------------------------------------------------------------ the dispatcher
-
-    def _start(self) -> None:
-        """Start the dispatcher and workers (first submit; lock held)."""
-        self._dispatcher = threading.Thread(
-            target=self._dispatch_loop, name=f"batchkit-dispatch-{self.name}", daemon=True
-        )
-        for _ in range(self.max_concurrent_batches):
-            self._spawn_worker()
-        if isinstance(self.clock, ListenableClock):
-            self.clock.add_listener(self._cond)
-        self._dispatcher.start()
-
-    def _spawn_worker(self) -> None:
-        w = threading.Thread(target=self._work_loop, name=f"batchkit-worker-{self.name}", daemon=True)
-        self._workers.append(w)
-        w.start()
-
-    def _dispatch_loop(self) -> None:
-        # A clock that moves only when told wakes this thread through its listener; the real
-        # clock is slept on until the former's wake_at.
-        mock = isinstance(self.clock, ListenableClock)
-        former = self.former
-        try:
-            while True:
-                drops: list[Drop]
-                timed_out: list[_Batch] = []
-                with self._mutex:
-                    while True:
-                        now = self.clock.now()
-                        drops = former.expire(now)
-                        timed_out = self._check_timeouts(now)
-                        batch, wake_at = former.next_batch(now)
-                        if batch is not None or drops or timed_out:
-                            break
-                        if former.finished:
-                            for _ in self._workers:
-                                self._work.put(None)
-                            return
-                        self._dispatcher_idle = True
-                        self._dispatcher_until = None if mock else wake_at
-                        if wake_at is None or mock:
-                            self._cond.wait(None if not mock else 1.0)
-                        else:  # an infinite (or huge) wake_at sleeps until told
-                            self._cond.wait(wait_limit(wake_at - now))
-                        self._dispatcher_idle = False
-                if drops:
-                    self._resolve_drops(drops)
-                for b in timed_out:
-                    self._fail(b.entries, self._timed_out())
-                    call = b.call
-                    if call is not None:  # an async def's call: cancel it (a plain one cannot be)
-                        call.cancel()
-                if batch is not None:
-                    self._work.put(batch)
-        except BaseException:  # pragma: no cover - a bug here must not hang callers silently
-            logger.exception("batchkit dispatcher crashed")
-            raise
-        finally:
-            if isinstance(self.clock, ListenableClock):
-                self.clock.remove_listener(self._cond)
-
-    def _check_timeouts(self, now: float) -> list[_Batch]:
-        """Batches past ``batch_timeout_s`` (lock held): the former frees their slots; each
-        stuck worker is replaced (it leaves when, if, its call returns)."""
-        out = self.former.timed_out(now)
-        for b in out:
-            if b.runner in self._workers:
-                self._workers.remove(b.runner)
-            self._spawn_worker()
-        return out
-
     # ------------------------------------------------------------------ running batches
 
-    def _work_loop(self) -> None:
-        batch = self._work.get()
-        while batch is not None:
-            self._run_batch(batch)
-            with self._mutex:
-                # Under the lock that times batches out: a batch that timed out after its call
-                # returned has had this worker replaced (and dropped from the workers close joins
-                # and stops); a worker that carried on would be one too many for the stop.
-                if batch.abandoned:
-                    return  # a replacement worker took this one's place
-                self.former.complete(batch)
-                # Keep the model busy: if the next batch is already due, run it from here rather
-                # than handing it through the dispatcher thread (two thread switches saved).
-                now = self._now()
-                drops = self.former.expire(now)
-                nxt, wake_at = self.former.next_batch(now)
-                if nxt is None:  # the freed slot may make a waiting batch due sooner
-                    self._nudge_dispatcher(wake_at)
-            if drops:
-                self._resolve_drops(drops)
-            batch = nxt if nxt is not None else self._work.get()
+    def _on_timeout(self, batch: _Batch) -> None:
+        """``batch`` ran past ``batch_timeout_s``: its callers fail; an ``async def``'s call is
+        cancelled (a plain one cannot be)."""
+        self._fail(batch.entries, self._timed_out())
+        if batch.call is not None:
+            batch.call.cancel()
 
     def _run_batch(self, batch: _Batch) -> None:
         reqs = batch.entries
