@@ -149,6 +149,25 @@ def test_add_says_when_an_arrival_changes_the_plan() -> None:
     assert add(f, 0.003) is True  # the queue was empty again
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_arrivals_to_a_full_group_ask_nothing_while_every_slot_is_busy(grouped: bool) -> None:
+    """A saturated batcher's arrivals do not change the plan: a full group cannot go until a
+    slot frees, and the driver asks again then (``complete``, then ``next_batch``)."""
+    f = former(max_batch_size=2, max_wait_ms=10, grouped=grouped)
+    key = "k" if grouped else None
+    assert add(f, 0.0, key=key) is True  # a first item
+    assert add(f, 0.001, key=key) is True  # full, and the slot is free
+    running, _ = f.next_batch(0.001)
+    assert running is not None
+    assert add(f, 0.002, key=key) is True  # a first item again: starts the wait clock
+    assert [add(f, 0.003, key=key) for _ in range(3)] == [False] * 3  # full, no free slot
+    f.complete(running)
+    batch, _ = f.next_batch(0.003)  # what the driver does when a batch completes
+    assert batch is not None
+    assert batch.info.reason == "size"
+    assert len(batch.entries) == 2
+
+
 def test_expired_items_leave_with_deadline_exceeded() -> None:
     """An item past its deadline leaves through ``expire`` with the error its owner should see,
     and never reaches a batch."""

@@ -65,6 +65,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _NO_FALLBACK: Any = NO_FALLBACK
+_WAITING = Phase.WAITING  # an enum member read from the class costs more than a global
 
 Settled = tuple[list[Any], bool] | Split
 """What :meth:`BatcherShell._settle` makes of a call: the entries to wake and whether it
@@ -101,7 +102,12 @@ class _Request(LedgerEntry):
     __slots__ = ("notified", "sink")
 
     def __init__(self, item: Any, sink: Any, fallback: Any) -> None:
-        super().__init__(item, fallback)
+        # LedgerEntry's fields, set here rather than through super(): one call less per request.
+        self.item = item
+        self.fallback = fallback
+        self.phase = _WAITING
+        self.value = None
+        self.error = None
         self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
         # A Future sink: set_running_or_notify_cancel() was called (it may be called only once).
         self.notified = False
@@ -390,18 +396,6 @@ class BatcherShell(Generic[T, R]):
         self.ledger.admitted(now)
         return added
 
-    def _admit_plain(self, entry: QueueEntry[Any]) -> tuple[Sequence[Drop], bool]:
-        """:meth:`_admit` for the common case (guard held, the shell ``_plain``, not closing,
-        priority 0, no deadline, not the first submit): nothing to check but room."""
-        now = self._now()
-        try:
-            added = self.former.add(entry, now)
-        except QueueFull:
-            self.ledger.refused()
-            raise
-        self.ledger.admitted(now)
-        return added
-
     def _enqueue(
         self, entry: Any, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float] | None = None
     ) -> bool:
@@ -663,6 +657,9 @@ class DynamicBatcher(BatcherShell[T, R]):
         )
         self._loop_thread = LoopThread()  # where an async def batch function runs
         self._closed = False
+        # _enqueue's common path applies (under the lock): the threads run, nothing per item to
+        # check but room (_plain), and not closing.
+        self._fast = False
 
     # ------------------------------------------------------------------ submitting
 
@@ -757,18 +754,21 @@ class DynamicBatcher(BatcherShell[T, R]):
         Raises:
             BatcherClosed, CircuitOpen, QueueFull, TypeError, ValueError: refused.
         """
-        plain = self._plain and priority == 0 and deadline_ms is None
-        key: Hashable
-        cost: float
-        if plain:
-            key, cost = None, 1
-        elif key_cost is not None:  # a writer that waits for room: group_by and size_fn ran once
-            key, cost = key_cost
-        else:
-            key, cost = self._key_and_cost(req.item, priority, deadline_ms)
+        plain = priority == 0 and deadline_ms is None
+        key: Hashable = None
+        cost: float = 1
+        if not plain or not self._plain:
+            # group_by and size_fn run once for a writer that waits for room (it passes key_cost)
+            key, cost = key_cost if key_cost is not None else self._key_and_cost(req.item, priority, deadline_ms)
         with self._mutex:
-            if plain and not self._closing and self._threads.dispatcher is not None:
-                drops, replan = self._admit_plain(req)
+            if plain and self._fast:  # nothing to check but room (see _plain)
+                now = self._now()
+                try:
+                    drops, replan = self.former.add(req, now)
+                except QueueFull:
+                    self.ledger.refused()
+                    raise
+                self.ledger.admitted(now)
             else:
                 added = self._admit(req, priority, deadline_ms, key, cost)
                 if added is None:
@@ -776,6 +776,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 drops, replan = added
                 if self._threads.dispatcher is None:
                     self._threads.start()
+                    self._fast = self._plain
                     replan = False  # the new dispatcher asks the former first thing
             if replan:  # the arrival changes the plan (see BatchFormer.add)
                 drops = [*drops, *self._threads.dispatch_due()]
@@ -868,6 +869,7 @@ class DynamicBatcher(BatcherShell[T, R]):
                 ]
             if not self._closing:
                 self._closing = True
+                self._fast = False
                 self.former.close()
                 self._threads.wake()
         self._resolve_drops(drops, closing=True)

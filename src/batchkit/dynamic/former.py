@@ -167,8 +167,10 @@ class BatchFormer(Generic[E]):
     ) -> tuple[Sequence[Drop], bool]:
         """Admit ``entry`` into the queue now. Returns the entries the full policy evicted for
         it, and whether the arrival changes the plan: a first entry starts the wait clock, a
-        group became full, or its deadline comes before :attr:`wake_at` (a driver that sleeps
-        until ``wake_at`` must then ask :meth:`next_batch` again).
+        group is full while a batch slot is free, or its deadline comes before :attr:`wake_at`
+        (a driver that sleeps until ``wake_at`` must then ask :meth:`next_batch` again). While
+        every slot is busy a full group waits for one: the driver asks again as a batch
+        completes, so the arrivals of a saturated batcher ask nothing.
 
         Raises:
             QueueFull: the queue's full policy refused it (counted by the queue).
@@ -180,8 +182,10 @@ class BatchFormer(Generic[E]):
         depth = q.depth
         if key is None and deadline_ms is None and 0 < depth < q.maxsize:
             # The common case (no group, no deadline, room, not the first entry), in fewer steps:
-            # the plan changes only if the arrival fills the batch.
+            # the plan changes only if the batch is full and a slot is free to run it.
             q.add(entry, priority, None, None, cost, now)
+            if len(self.running) >= self.max_concurrent_batches:
+                return _NO_DROPS, False
             load = self._loads[None]
             replan = load[0] >= self.max_batch_size or (
                 self.max_batch_cost is not None and load[1] >= self.max_batch_cost
@@ -195,10 +199,9 @@ class BatchFormer(Generic[E]):
         if depth == 0 or drops:  # a first entry starts the wait clock; evictions change the plan
             return drops, True
         load = self._loads[key]
-        replan = (
-            load[0] >= self.max_batch_size
-            or (self.max_batch_cost is not None and load[1] >= self.max_batch_cost)
-            or (deadline is not None and (self.wake_at is None or deadline < self.wake_at))
+        full = load[0] >= self.max_batch_size or (self.max_batch_cost is not None and load[1] >= self.max_batch_cost)
+        replan = (full and len(self.running) < self.max_concurrent_batches) or (
+            deadline is not None and (self.wake_at is None or deadline < self.wake_at)
         )
         return drops, replan
 
