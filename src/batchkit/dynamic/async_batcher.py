@@ -384,12 +384,6 @@ class AsyncBatcher(BatcherShell[T, R]):
         if self._offload is not None:
             await self._offload.aclose(deadline, join=not timed_out)
 
-    async def __aenter__(self) -> AsyncBatcher[T, R]:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
 
 def enter(
     batcher: AsyncBatcher[Any, Any], item: Any, owner: asyncio.AbstractEventLoop | None, fallback: Any = _NO_FALLBACK

@@ -32,6 +32,7 @@ from time import monotonic as _monotonic
 from typing import Any, Generic, TypedDict, TypeVar
 
 import anyio
+from typing_extensions import Self
 
 from .._clock import Clock
 from .._errors import BatcherClosed, BatchSizeMismatch, BatchTimeout, CircuitOpen, QueueFull
@@ -517,6 +518,16 @@ class BatcherShell(Generic[T, R]):
             claimed = self.ledger.drop(drops, closing=closing)
         self._wake(claimed)
 
+    async def aclose(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting work and finish it (each shell's own way)."""
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     def statistics(self) -> BatcherStatistics:
         """A snapshot of counters, batch sizes, flush reasons and latency percentiles."""
         former = self.former
@@ -917,12 +928,6 @@ class DynamicBatcher(BatcherShell[T, R]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    async def __aenter__(self) -> DynamicBatcher[T, R]:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ running batches
 
