@@ -80,16 +80,33 @@ def test_plan_refuses_inconsistent_lengths() -> None:
         planned_attention(torch.zeros(3, 2, 4), torch.zeros(4, 4, 1, 4), torch.zeros(4, 4, 1, 4), plan)
 
 
-def test_bfloat16_pages_are_attended_without_a_float32_copy() -> None:
-    """bfloat16 query and pages go to SDPA as they are (it accumulates in float32): no dtype copy
-    of a layer's pages, and the result is as close to the float32 truth as an upcast one."""
+def test_low_precision_attention_on_cuda_and_on_cpus_with_amx_only() -> None:
+    from batchkit._cpu import has_amx
+    from batchkit.kv.attention import low_precision_attention
+
+    assert low_precision_attention(torch.device("cuda", 0))
+    assert low_precision_attention(torch.device("cpu")) is has_amx()
+    assert has_amx(frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    assert not has_amx(frozenset({"avx512_bf16", "avx2"}))
+
+
+@pytest.mark.parametrize("as_they_are", [True, False])
+def test_bfloat16_pages_are_attended_without_a_float32_copy_where_sdpa_is_fast(
+    as_they_are: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where low_precision_attention says so (CUDA, a CPU with AMX) bfloat16 query and pages go
+    to SDPA as they are (it accumulates in float32): no dtype copy of a layer's pages; elsewhere
+    they are copied to float32. Either result is as close to the float32 truth as an upcast one."""
+    from batchkit.kv import attention
+
+    monkeypatch.setattr(attention, "low_precision_attention", lambda device: as_they_are)
     q, k, v, tables, seq_lens, query_lens = _case(3, [1, 1, 1], [9, 30, 17])
     plan = plan_attention(tables, seq_lens, query_lens, block_size=4)
     truth = planned_attention(q, k, v, plan)
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = planned_attention(qb, kb, vb, plan)
-    assert "aten::_to_copy" not in {e.key for e in prof.key_averages()}
+    assert ("aten::_to_copy" in {e.key for e in prof.key_averages()}) is not as_they_are
     assert got.dtype == torch.bfloat16
     upcast = paged_attention(qb, kb, vb, tables, seq_lens, query_lens).double()
     assert float((got.double() - truth).abs().max()) <= 2 * float((upcast - truth).abs().max()) + 1e-2

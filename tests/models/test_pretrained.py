@@ -358,10 +358,11 @@ class TestFastDtype:
         assert fast_dtype("cuda:0", frozenset()) == (torch.bfloat16, "CUDA")
 
     def test_this_machines_flags_are_read(self) -> None:
-        from batchkit.models.pretrained import _cpu_flags, fast_dtype
+        from batchkit._cpu import cpu_flags
+        from batchkit.models.pretrained import fast_dtype
 
         assert fast_dtype("cpu")[1].startswith("the CPU has")
-        flags = _cpu_flags()
+        flags = cpu_flags()
         assert isinstance(flags, frozenset)
         if Path("/proc/cpuinfo").exists():
             assert flags, "Linux lists the CPU's flags"

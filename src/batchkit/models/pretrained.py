@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .. import _cpu
 from ..continuous.loop import ContinuousDecodeLoop
 from ..continuous.step import in_fresh_thread
 from .hf import ATTN_IMPLEMENTATION, HFStepModel, check_config, register_attention
@@ -54,18 +55,6 @@ _INSTALL_HINT = "pip install 'batchkit[models]'"
 _BF16_CPU_FLAGS = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
 
 
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def fast_dtype(device: Any = "cpu", cpu_flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
     """The dtype a model decodes fastest in on ``device``, and why: bfloat16 on CUDA and on a
     CPU with AMX-BF16 or AVX512-BF16 (``cpu_flags``: the CPU's flags, read from /proc/cpuinfo
@@ -73,7 +62,7 @@ def fast_dtype(device: Any = "cpu", cpu_flags: frozenset[str] | None = None) -> 
     apart after some tokens."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16, "CUDA"
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = _cpu.cpu_flags() if cpu_flags is None else cpu_flags
     for flag, name in _BF16_CPU_FLAGS:
         if flag in flags:
             return torch.bfloat16, f"the CPU has {name}"
