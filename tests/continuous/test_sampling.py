@@ -170,3 +170,18 @@ class TestBadRowsAreFoundWithOneReduction:
         assert by_id["c"].error is None
         assert by_id["c"].token == 3
         assert all(VOCAB not in s for s in shapes), shapes  # never an element-wise pass over [rows, vocab]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_takes_each_rows_first_best_logit(dtype: str) -> None:
+    """Greedy rows take the first of tied best logits, in every dtype, whether every row is
+    greedy (one reduction for all) or only some are (row by row)."""
+    logits = torch.zeros(3, 10, dtype=getattr(torch, dtype))
+    logits[0, [2, 7]] = 1.0
+    logits[1, [9, 4]] = 2.0
+    logits[2, 5] = -1.0  # the rest tie at 0: the first one wins
+    greedy = SamplingParams(temperature=0)
+    assert sample(logits, [greedy] * 3, [None] * 3) == [2, 4, 0]
+    hot = SamplingParams(temperature=1.0, seed=1)
+    mixed = sample(logits, [greedy, hot, greedy], [None, torch.Generator().manual_seed(1), None])
+    assert (mixed[0], mixed[2]) == (2, 0)
