@@ -397,6 +397,18 @@ class BatcherShell(Generic[T, R]):
         self.ledger.admitted(now)
         return added
 
+    def _admit_plain(self, entry: QueueEntry[Any]) -> tuple[Sequence[Drop], bool]:
+        """:meth:`_admit` for the common case (guard held, the shell ``_plain``, not closing,
+        priority 0, no deadline, not the first submit): nothing to check but room."""
+        now = self._now()
+        try:
+            added = self.former.add(entry, now)
+        except QueueFull:
+            self.ledger.refused()
+            raise
+        self.ledger.admitted(now)
+        return added
+
     def _enqueue(
         self, entry: Any, priority: int, deadline_ms: float | None, key_cost: tuple[Hashable, float] | None = None
     ) -> bool:
@@ -668,9 +680,6 @@ class DynamicBatcher(BatcherShell[T, R]):
         )
         self._loop_thread = LoopThread()  # where an async def batch function runs
         self._closed = False
-        # _enqueue's common path applies (under the lock): the threads run, nothing per item to
-        # check but room (_plain), and not closing.
-        self._fast = False
 
     # ------------------------------------------------------------------ submitting
 
@@ -772,14 +781,8 @@ class DynamicBatcher(BatcherShell[T, R]):
             # group_by and size_fn run once for a writer that waits for room (it passes key_cost)
             key, cost = key_cost if key_cost is not None else self._key_and_cost(req.item, priority, deadline_ms)
         with self._mutex:
-            if plain and self._fast:  # nothing to check but room (see _plain)
-                now = self._now()
-                try:
-                    drops, replan = self.former.add(req, now)
-                except QueueFull:
-                    self.ledger.refused()
-                    raise
-                self.ledger.admitted(now)
+            if plain and self._plain and not self._closing and self._threads.dispatcher is not None:
+                drops, replan = self._admit_plain(req)
             else:
                 added = self._admit(req, priority, deadline_ms, key, cost)
                 if added is None:
@@ -787,7 +790,6 @@ class DynamicBatcher(BatcherShell[T, R]):
                 drops, replan = added
                 if self._threads.dispatcher is None:
                     self._threads.start()
-                    self._fast = self._plain
                     replan = False  # the new dispatcher asks the former first thing
             if replan:  # the arrival changes the plan (see BatchFormer.add)
                 drops = [*drops, *self._threads.dispatch_due()]
@@ -880,7 +882,6 @@ class DynamicBatcher(BatcherShell[T, R]):
                 ]
             if not self._closing:
                 self._closing = True
-                self._fast = False
                 self.former.close()
                 self._threads.wake()
         self._resolve_drops(drops, closing=True)
