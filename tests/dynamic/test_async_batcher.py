@@ -103,6 +103,24 @@ def test_flush_dispatches_what_waits_without_waiting() -> None:
     run(main)
 
 
+def test_queue_shows_what_waits() -> None:
+    """``queue`` is the BoundedQueue the items wait in: its length and statistics follow them."""
+
+    async def main() -> None:
+        b = AsyncBatcher(Recorder(), max_batch_size=8, max_wait_ms=60_000, max_queue=5, clock=MockClock())
+        assert b.queue.maxsize == 5
+        calls = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        await settle()
+        assert len(b.queue) == 3
+        assert b.queue.statistics().depth == 3
+        b.flush()
+        assert await asyncio.gather(*calls) == [0, 10, 20]
+        assert len(b.queue) == 0
+        await b.aclose()
+
+    run(main)
+
+
 def test_a_plain_function_runs_on_the_loop_thread_and_offload_moves_it_off() -> None:
     """Without offload a sync batch function runs in the loop's thread; with it, in a worker
     thread, the same one for every batch."""

@@ -111,9 +111,10 @@ def low_precision_attention(device: Any) -> bool:
     """Whether bfloat16 / float16 pages on ``device`` go to SDPA as they are (its kernels
     accumulate them in float32) rather than as a float32 copy: on CUDA, and on a CPU with AMX,
     where the float32 copy of every page of every layer cost more than the attention itself.
-    On other CPUs (AVX512-BF16 without AMX, AVX2) SDPA's bfloat16 kernel ran 3-5x slower than
-    the float32 one on a copy (16 decode rows over 128-512 positions, 9 heads of 64: 1.5-5.1 ms
-    against 0.47-1.05 ms, copies included), so pages are copied to float32 there."""
+    On other CPUs (AVX512-BF16 without AMX, AVX2) SDPA's bfloat16 kernel ran up to 5x slower
+    than the float32 one on a copy (copies included), and at most 1.4x faster
+    (``benchmarks/cpu_dtype_kernels.py``; a bfloat16 decode step of 16 rows went from 55 to 43 ms),
+    so pages are copied to float32 there."""
     return getattr(device, "type", device) != "cpu" or has_amx()
 
 
