@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from batchkit._cpu import has_amx
 from batchkit.kv.attention import low_precision_attention
 
 
@@ -78,8 +77,8 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     torch.set_num_threads(2)
     print(
-        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"AMX: {has_amx()}; bfloat16 pages go to SDPA as they are here: {low_precision_attention('cpu')}\n"
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+        f"bfloat16 pages go to SDPA as they are here (CUDA or AMX): {low_precision_attention('cpu')}\n"
     )
     attention_rows()
     print()
