@@ -1,9 +1,11 @@
 """Two CPU kernel choices batchkit makes by dtype, measured on this machine.
 
-- Decode attention: SDPA on bfloat16 pages as they are, against SDPA on a float32 copy (copies
-  included), for 16 decode rows of SmolLM2's shape (9 heads of 64, 3 KV heads) over 128, 256 and
-  512 positions. ``batchkit.kv.attention.low_precision_attention`` takes the pages as they are only
-  on CUDA and on CPUs with AMX; this prints what that choice is worth here.
+- Decode attention over bfloat16 pages, 16 decode rows of SmolLM2's shape (9 heads of 64, 3 KV
+  heads) over 128, 256 and 512 positions, each variant gathering the rows' pages alike: SDPA on
+  the pages as they are, SDPA on a float32 copy (copies included), and ``planned_attention``,
+  what batchkit runs (``batchkit.kv.attention.low_precision_attention`` hands the pages to SDPA as
+  they are on CUDA and on CPUs with AMX; elsewhere decodes are two bfloat16 matmuls with a
+  float32 softmax).
 - Greedy sampling: ``argmax`` against ``max(dim).indices`` (what ``batchkit.continuous.sample``
   uses) over 16 rows of a 49,152-token vocabulary, in float32 and bfloat16.
 
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchkit.kv.attention import low_precision_attention
+from batchkit.kv.attention import low_precision_attention, plan_attention, planned_attention
 
 
 def _us(fn: Callable[[], object], calls: int = 200, timings: int = 5) -> float:
@@ -38,28 +40,41 @@ def _us(fn: Callable[[], object], calls: int = 200, timings: int = 5) -> float:
 
 def attention_rows() -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    rows, heads, kv_heads, dim = 16, 9, 3, 64
-    print("| positions | bfloat16 SDPA µs | float32 copy + SDPA µs | copy / as they are |")
-    print("| --- | --- | --- | --- |")
+    rows, heads, kv_heads, dim, block = 16, 9, 3, 64, 16
+    print(
+        "| positions | bfloat16 SDPA µs | float32 copy + SDPA µs | planned_attention µs "
+        "| copy / as they are | planned / as they are |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for width in (128, 256, 512):
-        # The layout planned_attention hands SDPA: gathered pages [rows, positions, kv heads,
-        # dim] seen as [rows, kv heads, positions, dim] (a transposed view, not a copy).
-        k = torch.randn(rows, width, kv_heads, dim).bfloat16()
-        v = torch.randn(rows, width, kv_heads, dim).bfloat16()
-        q = torch.randn(rows, 1, heads, dim).bfloat16()
+        # Paged K/V as a layer holds them; every variant gathers the rows' pages the same way.
+        blocks = rows * width // block
+        kc = torch.randn(blocks + 1, block, kv_heads, dim).bfloat16()
+        vc = torch.randn(blocks + 1, block, kv_heads, dim).bfloat16()
+        tables = (1 + torch.randperm(blocks)).view(rows, width // block)
+        lens = torch.full((rows,), width - 20)
+        plan = plan_attention(tables, lens, torch.ones(rows, dtype=torch.int64), block)
+        q = torch.randn(rows, heads, dim).bfloat16()
         mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
         mask[..., width - 20 :] = False
 
+        def pages(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+            flat = tables.reshape(-1)  # noqa: B023
+            k = kc.index_select(0, flat).view(rows, width, kv_heads, dim).to(dtype).transpose(1, 2)  # noqa: B023
+            v = vc.index_select(0, flat).view(rows, width, kv_heads, dim).to(dtype).transpose(1, 2)  # noqa: B023
+            return q.view(rows, 1, heads, dim).to(dtype).transpose(1, 2), k, v  # noqa: B023
+
         def as_they_are() -> object:
-            t = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # noqa: B023
-            return sdpa(*t, attn_mask=mask, enable_gqa=True)  # noqa: B023
+            return sdpa(*pages(torch.bfloat16), attn_mask=mask, enable_gqa=True)  # noqa: B023
 
         def copied() -> object:
-            t = (q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2))  # noqa: B023
-            return sdpa(*t, attn_mask=mask, enable_gqa=True).bfloat16()  # noqa: B023
+            return sdpa(*pages(torch.float32), attn_mask=mask, enable_gqa=True).bfloat16()  # noqa: B023
 
-        low, high = _us(as_they_are), _us(copied)
-        print(f"| {width} | {low:,.0f} | {high:,.0f} | {high / low:.2f}x |")
+        def planned() -> object:
+            return planned_attention(q, kc, vc, plan)  # noqa: B023
+
+        low, high, ours = _us(as_they_are), _us(copied), _us(planned)
+        print(f"| {width} | {low:,.0f} | {high:,.0f} | {ours:,.0f} | {high / low:.2f}x | {ours / low:.2f}x |")
 
 
 def argmax_rows() -> None:

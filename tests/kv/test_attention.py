@@ -91,12 +91,11 @@ def test_low_precision_attention_on_cuda_and_on_cpus_with_amx_only() -> None:
 
 
 @pytest.mark.parametrize("as_they_are", [True, False])
-def test_bfloat16_pages_are_attended_without_a_float32_copy_where_sdpa_is_fast(
-    as_they_are: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bfloat16_decodes_never_copy_their_pages_to_float32(as_they_are: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where low_precision_attention says so (CUDA, a CPU with AMX) bfloat16 query and pages go
-    to SDPA as they are (it accumulates in float32): no dtype copy of a layer's pages; elsewhere
-    they are copied to float32. Either result is as close to the float32 truth as an upcast one."""
+    to SDPA as they are (it accumulates in float32); elsewhere decodes are two bfloat16 matmuls
+    with a float32 softmax, SDPA's slow bfloat16 kernel left out. Either way no dtype copy of a
+    layer's pages is made, and the result is as close to the float32 truth as an upcast one."""
     from batchkit.kv import attention
 
     monkeypatch.setattr(attention, "low_precision_attention", lambda device: as_they_are)
@@ -104,9 +103,32 @@ def test_bfloat16_pages_are_attended_without_a_float32_copy_where_sdpa_is_fast(
     plan = plan_attention(tables, seq_lens, query_lens, block_size=4)
     truth = planned_attention(q, k, v, plan)
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         got = planned_attention(qb, kb, vb, plan)
-    assert ("aten::_to_copy" in {e.key for e in prof.key_averages()}) is not as_they_are
+    ops = prof.key_averages(group_by_input_shape=True)
+    width, head_dim = int(seq_lens.max() + 3) // 4 * 4, q.shape[-1]  # the pages: [S, width, Hkv, head_dim]
+    copied = [e.input_shapes[0] for e in ops if e.key == "aten::_to_copy"]
+    assert not [s for s in copied if s and width in s and s[-1] == head_dim], copied
+    assert ("aten::scaled_dot_product_attention" in {e.key for e in ops}) is as_they_are
     assert got.dtype == torch.bfloat16
     upcast = paged_attention(qb, kb, vb, tables, seq_lens, query_lens).double()
     assert float((got.double() - truth).abs().max()) <= 2 * float((upcast - truth).abs().max()) + 1e-2
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
+def test_bfloat16_decodes_by_matmul_follow_the_reference(
+    heads: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bfloat16 matmul decodes (a CPU without AMX) for every grouping of query heads over KV
+    heads, alone and beside a prefill chunk (which still goes to SDPA on a float32 copy): each
+    query head reads its own KV head, within bfloat16 rounding of the float64 reference."""
+    from batchkit.kv import attention
+
+    monkeypatch.setattr(attention, "low_precision_attention", lambda device: False)
+    for q_lens, ctx in (([1, 1, 1, 1], [3, 40, 17, 1]), ([1, 5, 1], [22, 5, 9])):
+        q, k, v, tables, seq_lens, query_lens = _case(7, q_lens, ctx, heads=heads, kv_heads=kv_heads)
+        want = paged_attention(q, k, v, tables, seq_lens, query_lens)
+        plan = plan_attention(tables, seq_lens, query_lens, block_size=4)
+        got = planned_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=0.05)

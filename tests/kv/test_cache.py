@@ -62,6 +62,31 @@ def test_scatter_validates_shapes_and_slots() -> None:
         cache.scatter(0, k, k, torch.tensor([1, 32 * 4]))
 
 
+def test_every_layer_of_a_step_writes_at_slots_checked_once() -> None:
+    """The layers of a step scatter at the same slot_mapping: it is checked (two reductions) at
+    the first layer only, and every layer still writes its own rows at those slots. Slots with
+    padding are filtered at every call; a slot rewritten in place out of the cache is refused."""
+    cache = PagedKVCache(num_layers=3, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    slots = torch.tensor([5, 0, 9])
+    rows = [torch.full((3, 2, 8), float(layer + 1)) for layer in range(3)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for layer in range(3):
+            cache.scatter(layer, rows[layer], -rows[layer], slots)
+    reductions = {e.key: e.count for e in prof.key_averages() if e.key in ("aten::max", "aten::min")}
+    assert reductions == {"aten::max": 1, "aten::min": 1}
+    for layer in range(3):
+        torch.testing.assert_close(cache.key(layer).reshape(-1, 2, 8)[slots], rows[layer])
+        torch.testing.assert_close(cache.value(layer).reshape(-1, 2, 8)[slots], -rows[layer])
+
+    padded = torch.tensor([-1, 3, -1])
+    for layer in range(3):
+        cache.scatter(layer, rows[2 - layer], rows[2 - layer], padded)
+        assert float(cache.key(layer)[0, 3, 0, 0]) == 3 - layer
+    slots[1] = 4 * 4  # past the last slot, in the tensor already checked
+    with pytest.raises(IndexError):
+        cache.scatter(0, rows[0], rows[0], slots)
+
+
 def test_copy_blocks_copies_every_layer_k_and_v() -> None:
     """copy_blocks duplicates whole blocks in all layers (copy-on-write)."""
     cache = make_cache()

@@ -4,8 +4,9 @@ Every layer of a step attends over the same sequences, block tables and lengths;
 and the layer's K/V differ. :func:`plan_attention` turns a step's block tables and lengths into the
 index tensors and masks that attention needs (one host round trip per step), and
 :func:`planned_attention` runs one layer with them: the decodes (one new token each) in one
-batched ``scaled_dot_product_attention`` over their pages, the prefill chunks in another, each
-padded to its longest member. :func:`batchkit.kv.ops.paged_attention` stays the plain reference;
+batched ``scaled_dot_product_attention`` over their pages (or, for bfloat16 pages on a CPU
+without AMX, two batched matmuls), the prefill chunks in another, each padded to its longest
+member. :func:`batchkit.kv.ops.paged_attention` stays the plain reference;
 the two agree (tests hold them to it).
 """
 
@@ -109,12 +110,12 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, b
 
 def low_precision_attention(device: Any) -> bool:
     """Whether bfloat16 / float16 pages on ``device`` go to SDPA as they are (its kernels
-    accumulate them in float32) rather than as a float32 copy: on CUDA, and on a CPU with AMX,
-    where the float32 copy of every page of every layer cost more than the attention itself.
-    On other CPUs (AVX512-BF16 without AMX, AVX2) SDPA's bfloat16 kernel ran up to 5x slower
-    than the float32 one on a copy (copies included), and at most 1.4x faster
-    (``benchmarks/cpu_dtype_kernels.py``; a bfloat16 decode step of 16 rows went from 55 to 43 ms),
-    so pages are copied to float32 there."""
+    accumulate them in float32): on CUDA, and on a CPU with AMX, where a float32 copy of every
+    page of every layer cost more than the attention itself. On other CPUs (AVX512-BF16 without
+    AMX, AVX2) SDPA's bfloat16 kernel ran up to 5x slower than the float32 one on a copy (copies
+    included), so there :func:`planned_attention` runs bfloat16 decodes as two bfloat16 matmuls
+    with a float32 softmax (0.14-0.26x SDPA's bfloat16 time, no page copied), and prefill chunks
+    and float16 pages on a float32 copy (``benchmarks/cpu_dtype_kernels.py``)."""
     return getattr(device, "type", device) != "cpu" or has_amx()
 
 
@@ -131,10 +132,12 @@ def planned_attention(
         scale: softmax scale (default ``head_dim ** -0.5``).
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype (accumulated in float32 at
+        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype, accumulated in float32 at
         least: bfloat16 and float16 pages go to SDPA as they are where
-        :func:`low_precision_attention` says so, whose kernels accumulate them in float32; other
-        dtypes, and those pages elsewhere, are computed in float32 or wider).
+        :func:`low_precision_attention` says so (its kernels accumulate them in float32);
+        elsewhere bfloat16 decodes are two bfloat16 matmuls (accumulated in float32, their
+        results rounded to bfloat16 as transformers' eager attention rounds them) around a
+        float32 softmax, and everything else is computed in float32 or wider.
 
     Raises:
         ValueError: a query that does not match the plan, or heads that do not group.
@@ -154,21 +157,48 @@ def planned_attention(
         and low_precision_attention(query.device)
     )
     acc = query.dtype if low else torch.promote_types(query.dtype, torch.float32)
+    # bfloat16 decodes where SDPA's bfloat16 kernel is slow: matmuls in bfloat16, no float32 copy.
+    by_matmul = not low and query.dtype == torch.bfloat16 and key_cache.dtype == query.dtype
     out = None if len(plan.groups) == 1 and plan.groups[0].whole else torch.empty_like(query)
     for g in plan.groups:
         s_, q_max = g.query_index.shape
         width = g.mask.shape[-1]
-        # Whole blocks (contiguous runs of block_size rows), not single tokens: [S, Hkv, W, D].
-        # index_select on dim 0, not advanced indexing: a row copy, several times faster on CPU.
-        k = key_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
-        v = value_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
         q = query if g.whole else query.index_select(0, g.query_index.reshape(-1))
-        q = q.view(s_, q_max, num_heads, head_dim).to(acc).transpose(1, 2)  # [S, H, q_max, D]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv
-        )
-        o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim).to(query.dtype)
+        # Whole blocks (contiguous runs of block_size rows), not single tokens: [S, W, Hkv, D].
+        # index_select on dim 0, not advanced indexing: a row copy, several times faster on CPU.
+        k = key_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim)
+        v = value_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim)
+        if by_matmul and q_max == 1:
+            o = _decode_by_matmul(q, k, v, g.mask, scale)
+        else:
+            k, v = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # [S, Hkv, W, D]
+            q = q.view(s_, q_max, num_heads, head_dim).to(acc).transpose(1, 2)  # [S, H, q_max, D]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv
+            )
+            o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim).to(query.dtype)
         if out is None:  # the one group holds every query in order: its output is the step's
             return o
         out.index_copy_(0, g.out_rows, o.index_select(0, g.out_select))
+    return out
+
+
+def _decode_by_matmul(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """One query per sequence over its pages, as two batched matmuls in the pages' dtype.
+
+    ``query`` ``[S, H, D]``, ``key`` / ``value`` ``[S, W, Hkv, D]``, ``mask`` ``[S, 1, 1, W]``.
+    The matmuls accumulate in float32 and round their results to the pages' dtype, as
+    transformers' eager attention does; the softmax runs in float32. Each query head reads its
+    KV head's keys through a view (no repeat), and each KV head's keys are made contiguous once.
+    """
+    import torch
+
+    s_, _, num_kv, head_dim = key.shape
+    num_heads = query.shape[1]
+    k = key.transpose(1, 2).contiguous()  # [S, Hkv, W, D]
+    v = value.transpose(1, 2).contiguous()
+    q = query.reshape(s_, num_kv, num_heads // num_kv, head_dim)  # head h reads KV head h // group
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [S, Hkv, group, W]
+    probs = torch.softmax(torch.where(mask, scores, float("-inf")), dim=-1).to(query.dtype)
+    out: Tensor = torch.matmul(probs, v).reshape(s_, num_heads, head_dim)
     return out

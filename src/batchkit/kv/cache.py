@@ -99,6 +99,7 @@ class PagedKVCache:
         self.device = device
         self.backend: Backend = backend
         self._resolved: str | None = None  # the backend "auto" chose, decided on first use
+        self._checked: Tensor | None = None  # the last int64 slot_mapping a CPU scatter checked
         self.kv = torch.zeros(
             (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
@@ -155,8 +156,10 @@ class PagedKVCache:
 
             _cuda.scatter_kv(self.key(layer), self.value(layer), key, value, slot_mapping)
         else:
-            self._check_slots(slot_mapping)
-            ops.scatter(self.key(layer), self.value(layer), key, value, slot_mapping)
+            slots, keep = self._checked_slots(slot_mapping)
+            if keep is not None:
+                key, value = key[keep], value[keep]
+            ops.write_slots(self.key(layer), self.value(layer), key, value, slots)
 
     def gather(
         self, layer: int, block_tables: Tensor, seq_lens: Tensor, total_tokens: int | None = None
@@ -263,6 +266,25 @@ class PagedKVCache:
             raise ValueError(
                 f"slot {int(slot_mapping.max())} is outside the cache ({self.num_blocks * self.block_size} slots)"
             )
+
+    def _checked_slots(self, slot_mapping: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``slot_mapping`` checked, as the int64 slots to write and the mask of the tokens that are
+        not padding (None when none is).
+
+        Every layer of a step scatters at the same slots: int64 slots without padding, once
+        checked, are written through as they are at the next calls with the same tensor, without
+        the check's two reductions. (Rewritten in place in between, a slot outside the cache is
+        still refused, by ``index_copy_``'s IndexError.)"""
+        if slot_mapping is self._checked:
+            return slot_mapping, None
+        self._check_slots(slot_mapping)
+        if slot_mapping.numel() == 0 or int(slot_mapping.min()) >= 0:
+            slots = slot_mapping.long()
+            if slots is slot_mapping:
+                self._checked = slot_mapping
+            return slots, None
+        keep = slot_mapping >= 0
+        return slot_mapping[keep].long(), keep
 
     @staticmethod
     def _check_blocks(pairs: Sequence[tuple[int, int]], n_src: int, n_dst: int) -> None:

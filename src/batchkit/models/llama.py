@@ -197,12 +197,11 @@ class _Layer(nn.Module):
     ) -> torch.Tensor:
         attn, mlp = self.self_attn, self.mlp
         n, h, g, d = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
-        q, k, v = torch.split(linear(self.input_layernorm(x), attn.qkv_proj), [h * d, g * d, g * d], dim=-1)
-        q = q.view(n, h, d)
-        k = k.view(n, g, d)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        kv.scatter(index, k, v.view(n, g, d), batch.slot_mapping)
+        qkv = linear(self.input_layernorm(x), attn.qkv_proj)
+        qk = qkv[:, : (h + g) * d].view(n, h + g, d)  # the query and key heads, rotated together
+        qk = qk * cos + qk.roll(d // 2, -1) * sin  # = x * cos + rotate_half(x) * sin (sin's sign folded in)
+        q, k = qk[:, :h], qk[:, h:]
+        kv.scatter(index, k, qkv[:, (h + g) * d :].view(n, g, d), batch.slot_mapping)
         o = planned_attention(q, kv.key(index), kv.value(index), plan)
         x = x + linear(o.reshape(n, h * d), attn.o_proj)
         gate, up = linear(self.post_attention_layernorm(x), mlp.gate_up_proj).chunk(2, dim=-1)
@@ -231,11 +230,6 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
     except RuntimeError:  # e.g. bfloat16 on a CPU without AVX512 (oneDNN refuses it)
         return None
     return packed
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -365,9 +359,9 @@ class LlamaModel(nn.Module):
             )
         x = self.model.embed_tokens(batch.input_ids)
         freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(x.dtype)[:, None, :]
-        sin = emb.sin().to(x.dtype)[:, None, :]
+        cos = freqs.cos().repeat(1, 2).to(x.dtype)[:, None, :]
+        # rotate_half(x) * sin is x rolled by half a head times sin with its first half negated.
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(x.dtype)[:, None, :]
         # Tables, lengths and masks are the same in every layer: plan them once per step.
         plan = plan_attention(batch.block_tables.to(kv.device), batch.seq_lens, batch.query_lens, kv.block_size)
         linear = self._linear if self.prepack_weights and x.device.type == "cpu" else _plain_linear
