@@ -320,26 +320,70 @@ class TestPreemptForWaiting:
         assert statuses(s, "a", "b") == {"a": RequestStatus.RUNNING, "b": RequestStatus.WAITING}
         assert [s.get(r).num_preemptions for r in "ab"] == [1, 1]  # type: ignore[union-attr]
 
-    def test_a_stream_of_better_arrivals_costs_the_worse_ones_only_its_seats(self) -> None:
-        """The gateway case: 24 priority-1 requests of 96 tokens, 8 seats; from step 18 on, 8
-        priority-0 requests of 16 tokens arrive 9 steps apart (each outlives the next arrival).
-        Every step runs 8 requests, and the run takes exactly the 304 steps its tokens need
-        (24 x 96 + 8 x 16 over 8 seats). Pushing out the most recent arrival each time, while
-        victims came back in arrival order, left one request behind every other's return, to
-        end alone: 367 steps, 72 of them with fewer than 8 running."""
+    @pytest.mark.parametrize(("first", "gap"), [(18, 9), (64, 16), (79, 14), (50, 12)])
+    def test_a_stream_of_better_arrivals_costs_the_worse_ones_only_its_seats(self, first: int, gap: int) -> None:
+        """The gateway case: 24 priority-1 requests of 96 tokens, 8 seats; from step ``first``
+        on, 8 priority-0 requests of 16 tokens arrive ``gap`` steps apart. Every step runs 8
+        requests, and the run takes exactly the 304 steps its tokens need (24 x 96 + 8 x 16 over
+        8 seats). Pushing out the most recent arrival each time, while victims came back in
+        arrival order, left one request behind every other's return, to end alone (18/9: 367
+        steps, 72 of them with fewer than 8 running); letting each arrival take the seat the one
+        before it freed, while its victim waited, made them all delay the same place in the
+        queue (64/16: 384 steps, 96 thin; 79/14: 385; 50/12: 342)."""
         s = scheduler(num_blocks=400, max_num_seqs=8)
         for i in range(24):
             s.add(request(f"bulk-{i}", priority=1, max_new=96), 0.0)
         steps = thin = chats = 0
         while s.has_work() or chats < 8:
-            if chats < 8 and steps == 18 + 9 * chats:
+            if chats < 8 and steps == first + gap * chats:
                 s.add(request(f"chat-{chats}", max_new=16), float(steps))
                 chats += 1
             scheduled = step(s, float(steps))
             steps += 1
             thin += len(scheduled.requests) < 8
         assert (steps, thin) == (304, 0)
-        assert s.statistics().preemptions == 8
+
+    def test_with_a_seat_free_a_better_arrival_still_pushes_out_a_worse_one_for_the_queue(self) -> None:
+        """A seat frees as a priority-0 request arrives, with a priority-1 one waiting: the
+        arrival pushes out the running priority-1 request (never preempted) and the waiting one
+        takes the free seat. The arrival's tokens then delay the request it pushed out, not the
+        queue behind it."""
+        s = scheduler(num_blocks=16, max_num_seqs=2)
+        s.add(request("short", priority=1, max_new=1), 0.0)
+        s.add(request("long", priority=1, max_new=20), 0.0)
+        s.add(request("queued", priority=1), 0.0)
+        step(s, 0.0)  # "short" samples its one token and ends
+        s.add(request("chat"), 1.0)
+        step(s, 1.0)
+        assert statuses(s, "long", "queued", "chat") == {
+            "long": RequestStatus.WAITING,
+            "queued": RequestStatus.RUNNING,
+            "chat": RequestStatus.RUNNING,
+        }
+
+    def test_with_a_seat_free_and_no_one_worse_waiting_a_better_arrival_pushes_out_no_one(self) -> None:
+        """Nothing waits for the free seat: the arrival takes it and the worse request runs on."""
+        s = scheduler(num_blocks=16, max_num_seqs=2)
+        s.add(request("bulk", priority=1), 0.0)
+        step(s, 0.0)
+        s.add(request("chat"), 1.0)
+        step(s, 1.0)
+        assert statuses(s, "bulk", "chat") == {"bulk": RequestStatus.RUNNING, "chat": RequestStatus.RUNNING}
+        assert s.statistics().preemptions == 0
+
+    def test_a_pushed_out_request_takes_a_seat_no_one_else_waits_for(self) -> None:
+        """The request pushed out waits while the better one runs, but not for nothing: when a
+        seat frees and no one else waits, it comes back at once."""
+        s = scheduler(num_blocks=16, max_num_seqs=2)
+        s.add(request("a", priority=1), 0.0)
+        s.add(request("b", priority=1, max_new=2), 0.0)
+        step(s, 0.0)
+        s.add(request("chat"), 1.0)
+        step(s, 1.0)  # the chat pushes out "a"; "b" samples its second token and ends
+        assert statuses(s, "a", "chat") == {"a": RequestStatus.WAITING, "chat": RequestStatus.RUNNING}
+        assert s.get("b") is None
+        step(s, 2.0)
+        assert statuses(s, "a", "chat") == {"a": RequestStatus.RUNNING, "chat": RequestStatus.RUNNING}
 
     def test_no_one_is_pushed_out_for_a_request_its_tenant_quota_holds_back(self) -> None:
         """Other tenants' blocks would not let in a request over its own tenant's quota."""
