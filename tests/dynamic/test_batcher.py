@@ -334,6 +334,43 @@ def test_an_earlier_deadline_wakes_a_dispatcher_that_sleeps_until_later() -> Non
         assert b.statistics().expired == 1
 
 
+def test_a_busy_batcher_does_not_wake_its_dispatcher_for_each_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the real clock: after requests came, the dispatcher wakes once per ``max_wait_ms``
+    rather than sleeping until the next first arrival wakes it (a thread switch for each batch
+    under steady traffic); a lone item still goes after ``max_wait_ms``, and once requests stop
+    the dispatcher sleeps until woken."""
+    rec = Recorder()
+    wakes = 0
+    with DynamicBatcher(rec, max_batch_size=2, max_wait_ms=300) as b:
+        threads = b._threads
+        wake = threads.wake
+
+        def counted() -> None:
+            nonlocal wakes
+            wakes += 1
+            wake()
+
+        def until_asleep(forever: bool) -> None:
+            limit = time.monotonic() + WAIT
+            while not threads.idle or (threads._until is None) is not forever:
+                assert time.monotonic() < limit, (
+                    f"the dispatcher never slept {'until woken' if forever else 'on a timer'}"
+                )
+                time.sleep(0.001)
+
+        assert [f.result(WAIT) for f in [b.submit(0), b.submit(1)]] == [0, 10]
+        until_asleep(forever=True)  # no requests for a while: nothing to wake for
+        monkeypatch.setattr(threads, "wake", counted)
+        assert [f.result(WAIT) for f in [b.submit(2), b.submit(3)]] == [20, 30]
+        assert wakes == 1  # the first arrival after the pause woke it
+        until_asleep(forever=False)  # requests came: it wakes after one wait, unasked
+        assert [f.result(WAIT) for f in [b.submit(4), b.submit(5)]] == [40, 50]
+        assert wakes == 1  # the next batch did not wake it
+        assert b.submit(6).result(WAIT) == 60  # alone: flushed by the dispatcher's timer
+        until_asleep(forever=True)  # requests stopped: so does its timer
+    assert rec.batches == [[0, 1], [2, 3], [4, 5], [6]]
+
+
 def test_cancelled_future_is_dropped_before_the_model_runs() -> None:
     """Cancelling a waiting future removes its item and frees its slot."""
     rec = Recorder()
