@@ -22,6 +22,22 @@ from batchkit.testing import MockClock
 WAIT = 10
 
 
+def test_state_at_is_a_question_that_changes_nothing() -> None:
+    """Asking for the state at a later time answers half-open but leaves the breaker open now:
+    no work is let through early, and no probe is handed out before the cool-down."""
+    clock = MockClock()
+    br = CircuitBreaker(failure_threshold=1, reset_timeout_s=10, clock=clock)
+    br.record(False)
+    assert br.state_at(10.0) == "half_open"
+    assert br.state == "open"
+    with pytest.raises(CircuitOpen):
+        br.check()
+    assert not br.allow_dispatch()
+    clock.advance(10)
+    assert br.state == "half_open"
+    assert br.allow_dispatch()
+
+
 def test_circuit_breaker_opens_probes_and_closes() -> None:
     """closed -> open after N failures -> half-open after the cool-down -> closed on success."""
     clock = MockClock()

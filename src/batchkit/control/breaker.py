@@ -87,8 +87,16 @@ class CircuitBreaker:
 
     def state_at(self, now: float) -> BreakerState:
         """The state at ``now``: an open circuit whose ``reset_timeout_s`` has passed is
-        half-open (its probe may go)."""
+        half-open (its probe may go). A question only: the breaker is not changed (asking about
+        a later time does not let work through early, and a health check reading :attr:`state`
+        from another thread moves nothing)."""
         if self._state is _OPEN and now - self._opened_at >= self.reset_timeout_s:
+            return _HALF_OPEN
+        return self._state
+
+    def _advance(self, now: float) -> BreakerState:
+        """Enter half-open if the cool-down has passed at ``now``; the state then."""
+        if self.state_at(now) is not self._state:
             self._fire("elapsed", now)
         return self._state
 
@@ -101,7 +109,7 @@ class CircuitBreaker:
     def check(self, now: float | None = None) -> None:
         """Raise :class:`CircuitOpen` if new work must fail fast at ``now`` (default: ``clock``)."""
         now = self._now(now)
-        if self.state_at(now) is _OPEN:
+        if self._advance(now) is _OPEN:
             left = self.reset_timeout_s - (now - self._opened_at)
             raise CircuitOpen(
                 f"{self._failures} consecutive batch failures opened the circuit; new work fails fast for "
@@ -112,7 +120,7 @@ class CircuitBreaker:
         """Whether a batch may be dispatched at ``now`` (half-open: only the one probe). A True
         in half-open hands out the probe: call it only for a batch that is then dispatched, and
         :meth:`release_probe` if that batch does not run after all."""
-        state = self.state_at(self._now(now))
+        state = self._advance(self._now(now))
         if state is _CLOSED:
             return True
         if state is _HALF_OPEN and self._probe_for != self._opened_at:
@@ -135,7 +143,7 @@ class CircuitBreaker:
         batch whose function returned one result per item (per-item exceptions included); a
         failure is one that raised, returned a malformed result, or ran past its timeout."""
         now = self._now(now)
-        state = self.state_at(now)
+        state = self._advance(now)
         if success:
             self._failures = 0
             self._fire("succeeded", now)
