@@ -223,12 +223,16 @@ def test_a_queue_owned_by_a_batcher_is_refused_at_decoration() -> None:
 
 
 def test_an_unknown_option_fails_at_decoration() -> None:
-    """A misspelt option is a TypeError that names it, raised where the decorator is written."""
-    with pytest.raises(TypeError, match="max_wiat_ms"):
+    """A misspelt option is a TypeError that names it, raised where the decorator is written,
+    and lists the decorator's own names for the options (max_batch, not max_batch_size)."""
+    with pytest.raises(TypeError, match="max_wiat_ms") as raised:
 
         @batched(max_wiat_ms=5)  # type: ignore[call-overload, untyped-decorator]
         def f(xs: list[int]) -> list[int]:
             return xs
+
+    assert "the options are max_batch, max_wait_ms," in str(raised.value)
+    assert "max_batch_size" not in str(raised.value)
 
 
 class TestAsyncDefWhereItRuns:

@@ -38,6 +38,17 @@ def test_bad_arguments_are_refused_with_the_fix(kwargs: dict[str, Any], message:
         BoundedQueue(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"clock": 1}, "clock must have a now"), ({"on_drop": 5}, "on_drop must be called as")],
+)
+def test_a_clock_or_on_drop_of_the_wrong_kind_is_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    """Refused where it is written: not at the first put (an AttributeError) or at every drop
+    (a logged TypeError)."""
+    with pytest.raises(TypeError, match=message):
+        BoundedQueue(3, **kwargs)
+
+
 def test_a_negative_cost_or_an_unhashable_key_is_refused_at_put() -> None:
     """What a batcher's size_fn and group_by may not return, a put may not pass either."""
     q: BoundedQueue[int] = BoundedQueue(4)

@@ -180,11 +180,14 @@ class BatcherOptions(TypedDict, total=False):
 _OPTION_NAMES = frozenset(BatcherOptions.__annotations__)
 
 
-def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, options: BatcherOptions) -> None:
+def check_batcher_options(
+    fn: object, max_batch_size: int, max_wait_ms: float, options: BatcherOptions, *, size_name: str = "max_batch_size"
+) -> None:
     """Raise what ``DynamicBatcher(fn, max_batch_size=..., max_wait_ms=..., **options)`` would
     raise for these arguments, without building a batcher: nothing is started, and a ``queue``
     is checked but not claimed (``@batched`` validates at decoration this way). Missing options
-    take their defaults.
+    take their defaults. ``size_name``: what the caller calls the batch size (``@batched``'s
+    ``max_batch``), in the message for an unknown option.
 
     Raises:
         TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``queue``,
@@ -197,7 +200,7 @@ def check_batcher_options(fn: object, max_batch_size: int, max_wait_ms: float, o
     unknown = options.keys() - _OPTION_NAMES
     if unknown:
         raise TypeError(
-            f"unknown batcher option(s) {', '.join(sorted(unknown))}; the options are max_batch_size, "
+            f"unknown batcher option(s) {', '.join(sorted(unknown))}; the options are {size_name}, "
             f"max_wait_ms, {', '.join(sorted(_OPTION_NAMES))}"
         )
     if not callable(fn):

@@ -392,7 +392,7 @@ def _wrap(fn: Callable[..., Any], settings: _Settings) -> Any:
         raise TypeError(f"@batched decorates a function over a list of items, got {fn!r}")
     # Validate now, so that a typo fails at decoration, not at the first call; without building
     # a batcher, which would claim a `queue=` that the real one needs.
-    check_batcher_options(fn, settings.max_batch_size, settings.max_wait_ms, settings.options)
+    check_batcher_options(fn, settings.max_batch_size, settings.max_wait_ms, settings.options, size_name="max_batch")
     cls = AsyncBatchedFunction if is_async_callable(fn) else BatchedFunction
     return cls(fn, settings)
 

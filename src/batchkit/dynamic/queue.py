@@ -59,11 +59,12 @@ class BoundedQueue(Generic[T]):
             (``None``: no aging).
         clock: time source for arrivals, deadlines and wait times.
         on_drop: called as ``on_drop(entry, exc)`` for each item that leaves without being
-            taken (expired, evicted); ``exc`` is the :class:`DeadlineExceeded` or
+            taken (expired, evicted; not one its caller cancelled); ``exc`` is the :class:`DeadlineExceeded` or
             :class:`QueueFull` its owner should see.
 
     Raises:
         ValueError: ``maxsize`` below 1, an unknown ``on_full``, or ``aging_s`` <= 0.
+        TypeError: a ``clock`` without a ``now()`` method, or an ``on_drop`` that is not callable.
     """
 
     def __init__(
@@ -76,6 +77,10 @@ class BoundedQueue(Generic[T]):
         on_drop: DropCallback | None = None,
     ) -> None:
         self.core: QueueCore[T] = QueueCore(maxsize, on_full, aging_s=aging_s)
+        if clock is not None and not callable(getattr(clock, "now", None)):
+            raise TypeError(f"clock must have a now() method returning seconds (a batchkit.Clock), got {clock!r}")
+        if on_drop is not None and not callable(on_drop):
+            raise TypeError(f"on_drop must be called as on_drop(entry, error), got {on_drop!r}")
         self.maxsize = maxsize
         self.on_full: OnFull = on_full
         self.aging_s = aging_s
