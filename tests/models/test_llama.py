@@ -140,3 +140,25 @@ def test_the_state_dict_keeps_hugging_face_names_and_a_missing_part_is_named() -
     del state["model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match=r"missing \['model\.layers\.0\.self_attn\.k_proj\.weight'\], unexpected \[\]"):
         model.load_hf_state_dict(state)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_equals_transformers_bit_for_bit(dtype: str) -> None:
+    """The layer norm gives transformers' LlamaRMSNorm exactly: in float32 on the CPU through
+    torch's rms_norm, in bfloat16 through the same expression as transformers."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from batchkit.models.llama import _RMSNorm
+
+    torch.manual_seed(0)
+    for hidden in (64, 576, 2048):
+        ours, theirs = _RMSNorm(hidden, 1e-5), LlamaRMSNorm(hidden, eps=1e-5)
+        with torch.no_grad():
+            theirs.weight.copy_(torch.randn(hidden))
+            ours.weight.copy_(theirs.weight)
+        ours, theirs = ours.to(getattr(torch, dtype)), theirs.to(getattr(torch, dtype))
+        for rows, scale in ((1, 1.0), (16, 1e-3), (48, 50.0)):
+            x = (torch.randn(rows, hidden) * scale).to(getattr(torch, dtype))
+            with torch.inference_mode():
+                assert torch.equal(ours(x), theirs(x)), (hidden, rows, scale)
