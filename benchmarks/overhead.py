@@ -6,11 +6,15 @@ Measures requests/s and microseconds per request for:
   - the same tasks awaiting an ``@batched async def`` (as users write it: the on-loop batcher);
   - the same callers through a bare, minimal asyncio batcher (a baseline with none of batchkit's
     guarantees: no bound, no deadlines, no thread safety), run side by side in the same process;
-  - 64 threads calling the blocking ``batcher(x)``.
+  - 64 threads calling the blocking ``batcher(x)``;
+  - the peers' no-op shape (``benchmarks/peers.py``): 64 asyncio tasks, batches of 32, 5 ms, through
+    ``asubmit`` and through the bare batcher.
 Beside wall-clock rates it prints the process's CPU time per request (all threads), the part of
 it spent in the main thread (the callers' event loop, in the asyncio and trio rows: their resumes
-and submits; the rest is batchkit's dispatcher and worker threads), and its voluntary context
-switches per 1,000 requests: what the thread hand-offs of DynamicBatcher cost.
+and submits; the rest is batchkit's dispatcher and worker threads), its voluntary context
+switches per 1,000 requests (what the thread hand-offs of DynamicBatcher cost), and, for the
+asyncio rows, the share of the run the callers' event loop sat blocked in its selector with
+nothing to run (waiting for another thread to answer it).
 
 Run:  python benchmarks/overhead.py [--requests 20000] [--repeats 3]
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import resource
+import selectors
 import statistics
 import threading
 import time
@@ -32,6 +37,31 @@ import batchkit
 
 def noop(xs: list[int]) -> list[int]:
     return xs
+
+
+class TimedSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The event loop's selector, counting the seconds a ``select`` blocked (a timeout of None
+    or > 0: the loop had nothing ready to run)."""
+
+    blocked_s = 0.0
+
+    def select(self, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        if timeout is not None and timeout <= 0:
+            return super().select(timeout)
+        t0 = time.perf_counter()
+        try:
+            return super().select(timeout)
+        finally:
+            TimedSelector.blocked_s += time.perf_counter() - t0
+
+
+def run_asyncio(main):  # type: ignore[no-untyped-def]
+    """``asyncio.run(main())`` on a loop whose selector counts its blocked time."""
+    loop = asyncio.SelectorEventLoop(TimedSelector())
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
 
 
 async def _drive_async(call, n_requests: int, callers: int) -> float:  # type: ignore[no-untyped-def]
@@ -48,9 +78,11 @@ async def _drive_async(call, n_requests: int, callers: int) -> float:  # type: i
     return (per * callers) / (time.perf_counter() - t0)
 
 
-def bench_batchkit_async(n: int, callers: int, backend: str) -> float:
-    b = batchkit.DynamicBatcher(noop, max_batch_size=callers, max_wait_ms=1, max_queue=4 * callers)
+def bench_batchkit_async(n: int, callers: int, backend: str, batch: int | None = None, wait_ms: float = 1) -> float:
+    b = batchkit.DynamicBatcher(noop, max_batch_size=batch or callers, max_wait_ms=wait_ms, max_queue=4 * callers)
     try:
+        if backend == "asyncio":
+            return run_asyncio(lambda: _drive_async(b.asubmit, n, callers))  # type: ignore[no-any-return]
         return anyio.run(_drive_async, b.asubmit, n, callers, backend=backend)
     finally:
         b.close()
@@ -64,7 +96,7 @@ def bench_batchkit_same_loop(n: int, callers: int) -> float:
         finally:
             await b.aclose()
 
-    return asyncio.run(main())
+    return run_asyncio(main)  # type: ignore[no-any-return]
 
 
 def bench_batchkit_decorator(n: int, callers: int) -> float:
@@ -78,7 +110,7 @@ def bench_batchkit_decorator(n: int, callers: int) -> float:
         finally:
             await predict.aclose()
 
-    return asyncio.run(main())
+    return run_asyncio(main)  # type: ignore[no-any-return]
 
 
 class BareAsyncioBatcher:
@@ -113,15 +145,15 @@ class BareAsyncioBatcher:
                 fut.set_result(r)
 
 
-def bench_bare_asyncio(n: int, callers: int) -> float:
+def bench_bare_asyncio(n: int, callers: int, batch: int | None = None, wait_ms: float = 1) -> float:
     async def main() -> float:
-        b = BareAsyncioBatcher(noop, callers, 0.001)
+        b = BareAsyncioBatcher(noop, batch or callers, wait_ms / 1000)
         rate = await _drive_async(b, n, callers)
         assert b.task is not None
         b.task.cancel()
         return rate
 
-    return asyncio.run(main())
+    return run_asyncio(main)  # type: ignore[no-any-return]
 
 
 def bench_batchkit_threads(n: int, threads: int) -> float:
@@ -162,6 +194,7 @@ def main() -> None:
     cpu: dict[str, list[float]] = {}
     main_cpu: dict[str, list[float]] = {}
     switches: dict[str, list[float]] = {}
+    blocked: dict[str, list[float]] = {}
     configs: list[tuple[str, Callable[[], float]]] = [
         ("bare asyncio batcher, 512 tasks (baseline)", lambda: bench_bare_asyncio(n, 512)),
         ("batchkit AsyncBatcher, 512 asyncio tasks", lambda: bench_batchkit_same_loop(n, 512)),
@@ -169,11 +202,16 @@ def main() -> None:
         ("batchkit asubmit, 512 asyncio tasks", lambda: bench_batchkit_async(n, 512, "asyncio")),
         ("batchkit asubmit, 512 trio tasks", lambda: bench_batchkit_async(n, 512, "trio")),
         ("batchkit blocking call, 64 threads", lambda: bench_batchkit_threads(n, 64)),
+        ("bare asyncio batcher, 64 tasks, batch 32, 5 ms", lambda: bench_bare_asyncio(n, 64, 32, 5)),
+        ("batchkit asubmit, 64 asyncio tasks, batch 32, 5 ms", lambda: bench_batchkit_async(n, 64, "asyncio", 32, 5)),
     ]
     for _ in range(args.repeats):  # interleaved, so that machine noise hits every row alike
         for name, run in configs:
             c0, m0, sw0 = time.process_time(), time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-            rows.setdefault(name, []).append(run())
+            TimedSelector.blocked_s = 0.0
+            rate = run()
+            rows.setdefault(name, []).append(rate)
+            blocked.setdefault(name, []).append(TimedSelector.blocked_s * rate / n)  # of the timed drive
             # every thread of the process, setup and teardown included
             cpu.setdefault(name, []).append((time.process_time() - c0) / n)
             main_cpu.setdefault(name, []).append((time.thread_time() - m0) / n)
@@ -181,15 +219,20 @@ def main() -> None:
     base = statistics.median(rows[configs[0][0]])
     print(f"no-op batch function, {n} requests per run, median of {args.repeats} runs\n")
     print(
-        f"{'configuration':48} {'req/s':>10} {'us/req':>8} {'vs bare':>8} {'cpu us/req':>11} "
-        f"{'main thread':>12} {'switches/1k':>12}"
+        f"{'configuration':52} {'req/s':>10} {'us/req':>8} {'vs bare':>8} {'cpu us/req':>11} "
+        f"{'main thread':>12} {'switches/1k':>12} {'loop blocked':>13}"
     )
     for name, rates in rows.items():
         r = statistics.median(rates)
+        share = statistics.median(blocked[name])
         print(
-            f"{name:48} {r:10,.0f} {1e6 / r:8.2f} {r / base:8.2f} {1e6 * statistics.median(cpu[name]):11.2f} "
-            f"{1e6 * statistics.median(main_cpu[name]):12.2f} {1e3 * statistics.median(switches[name]):12.1f}"
+            f"{name:52} {r:10,.0f} {1e6 / r:8.2f} {r / base:8.2f} {1e6 * statistics.median(cpu[name]):11.2f} "
+            f"{1e6 * statistics.median(main_cpu[name]):12.2f} {1e3 * statistics.median(switches[name]):12.1f} "
+            f"{'' if 'trio' in name or 'threads' in name else f'{share:.0%}':>13}"
         )
+    peers_bare = statistics.median(rows["bare asyncio batcher, 64 tasks, batch 32, 5 ms"])
+    peers_batchkit = statistics.median(rows["batchkit asubmit, 64 asyncio tasks, batch 32, 5 ms"])
+    print(f"\nthe peers' shape: asubmit / bare batcher {peers_batchkit / peers_bare:.2f}x (issue 26's target >= 0.5x)")
 
 
 if __name__ == "__main__":
