@@ -314,6 +314,38 @@ def test_nan_logits_fail_only_their_request(temperature: float) -> None:
         assert loop.allocator.statistics().used_blocks == 0
 
 
+def test_a_logit_bias_past_the_logits_fails_only_its_own_request() -> None:
+    """A step that declares no vocabulary (no config.vocab_size) cannot have a logit_bias id
+    checked at submit: one past its logits fails its own request, with ValueError, at its first
+    token; the requests batched into the same step are answered."""
+    echo = EchoStep()
+    loop = make_loop(echo, engine="caller")  # nothing runs until all four are queued
+    others = [loop.submit([1 + i], max_new_tokens=3) for i in range(3)]
+    bad = loop.submit([5], max_new_tokens=3, logit_bias={100: 1.0})
+    engine = threading.Thread(target=loop.run_engine)
+    engine.start()
+    try:
+        with pytest.raises(ValueError, match=r"logit_bias holds token id 100, past the vocabulary \(50 tokens\)"):
+            bad.result(WAIT)
+        assert [f.result(WAIT) for f in others] == [[2, 3, 4], [3, 4, 5], [4, 5, 6]]
+    finally:
+        loop.close(WAIT)
+        engine.join(WAIT)
+    assert len(echo.batches[0].seq_ids) == 4  # the bad request shared the first step
+    assert loop.allocator.statistics().used_blocks == 0
+
+
+def test_once_a_step_has_run_a_logit_bias_past_its_logits_is_refused_at_submit() -> None:
+    """The first step tells the loop its logits' width: from then on an id past it is refused by
+    the submit call, and the last id within it is biased as asked."""
+    with make_loop() as loop:
+        assert loop.submit([1], max_new_tokens=1).result(WAIT) == [2]
+        with pytest.raises(ValueError, match=r"logit_bias holds token id 50, past the vocabulary \(50 tokens\)"):
+            loop.submit([1], max_new_tokens=1, logit_bias={50: 1.0})
+        assert loop.queue_depth() == 0
+        assert loop.submit([1], max_new_tokens=1, logit_bias={49: 100.0}).result(WAIT) == [49]
+
+
 # --------------------------------------------------------------------------- sampling
 
 
@@ -1107,12 +1139,25 @@ class TestWhatSubmitRefusesAndHowPrioritiesTakeASeat:
         self, loop: batchkit.ContinuousDecodeLoop
     ) -> None:
         # 8 usable blocks of 4 tokens: a 32-token prompt plus its first token needs 9.
-        with pytest.raises(KVCacheExhausted, match="32-token prompt needs 9 KV blocks"):
+        with pytest.raises(
+            KVCacheExhausted, match="32-token prompt, with its first generated token, needs 9 KV blocks"
+        ):
             loop.submit(list(range(32)), max_new_tokens=1)
         with pytest.raises(KVCacheExhausted, match="quota"):
             loop.submit(list(range(8)), max_new_tokens=1, tenant="small")
         loop.submit(list(range(31)), max_new_tokens=1)  # fits: accepted
         assert loop.queue_depth() == 1
+
+    def test_a_prompt_that_exactly_fills_the_cache_is_refused_for_its_first_generated_token(self) -> None:
+        """Admission counts the first generated token too, whatever max_new_tokens: with 7 usable
+        blocks of 4, a 28-token prompt is refused and says so; a 27-token one is served."""
+        with make_loop(num_blocks=8, block_size=4) as loop:  # block 0 is reserved: 7 usable, 28 tokens
+            with pytest.raises(
+                KVCacheExhausted,
+                match=r"a 28-token prompt, with its first generated token, needs 8 KV blocks but admission has 7",
+            ):
+                loop.submit(list(range(28)), max_new_tokens=1)
+            assert loop.submit(list(range(27)), max_new_tokens=1).result(WAIT) == [27]
 
     def test_generate_refuses_it_on_its_first_iteration(self, loop: batchkit.ContinuousDecodeLoop) -> None:
         stream = loop.generate_sync(list(range(32)), max_new_tokens=1)

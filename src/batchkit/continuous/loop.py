@@ -133,6 +133,18 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int
     return prompt
 
 
+def _logit_bias_past(params: SamplingParams, vocab_size: int) -> ValueError | None:
+    """The error for a ``logit_bias`` that names a token id past a vocabulary of ``vocab_size``
+    (an index past the logits: the bias could not be added), or None."""
+    bias = params.logit_bias_pairs
+    if bias and bias[-1][0] >= vocab_size:  # sorted by id: the last is the largest
+        return ValueError(f"logit_bias holds token id {bias[-1][0]}, past the vocabulary ({vocab_size} tokens)")
+    return None
+
+
+_UNADJUSTED = SamplingParams()  # what a row whose request fails samples with (its token is dropped)
+
+
 def _checked_loop_args(
     step_fn: object,
     kv_cache: object,
@@ -304,6 +316,9 @@ class ContinuousDecodeLoop:
         self._t_last = 0.0
         self._generated = 0
         self._grammars = GrammarMatchers()  # the matchers of requests with SamplingParams.grammar
+        # The width of the step's logits, once a step has returned some: the vocabulary a
+        # logit_bias is checked against at submit when the step declares none (_vocab_size).
+        self._logits_width: int | None = None
 
     @property
     def extra_eos_ids(self) -> tuple[int, ...]:
@@ -361,9 +376,9 @@ class ContinuousDecodeLoop:
         """Check a request and queue it for the engine; its scheduler request and its stream."""
         vocab = self._vocab_size()
         prompt = _check_prompt(prompt_ids, vocab)
-        bias = params.logit_bias_pairs
-        if vocab is not None and bias and bias[-1][0] >= vocab:
-            raise ValueError(f"logit_bias holds token id {bias[-1][0]}, past the vocabulary ({vocab} tokens)")
+        width = vocab if vocab is not None else self._logits_width
+        if width is not None and (bias_error := _logit_bias_past(params, width)) is not None:
+            raise bias_error
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
         try:
@@ -658,14 +673,19 @@ class ContinuousDecodeLoop:
         """Refuse at submit a prompt that could never be admitted, even with the cache to itself
         (the scheduler would refuse it too, but only on the engine thread, after the call).
 
+        It counts the prompt and the first token it generates, as the scheduler's admission does
+        (a running request always has room for its next token's K/V): a prompt that exactly
+        fills the cache is refused, whatever its ``max_new_tokens``.
+
         Raises:
-            KVCacheExhausted: the prompt (and the first token it generates) needs more blocks
-                than admission can ever give it, or than its tenant's quota.
+            KVCacheExhausted: the prompt and its first generated token need more blocks than
+                admission can ever give them, or than its tenant's quota.
         """
         problem = self.allocator.never_fits(prompt_len + 1, tenant)
         if problem is not None:
             raise KVCacheExhausted(
-                f"a {prompt_len}-token prompt {problem}; shorten the prompt or give the cache more blocks"
+                f"a {prompt_len}-token prompt, with its first generated token, {problem}; shorten the prompt "
+                "or give the cache more blocks"
             )
 
     def _vocab_size(self) -> int | None:
@@ -814,11 +834,16 @@ class ContinuousDecodeLoop:
         batch = self._build_batch(step, self.kv.device, plan)
         t0 = self.clock.now()
         all_logits = check_logits(self.step_fn(batch, self.kv), batch, self._vocab_size())
+        if self._logits_width is None and all_logits.shape[0]:
+            self._logits_width = int(all_logits.shape[1])
         logits = all_logits if batch.sample_rows is None else all_logits.index_select(0, batch.sample_rows)
         sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
         logits, broken = self._mask_bad_rows(logits, sampling)
         params = [r.params for r in sampling]
+        errors: dict[Hashable, Exception] = {}
         if any(p.adjusts_logits for p in params):
+            errors = self._refuse_bias_past(int(logits.shape[1]), sampling, params)
+            broken.extend(errors)
             logits = adjust_logits(logits, params, [r.tokens for r in sampling], [r.prompt_len for r in sampling])
         constrained = any(p.grammar is not None for p in params)
         if constrained:
@@ -836,7 +861,25 @@ class ContinuousDecodeLoop:
         events = self.scheduler.update(step, tokens, token_lps, done)
         if self._grammars:
             self._grammars.discard_finished()
-        return self._fail_bad_rows(events, broken) if broken else events
+        return self._fail_bad_rows(events, broken, errors) if broken else events
+
+    @staticmethod
+    def _refuse_bias_past(
+        width: int, sampling: list[Request], params: list[SamplingParams]
+    ) -> dict[Hashable, Exception]:
+        """The requests whose ``logit_bias`` names an id past the logits' ``width``, each with its
+        ValueError; their entries of ``params`` become unadjusted ones, so that the bias is not
+        added out of bounds and the step goes on for the other rows.
+
+        Each request is checked once, at its first sampled token (its output still empty): the
+        check at submit covers only a request submitted when the vocabulary was known.
+        """
+        errors: dict[Hashable, Exception] = {}
+        for i, (req, p) in enumerate(zip(sampling, params, strict=True)):
+            if p.logit_bias and not req.output and (error := _logit_bias_past(p, width)) is not None:
+                errors[req.request_id] = error
+                params[i] = _UNADJUSTED
+        return errors
 
     def _move_blocks(self, step: ScheduledStep) -> None:
         """Perform the step's block moves, in the order :class:`ScheduledStep` gives."""
@@ -877,21 +920,17 @@ class ContinuousDecodeLoop:
             self._t_first = t0
         self._t_last = done
 
-    def _fail_bad_rows(self, events: list[TokenEvent], broken: list[Hashable]) -> list[TokenEvent]:
-        """``events`` with the requests of bad rows failed instead (FloatingPointError)."""
-        gone = set(broken)
+    def _fail_bad_rows(
+        self, events: list[TokenEvent], broken: list[Hashable], errors: Mapping[Hashable, Exception]
+    ) -> list[TokenEvent]:
+        """``events`` with the requests of bad rows failed instead, with their entry of ``errors``
+        (FloatingPointError for those it lacks: a row no token can be drawn from)."""
+        gone = dict.fromkeys(broken)  # a row can be bad twice over; its request fails once
         events = [ev for ev in events if ev.request_id not in gone]
-        for rid in broken:
+        for rid in gone:
             self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
-            events.append(
-                TokenEvent(
-                    rid,
-                    None,
-                    True,
-                    "error",
-                    FloatingPointError("the step's logits for this request are NaN or all -inf"),
-                )
-            )
+            error = errors.get(rid) or FloatingPointError("the step's logits for this request are NaN or all -inf")
+            events.append(TokenEvent(rid, None, True, "error", error))
         return events
 
     def _logits_plan(self, step: ScheduledStep) -> _LogitsPlan | None:

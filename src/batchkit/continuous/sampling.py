@@ -47,7 +47,8 @@ class SamplingParams:
         repetition_penalty: divides the positive logits and multiplies the negative ones of every
             token of the prompt or the output (> 0; 1 is off; transformers' and vLLM's meaning).
         logit_bias: ``{token_id: bias}`` added to those logits (-100 to 100 each, as OpenAI's);
-            ids past the vocabulary are refused at submit. Kept as sorted ``(id, bias)`` pairs.
+            an id past the vocabulary fails this request alone (the loop refuses it at submit when
+            it knows the vocabulary). Kept as sorted ``(id, bias)`` pairs.
         min_p: when sampling, drop tokens less likely than ``min_p`` times the most likely one,
             after temperature (0 to 1; 0 is off). Greedy decoding ignores it.
         grammar: keep the output within this grammar (a :class:`~batchkit.continuous.grammar.Grammar`
