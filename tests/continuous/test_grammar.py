@@ -43,6 +43,14 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+# PERSON with bounded values: a sampled answer cannot run on past max_new_tokens (an age of 40 digits).
+SHORT_PERSON = {
+    **PERSON,
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+}
 
 
 def _valid(value: Any, schema: dict[str, Any]) -> None:
@@ -94,6 +102,17 @@ class TestJsonGrammar:
         """Without a schema the grammar is OpenAI's json_object: any object, not strict."""
         g = _grammar(lm, None)
         assert (g.kind, g.schema, g.strict) == ("json_object", None, False)
+
+    @pytest.mark.parametrize("schema", [PERSON, None])
+    def test_the_json_is_compact_no_whitespace_between_tokens(self, lm: Any, schema: dict[str, Any] | None) -> None:
+        """The grammar takes JSON as json.dumps(separators=(",", ":")) writes it, and refuses a
+        space after ':' or ',' (xgrammar's default separators are ", " and ": ")."""
+        import xgrammar
+
+        compiled = _grammar(lm, schema).compiled
+        assert xgrammar.GrammarMatcher(compiled).accept_string('{"name":"Felix","age":12}')
+        assert not xgrammar.GrammarMatcher(compiled).accept_string('{"name": "Felix"')
+        assert not xgrammar.GrammarMatcher(compiled).accept_string('{"name":"Felix", "age"')
 
     @pytest.mark.parametrize(
         ("schema", "reason"),
@@ -160,7 +179,7 @@ class TestGrammarMatchers:
         """A request met with an output already (e.g. a new loop's matchers) replays it first."""
         g = _grammar(lm, PERSON)
         req = Request(0, [1], SamplingParams(grammar=g))
-        req.output = lm.tokenizer.encode('{"name": "Al', add_special_tokens=False)
+        req.output = lm.tokenizer.encode('{"name":"Al', add_special_tokens=False)
         out, dead = GrammarMatchers().mask(torch.zeros(1, lm.model.config.vocab_size), [req])
         assert dead == []
         allowed = torch.isfinite(out[0]).nonzero().flatten().tolist()
@@ -232,7 +251,7 @@ class TestLoopUnderAGrammar:
 
     def test_json_object_output_is_an_object(self, lm: Any) -> None:
         g = _grammar(lm, None)
-        prompt = lm.chat_prompt([{"role": "user", "content": "Describe a cat as a JSON object."}])
+        prompt = lm.chat_prompt([{"role": "user", "content": "Describe a cat as a small JSON object."}])
         with lm.make_loop(num_blocks=64) as loop:
             text = lm.decode(loop.submit(prompt, max_new_tokens=96, grammar=g).result(timeout=120))
         assert isinstance(json.loads(text), dict)
@@ -252,11 +271,11 @@ class TestLoopUnderAGrammar:
 
     def test_preempted_requests_keep_to_the_grammar(self, lm: Any) -> None:
         """Recompute preemption keeps the output; the matcher goes on from it."""
-        g = _grammar(lm, PERSON)
+        g = _grammar(lm, SHORT_PERSON)
         prompt = lm.chat_prompt([{"role": "user", "content": "Give me a person as JSON."}])
         with lm.make_loop(num_blocks=10, block_size=16, max_num_seqs=4) as loop:
             futures = [loop.submit(prompt, max_new_tokens=48, grammar=g, temperature=1.0, seed=s) for s in range(4)]
             texts = [lm.decode(f.result(timeout=120)) for f in futures]
             assert loop.statistics().scheduler.preemptions > 0
         for text in texts:
-            _valid(json.loads(text), PERSON)
+            _valid(json.loads(text), SHORT_PERSON)

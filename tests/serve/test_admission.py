@@ -1,5 +1,6 @@
 """PromptRoom: the server's one check of whether a request can ever run (model context, KV pool
-above the watermark, tenant quota), and the output limit it leaves."""
+above the watermark, tenant quota), and the output limit it leaves. WaitingRoom: a request's
+samples (prompts times n) against the loop's max_waiting, let in or refused whole."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from batchkit.serve.admission import PromptRoom, Refused
+from batchkit._errors import QueueFull
+from batchkit.serve.admission import PromptRoom, Refused, WaitingRoom
+from batchkit.serve.protocol import ApiError
 
 
 @dataclass
@@ -74,3 +77,55 @@ def test_a_tenant_quota_refusal_counts_as_kv_exhausted() -> None:
     with pytest.raises(Refused) as info:
         room.output_limit(10, 3, 256, "prompt", "max_completion_tokens")
     assert (info.value.param, info.value.reason) == ("max_completion_tokens", "kv_exhausted")
+
+
+class TestWaitingRoom:
+    """max_waiting=4: every sample of a request waits at once, or none does."""
+
+    def test_more_samples_than_max_waiting_is_a_400_naming_n_and_the_flag(self) -> None:
+        """n=5 could never be admitted, not even on an idle server: not a 503 to retry."""
+        with pytest.raises(ApiError) as info:
+            WaitingRoom(4).check_fits(1, 5)
+        assert (info.value.status, info.value.code, info.value.param) == (400, "invalid_value", "n")
+        assert "n=5 samples" in info.value.message
+        assert "--max-waiting 4" in info.value.message
+
+    def test_the_samples_are_the_prompts_times_n(self) -> None:
+        """3 prompts x n=2 are 6 samples; 5 prompts of n=1 blame the prompts; 4 fit."""
+        room = WaitingRoom(4)
+        with pytest.raises(ApiError, match=r"6 samples \(3 prompts x n=2\)") as info:
+            room.check_fits(3, 2)
+        assert info.value.param == "n"
+        with pytest.raises(ApiError, match="send fewer prompts") as info:
+            room.check_fits(5, 1)
+        assert info.value.param == "prompt"
+        room.check_fits(2, 2)
+        room.check_fits(1, 4)
+
+    def test_a_group_without_room_now_is_refused_whole_and_holds_nothing(self) -> None:
+        """2 waiting in the loop: 2 more samples fit; 3 are refused, and hold no place."""
+        room = WaitingRoom(4)
+        with pytest.raises(
+            QueueFull, match=r"3 samples would join the 2 already waiting for admission, past max_waiting=4"
+        ):
+            room.take(1, 3, num_waiting=2)
+        assert room.num_held == 0
+        places = room.take(2, 1, num_waiting=2)
+        assert ([p.num_samples for p in places], room.num_held) == ([1, 1], 2)
+
+    def test_places_are_held_until_released_so_two_requests_cannot_take_the_last_ones(self) -> None:
+        """Two requests checked before the loop has queued either: the second finds the first's
+        places taken. Released (queued, or dropped unread), they count once, however often."""
+        room = WaitingRoom(4)
+        first = room.take(1, 3, num_waiting=0)
+        with pytest.raises(QueueFull, match="would join the 3 already waiting"):
+            room.take(1, 2, num_waiting=0)
+        first[0].release()
+        first[0].release()
+        assert room.num_held == 0
+        assert [p.num_samples for p in room.take(1, 2, num_waiting=2)] == [2]
+
+    def test_an_unbounded_queue_refuses_nothing(self) -> None:
+        room = WaitingRoom(None)
+        room.check_fits(64, 128)
+        assert len(room.take(64, 128, num_waiting=10**6)) == 64

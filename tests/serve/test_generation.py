@@ -10,6 +10,7 @@ import anyio
 from prometheus_client import CollectorRegistry
 
 from batchkit.continuous.logprobs import TokenLogprobs
+from batchkit.serve.admission import WaitingRoom
 from batchkit.serve.generation import Generation, TokenIds
 from batchkit.serve.metrics import ServerMetrics
 
@@ -94,3 +95,40 @@ def test_an_echo_alone_reads_the_first_token_only_for_the_prompt_logprobs() -> N
     gen = _generation(items, detailed=True, max_tokens=0)
     assert anyio.run(_read_all, gen) == ""
     assert (gen.output, gen.completion_tokens, len(gen.prompt_logprobs)) == ([], 0, 1)
+
+
+def test_completion_logprobs_text_offsets_run_on_from_one_call_to_the_next() -> None:
+    """A stream sends its logprobs chunk by chunk: each chunk's text_offset goes on from the
+    token strings of the chunks before (the echoed prompt's first, a bare string, included)."""
+    gen = _generation([], detailed=True)
+    echoed = gen.completion_logprobs(["ab", ("c", -1.0, [])])
+    first = gen.completion_logprobs([("de", -0.5, []), ("f", -0.1, [])])
+    second = gen.completion_logprobs([("ghi", -0.2, [])])
+    assert (echoed["text_offset"], first["text_offset"], second["text_offset"]) == ([0, 2], [3, 5], [6])
+    assert gen.text_offset == 9
+
+
+def test_its_waiting_places_are_given_back_at_its_first_read() -> None:
+    """The loop queues a generation within its first read: its places are released then."""
+    room = WaitingRoom(4)
+    gen = _generation([0, 1])
+    gen.places = room.take(1, 1, num_waiting=0)[0]
+
+    async def main() -> None:
+        assert room.num_held == 1
+        assert await gen.next_text() == "a"
+        assert room.num_held == 0
+        assert await gen.next_text() == "b"
+        await gen.close()
+
+    anyio.run(main)
+    assert room.num_held == 0
+
+
+def test_its_waiting_places_are_given_back_when_it_is_closed_unread() -> None:
+    """A generation dropped before its first read (a sibling failed) was never queued."""
+    room = WaitingRoom(4)
+    gen = _generation([0])
+    gen.places = room.take(1, 1, num_waiting=0)[0]
+    anyio.run(gen.close)
+    assert room.num_held == 0

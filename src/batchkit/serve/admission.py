@@ -1,5 +1,6 @@
-"""Whether a request can ever run: its prompt and output limit against the model's context, the
-KV pool and the tenant's KV quota. No I/O; the server's one place for this check.
+"""Whether a request can run: its prompt and output limit against the model's context, the
+KV pool and the tenant's KV quota (:class:`PromptRoom`), and its samples against the loop's
+waiting queue (:class:`WaitingRoom`). No I/O; the server's one place for these checks.
 
 A request of P prompt tokens and M new ones holds at most P + M - 1 tokens' KV (the last token
 sampled is never fed back), so P + M up to the pool's (or the quota's) tokens fits: refused
@@ -13,9 +14,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .._errors import QueueFull
 from .protocol import ApiError
 
-__all__ = ["KVAllocatorView", "PromptRoom", "Refused"]
+__all__ = ["KVAllocatorView", "PromptRoom", "Refused", "Reservation", "WaitingRoom"]
 
 
 class KVAllocatorView(Protocol):
@@ -117,3 +119,80 @@ class PromptRoom:
                 limit_param,
             )
         return requested
+
+
+class Reservation:
+    """Places one prompt's samples hold in a :class:`WaitingRoom` until the loop queues them."""
+
+    __slots__ = ("_room", "num_samples")
+
+    def __init__(self, room: WaitingRoom, num_samples: int) -> None:
+        self._room = room
+        self.num_samples = num_samples
+
+    def release(self) -> None:
+        """Give the places back (the loop counts the samples now, or they will never be queued).
+        Only the first call counts."""
+        self._room.num_held -= self.num_samples
+        self.num_samples = 0
+
+
+class WaitingRoom:
+    """The loop's waiting queue (``max_waiting``) as the server fills it: a request's samples
+    (its prompts times ``n``) are let in together or refused together, never in part.
+
+    The loop checks ``max_waiting`` one sample at a time, so a group it cannot hold whole would
+    be partly queued, then aborted. Here the whole group is checked first, against the samples
+    the loop holds and those let in here that the loop does not count yet: a prompt's samples
+    are queued on their first read, after the handler has yielded to others, so each prompt's
+    places are held (a :class:`Reservation`) until then. What this does not know: the engine
+    thread moving requests back to waiting meanwhile (a preemption), and the loop's own count,
+    which for a moment counts twice the requests it moves from its inbox to its scheduler; the
+    loop may then refuse a sample itself, and the request is answered the same 503.
+    """
+
+    __slots__ = ("max_waiting", "num_held")
+
+    def __init__(self, max_waiting: int | None) -> None:
+        self.max_waiting = max_waiting  # None: unbounded
+        self.num_held = 0  # samples let in and not yet queued by the loop
+
+    def check_fits(self, num_prompts: int, n: int) -> None:
+        """Refuse a request whose samples could never all wait at once, not even on an idle server.
+
+        Raises:
+            ApiError: 400 ``invalid_value`` naming ``n`` (``prompt`` when ``n`` is 1).
+        """
+        limit = self.max_waiting
+        num_samples = num_prompts * n
+        if limit is None or num_samples <= limit:
+            return
+        one = num_prompts == 1
+        asked = f"n={n} samples" if one else f"{num_samples} samples ({num_prompts} prompts x n={n})"
+        fix = "lower n" if one else "lower n or send fewer prompts per request"
+        raise ApiError(
+            400,
+            f"this request asks for {asked}, but at most {limit} may wait for admission at once on this server "
+            f"(--max-waiting {limit}), so it could never be admitted; {fix}, or raise --max-waiting",
+            param="n" if n > 1 else "prompt",
+            code="invalid_value",
+        )
+
+    def take(self, num_prompts: int, n: int, num_waiting: int) -> list[Reservation]:
+        """Places for ``num_prompts`` prompts of ``n`` samples each beside the ``num_waiting``
+        requests the loop holds now; one reservation per prompt, to release when the loop has
+        queued its samples (their first read) or when they are dropped unread.
+
+        Raises:
+            QueueFull: the queue has no room for every sample now (nothing is held then).
+        """
+        num_samples = num_prompts * n
+        if self.max_waiting is not None:
+            waiting = num_waiting + self.num_held
+            if waiting + num_samples > self.max_waiting:
+                raise QueueFull(
+                    f"this request's {num_samples} samples would join the {waiting} already waiting for "
+                    f"admission, past max_waiting={self.max_waiting}; retry later"
+                )
+        self.num_held += num_samples
+        return [Reservation(self, n) for _ in range(num_prompts)]

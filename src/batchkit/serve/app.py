@@ -8,11 +8,11 @@ admission, tokenizing) and writes the answer: a JSON body, or Server-Sent Events
 and warm up in the background after start-up: ``/health`` answers at once, ``/ready`` and the
 ``/v1`` routes answer 503 (with ``Retry-After``) until the models are warm.
 
-A request's life: read the body (413 past ``max_request_bytes``) -> validate (400/422) ->
-tokenize (in a worker thread, on a tokenizer copy of its own) -> check the prompt against the
-model's context and the KV pool (400) -> submit to the loop (503 + ``Retry-After`` when
-``max_waiting`` requests already wait) -> wait for the first token, watching for the client
-leaving -> stream or collect.
+A request's life: read the body (413 past ``max_request_bytes``) -> validate (400/422; 400 for
+more samples, prompts times ``n``, than ``max_waiting``) -> tokenize (in a worker thread, on a
+tokenizer copy of its own) -> check the prompt against the model's context and the KV pool (400)
+-> submit to the loop (503 + ``Retry-After`` when the waiting queue has no room for all its
+samples now) -> wait for the first token, watching for the client leaving -> stream or collect.
 A client that disconnects, at any point, aborts its request: the loop frees its KV blocks at the
 next step boundary.
 """
@@ -53,7 +53,6 @@ from .protocol import (
     chat_response,
     completion_choice,
     completion_chunk,
-    completion_logprobs,
     completion_response,
     embedding_response,
     parse_body,
@@ -102,7 +101,9 @@ class ModelServer:
             models' own names). A request naming another model gets 404.
         num_blocks, block_size: the KV pool (``num_blocks * block_size`` tokens in all).
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching: the loop's scheduling.
-        max_waiting: requests that may wait for admission before new ones get 503.
+        max_waiting: samples (requests, ``n`` per prompt) that may wait for admission at once: a
+            request whose samples the queue cannot hold now gets 503, one with more samples than
+            this 400.
         tenant_quotas: most KV blocks each tenant (``X-Batchkit-Tenant``) may hold at once; a
             tenant at its quota waits while other tenants' requests go on. Needs a
             ``ContinuousDecodeLoop``'s ``tenant_quotas``.
@@ -445,6 +446,7 @@ class ModelServer:
         req = parse_chat(body) if route == "chat" else parse_completion(body, self.max_prompts_per_request)
         self._check_model(req.model, self.model_name)
         priority, tenant = self._routing(request)
+        engine.check_samples(req)
         prompts = await engine.prompt_ids(req)
         limits = engine.output_limits(req, prompts, tenant)
         gens = engine.submit(req, route, prompts, limits, priority, tenant, t_arrival)
@@ -512,7 +514,7 @@ class ModelServer:
                 gen.index,
                 echoes[gen.prompt_index] + text,
                 gen.finish_reason,
-                completion_logprobs([*self._echoed_logprobs(req, prompts, gen), *gen.take_logprobs()])
+                gen.completion_logprobs([*self._echoed_logprobs(req, prompts, gen), *gen.take_logprobs()])
                 if gen.detailed
                 else None,
             )
@@ -521,24 +523,29 @@ class ModelServer:
         return completion_response(lead.rid, model, choices, _usage_of(gens))
 
     async def _each(self, gens: list[Generation], work: Callable[[Generation], Awaitable[T]]) -> list[T]:
-        """``work`` on every generation of a request at once; the first ApiError raised is the answer."""
+        """``work`` on every generation of a request at once. The first failure is the answer,
+        made an OpenAI error (and counted) once for the request: the samples of a prompt refused
+        together each raise the refusal."""
         if len(gens) == 1:
-            return [await work(gens[0])]
+            try:
+                return [await work(gens[0])]
+            except Exception as exc:  # noqa: BLE001 - every failure gets an OpenAI error body
+                raise self.engine.generation_error(exc) from None
         results: list[Any] = [None] * len(gens)
-        errors: list[ApiError] = []
+        errors: list[Exception] = []
         async with anyio.create_task_group() as tg:
 
             async def one(gen: Generation) -> None:
                 try:
                     results[gen.index] = await work(gen)
-                except ApiError as err:
-                    errors.append(err)
+                except Exception as exc:  # noqa: BLE001 - answered below, once, for the whole request
+                    errors.append(exc)
                     tg.cancel_scope.cancel()
 
             for gen in gens:
                 tg.start_soon(one, gen)
         if errors:
-            raise errors[0]
+            raise self.engine.generation_error(errors[0]) from None
         return results
 
     def _echoed_logprobs(
@@ -550,20 +557,16 @@ class ModelServer:
             return []
         return [self.engine.token_string(prompts[gen.prompt_index][0]), *gen.prompt_entries()]
 
-    async def _first_text(self, gen: Generation) -> list[str]:
-        try:
-            text = await gen.next_text()
-        except Exception as exc:  # noqa: BLE001 - every failure gets an OpenAI error body
-            raise self.engine.generation_error(exc) from None
+    @staticmethod
+    async def _first_text(gen: Generation) -> list[str]:
+        text = await gen.next_text()
         return [] if text is None else [text]
 
-    async def _collect(self, gen: Generation, first: list[str]) -> str:
+    @staticmethod
+    async def _collect(gen: Generation, first: list[str]) -> str:
         parts = list(first)
-        try:
-            while (text := await gen.next_text()) is not None:
-                parts.append(text)
-        except Exception as exc:  # noqa: BLE001 - every failure gets an OpenAI error body
-            raise self.engine.generation_error(exc) from None
+        while (text := await gen.next_text()) is not None:
+            parts.append(text)
         parts.append(gen.tail.finish())
         return "".join(parts)
 
@@ -588,7 +591,7 @@ class ModelServer:
             lps = None
             if gen.detailed:
                 entries = self._echoed_logprobs(req, prompts, gen) if echoed else gen.take_logprobs()
-                lps = completion_logprobs(entries)
+                lps = gen.completion_logprobs(entries)
             return sse(completion_chunk(lead.rid, lead.created, model, completion_choice(gen.index, text, None, lps)))
 
         try:

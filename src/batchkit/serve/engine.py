@@ -25,7 +25,7 @@ from ..continuous.logprobs import TokenLogprobs
 from ..continuous.loop import ContinuousDecodeLoop
 from ..control import CircuitBreaker
 from ..dynamic.decorator import BatchedFunction, batched
-from .admission import PromptRoom, Refused
+from .admission import PromptRoom, Refused, WaitingRoom
 from .generation import Generation
 from .metrics import BatchkitCollector, ServerMetrics
 from .protocol import ApiError, GenerationRequest, TokenizeRequest, TokenText, new_id
@@ -92,6 +92,7 @@ class EngineBridge:
         self.input_cutter: InputCutter | None = None
         self._input_limiter = anyio.CapacityLimiter(1)  # the cutter has one tokenizer (and a lock)
         self.loop: ContinuousDecodeLoop | None = None
+        self.waiting_room = WaitingRoom(None)  # the loop's max_waiting once the loop is made
         self.embed: BatchedFunction[str, tuple[list[float], int]] | None = None
         self.ready = False
         self.accepting = True
@@ -139,6 +140,7 @@ class EngineBridge:
                 self.lm = pretrained.load_pretrained(src, tokenizer=self.tokenizer_source, **kwargs)
             self.prompts = PromptTokenizer(self.lm)
             self.loop = self.lm.make_loop(self.num_blocks, self.block_size, **self.loop_options)
+            self.waiting_room = WaitingRoom(self.loop.max_waiting)
             self.collector.add_loop("chat", self.loop)
         if self.embedding_source is not None:
             src = self.embedding_source
@@ -290,7 +292,10 @@ class EngineBridge:
         return self.retry_later(f"the server is busy: {exc}", "queue_full")
 
     def generation_error(self, exc: Exception) -> ApiError:
-        """The answer for an exception a generation raised (at submit or from its stream)."""
+        """The answer for an exception a generation raised (at submit or from its stream),
+        counted as a rejection where it is one: call it once per request."""
+        if isinstance(exc, ApiError):
+            return exc
         if isinstance(exc, QueueFull):
             return self._queue_full(exc)
         if isinstance(exc, KVCacheExhausted):
@@ -307,6 +312,15 @@ class EngineBridge:
         return ApiError(500, f"the generation failed: {exc}", type="server_error", code="generation_failed")
 
     # ------------------------------------------------------------------ generations
+
+    def check_samples(self, req: GenerationRequest) -> None:
+        """Refuse, before anything is tokenized or submitted, a request with more samples (its
+        prompts times ``n``) than may ever wait for admission at once.
+
+        Raises:
+            ApiError: 400 ``invalid_value`` naming ``n`` (or ``prompt``) and ``--max-waiting``.
+        """
+        self.waiting_room.check_fits(len(req.prompts) if req.messages is None else 1, req.n)
 
     async def prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         """Every prompt's token ids, tokenized off the event loop. A prompt given as token ids
@@ -365,7 +379,14 @@ class EngineBridge:
         t_arrival: float,
     ) -> list[Generation]:
         """``req.n`` generations per prompt, all of one request, choice ``i * n + j`` prompt
-        ``i``'s sample ``j`` (nothing runs until each is first read)."""
+        ``i``'s sample ``j``. A prompt's samples are queued on the first read of any of them;
+        until then they hold their places in :attr:`waiting_room` (closing them unread gives
+        the places back).
+
+        Raises:
+            ApiError: 503 ``queue_full`` when the loop's waiting queue has no room now for every
+                sample (none is submitted then); 400 for a ``response_format`` it cannot use.
+        """
         lm, loop = self.lm, self.loop
         assert lm is not None
         assert loop is not None
@@ -375,40 +396,50 @@ class EngineBridge:
         generate = loop.generate_logprobs if detailed else loop.generate
         rid = new_id("chatcmpl" if route == "chat" else "cmpl")
         n = req.n
+        try:
+            places = self.waiting_room.take(len(prompts), n, loop.queue_depth())
+        except QueueFull as exc:
+            raise self._queue_full(exc) from None
         gens: list[Generation] = []
-        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
-            # max_tokens=0 (echo alone) still runs the prompt: its last position's logits
-            # sample one token, which the answer leaves out.
-            options: dict[str, Any] = {
-                "priority": priority,
-                "tenant": tenant,
-                "deadline_s": self.request_timeout_s,
-                "max_new_tokens": max(1, limit),
-                **sampling,
-            }
-            if n == 1:
-                streams = [generate(prompt, **options)]
-            else:  # samples of one prompt: queued together, sharing its KV blocks
-                streams = list(loop.generate_n(prompt, n, detailed=detailed, **options))
-            gens.extend(
-                Generation(
-                    stream,
-                    route=route,
-                    rid=rid,
-                    index=i * n + j,
-                    prompt_index=i,
-                    prompt_tokens=len(prompt),
-                    max_tokens=limit,
-                    stop=req.stop,
-                    stop_token_ids=stop_ids,
-                    t_arrival=t_arrival,
-                    decode=lm.decode,
-                    token_text=self.token_text,
-                    metrics=self.metrics,
-                    detailed=detailed,
+        try:
+            for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+                # max_tokens=0 (echo alone) still runs the prompt: its last position's logits
+                # sample one token, which the answer leaves out.
+                options: dict[str, Any] = {
+                    "priority": priority,
+                    "tenant": tenant,
+                    "deadline_s": self.request_timeout_s,
+                    "max_new_tokens": max(1, limit),
+                    **sampling,
+                }
+                if n == 1:
+                    streams = [generate(prompt, **options)]
+                else:  # samples of one prompt: queued together, sharing its KV blocks
+                    streams = list(loop.generate_n(prompt, n, detailed=detailed, **options))
+                gens.extend(
+                    Generation(
+                        stream,
+                        route=route,
+                        rid=rid,
+                        index=i * n + j,
+                        prompt_index=i,
+                        prompt_tokens=len(prompt),
+                        max_tokens=limit,
+                        stop=req.stop,
+                        stop_token_ids=stop_ids,
+                        t_arrival=t_arrival,
+                        decode=lm.decode,
+                        token_text=self.token_text,
+                        metrics=self.metrics,
+                        detailed=detailed,
+                        places=places[i],
+                    )
+                    for j, stream in enumerate(streams)
                 )
-                for j, stream in enumerate(streams)
-            )
+        except BaseException:  # a sampling field the loop refuses: nothing was queued
+            for reservation in places:
+                reservation.release()
+            raise
         return gens
 
     async def echo_texts(self, req: GenerationRequest, prompts: list[list[int]]) -> list[str]:

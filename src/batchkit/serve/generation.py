@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
 from ..continuous.logprobs import TokenLogprobs
 from .metrics import ServerMetrics
-from .protocol import IncrementalDetokenizer, TokenText, usage
+from .protocol import IncrementalDetokenizer, TokenText, completion_logprobs, usage
+
+if TYPE_CHECKING:
+    from .admission import Reservation
 
 __all__ = ["Generation", "TokenIds"]
 
@@ -47,6 +50,9 @@ class Generation:
     prompt's entries come first in the stream and go to :attr:`prompt_logprobs`. A ``max_tokens``
     of 0 (an echoed prompt alone) reads the first token's event only for the prompt's logprobs:
     the token itself is not part of the answer.
+
+    ``places``: the waiting-queue places its prompt's samples hold until the loop queues them,
+    which it does on the first read of any of them; given back then, or when closed unread.
     """
 
     def __init__(
@@ -66,8 +72,10 @@ class Generation:
         token_text: Callable[[TokenLogprobs], TokenText],
         metrics: ServerMetrics,
         detailed: bool = False,
+        places: Reservation | None = None,
     ) -> None:
         self.tokens = tokens
+        self.places = places
         self.route = route
         self.rid = rid
         self.index = index  # the choice's
@@ -84,6 +92,7 @@ class Generation:
         self.tail = IncrementalDetokenizer(decode, stop, ids)
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.logprobs_sent = 0  # how many of output's logprob entries are sent
+        self.text_offset = 0  # characters of the token strings of the logprob entries sent
         self.t_last: float | None = None
         self.status = 200  # of a stream: the status of the error event that ended it, if any
         self.created = int(time.time())
@@ -97,6 +106,11 @@ class Generation:
         """The next piece of text (possibly empty), or None once the request has ended."""
         if self.tail.stopped or self.ended:
             return None
+        if self.places is not None:
+            # The loop queues the samples within this first __anext__, before anything else
+            # runs on the event loop: from then on it counts them itself.
+            self.places.release()
+            self.places = None
         try:
             item = await self.tokens.__anext__()
             while self.detailed and item.prompt:
@@ -132,6 +146,14 @@ class Generation:
         self.logprobs_sent = len(self.output)
         return [self.token_text(item) for item in items]
 
+    def completion_logprobs(self, entries: Sequence[TokenText | str]) -> dict[str, Any]:
+        """OpenAI's completions ``logprobs`` of the next ``entries`` of this choice: their
+        ``text_offset`` runs on from the entries sent before (in an earlier chunk of a stream,
+        the echoed prompt's included)."""
+        logprobs = completion_logprobs(entries, self.text_offset)
+        self.text_offset += sum(len(token) for token in logprobs["tokens"])
+        return logprobs
+
     def prompt_entries(self) -> list[TokenText]:
         """The echoed prompt's logprob entries, after its first token (which has none)."""
         return [self.token_text(item) for item in self.prompt_logprobs]
@@ -147,6 +169,9 @@ class Generation:
         return usage(self.prompt_tokens, self.completion_tokens)
 
     async def close(self) -> None:
+        if self.places is not None:  # never read: never queued
+            self.places.release()
+            self.places = None
         with anyio.CancelScope(shield=True):
             aclose = getattr(self.tokens, "aclose", None)
             if aclose is not None:
