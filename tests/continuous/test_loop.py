@@ -1316,8 +1316,8 @@ class TestGenerateN:
 
     @pytest.mark.anyio
     async def test_a_refusal_refuses_every_sample_and_none_runs(self) -> None:
-        """max_waiting=2 while the engine is busy: the third sample cannot be queued, so each of
-        the three iterators raises QueueFull and the two queued ones are aborted before they run."""
+        """max_waiting=2 while the engine is busy: the three samples cannot all be queued, so each
+        of the three iterators raises QueueFull and none of them is queued."""
         from batchkit import QueueFull
 
         loop, first, release = busy_loop(max_waiting=2)
@@ -1330,6 +1330,38 @@ class TestGenerateN:
             assert first.result(WAIT) == [2, 3]
             assert [f.result(WAIT) for f in [loop.submit([1], max_new_tokens=1)]] == [[2]]
         assert loop.scheduler.statistics().finished == 2, "only the two plain requests ran"
+
+    @pytest.mark.anyio
+    async def test_max_waiting_lets_in_all_n_samples_or_none(self) -> None:
+        """With one request waiting and max_waiting=3, 3 samples are refused whole (none is
+        queued, even for a moment: the queue still holds the one), and 2 are let in and run."""
+        from batchkit import QueueFull
+
+        loop, first, release = busy_loop(max_waiting=3)
+        with loop:
+            waiting = loop.submit([1], max_new_tokens=1)
+            refused = loop.generate_n([9], 3, max_new_tokens=2)
+            with pytest.raises(QueueFull, match="no room for these 3 samples"):
+                await refused[0].__anext__()
+            assert loop.queue_depth() == 1
+            fits = loop.generate_n([9], 2, max_new_tokens=2)
+            got: list[list[int]] = [[], []]
+
+            async def read(i: int) -> None:
+                got[i] = [t async for t in fits[i]]
+
+            with anyio.fail_after(WAIT):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(read, 0)  # its first read queues both samples
+                    while loop.queue_depth() < 3:
+                        await anyio.sleep(0.001)
+                    assert loop.queue_depth() == 3
+                    release.set()
+                    tg.start_soon(read, 1)
+            assert got == [[10, 11], [10, 11]]
+            assert first.result(WAIT) == [2, 3]
+            assert waiting.result(WAIT) == [2]
+        assert loop.scheduler.statistics().aborted == 0
 
     @pytest.mark.anyio
     async def test_leaving_one_sample_aborts_it_alone(self) -> None:

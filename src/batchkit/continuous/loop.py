@@ -374,11 +374,27 @@ class ContinuousDecodeLoop:
         after: Request | None,
     ) -> tuple[Request, _Stream]:
         """Check a request and queue it for the engine; its scheduler request and its stream."""
+        return self._enqueue_group(prompt_ids, [params], priority, tenant, [stream or _Stream()], deadline_s, after)[0]
+
+    def _enqueue_group(
+        self,
+        prompt_ids: Sequence[int],
+        params: Sequence[SamplingParams],
+        priority: int,
+        tenant: Hashable,
+        streams: Sequence[_Stream],
+        deadline_s: float | None,
+        after: Request | None,
+    ) -> list[tuple[Request, _Stream]]:
+        """Check requests of one prompt (one per entry of ``params``) and queue them for the
+        engine together, in one hold of the lock: ``max_waiting`` lets in all or none of them.
+        The first waits for ``after`` (if given), the others for the first."""
         vocab = self._vocab_size()
         prompt = _check_prompt(prompt_ids, vocab)
         width = vocab if vocab is not None else self._logits_width
-        if width is not None and (bias_error := _logit_bias_past(params, width)) is not None:
-            raise bias_error
+        for p in params:
+            if width is not None and (bias_error := _logit_bias_past(p, width)) is not None:
+                raise bias_error
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
         try:
@@ -389,33 +405,37 @@ class ContinuousDecodeLoop:
             isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not 0 < deadline_s < math.inf
         ):
             raise ValueError(f"deadline_s must be a finite number of seconds > 0 (or None), got {deadline_s!r}")
-        if params.stop and self.scheduler.detokenize is None:
+        if any(p.stop for p in params) and self.scheduler.detokenize is None:
             raise ValueError(
-                f"stop strings {params.stop!r} need a detokenize hook to be matched; pass detokenize= "
+                f"stop strings {params[0].stop!r} need a detokenize hook to be matched; pass detokenize= "
                 "(token ids -> text) to ContinuousDecodeLoop, or stop on token ids with stop_token_ids="
             )
         self._check_fits(len(prompt), tenant)
-        stream = stream or _Stream()
+        queued: list[tuple[Request, _Stream]] = []
         with self._cond:
             if self._closing:
                 raise BatcherClosed("the decode loop is closed")
             if self.max_waiting is not None:
                 waiting = self._num_waiting()
-                if waiting >= self.max_waiting:
+                if waiting + len(params) > self.max_waiting:
+                    these = "" if len(params) == 1 else f" for these {len(params)} samples"
                     raise QueueFull(
-                        f"{waiting} requests are already waiting (max_waiting={self.max_waiting}); retry later, "
-                        "raise max_waiting, or add capacity"
+                        f"{waiting} requests are already waiting (max_waiting={self.max_waiting}): no room{these}; "
+                        "retry later, raise max_waiting, or add capacity"
                     )
-            self._next_id += 1
             deadline = None if deadline_s is None else self.clock.now() + deadline_s
-            req = Request(self._next_id, prompt, params, priority=priority, tenant=tenant, deadline=deadline)
-            req.after = after
-            self._inbox.append((req, stream))
+            for p, stream in zip(params, streams, strict=True):
+                self._next_id += 1
+                req = Request(self._next_id, prompt, p, priority=priority, tenant=tenant, deadline=deadline)
+                req.after = after
+                after = after or req
+                self._inbox.append((req, stream))
+                queued.append((req, stream))
             if self._thread is None and self.engine == "thread":
                 self._thread = threading.Thread(target=self._engine, name="batchkit-decode-loop", daemon=True)
                 self._thread.start()
             self._cond.notify()
-        return req, stream
+        return queued
 
     def generate(
         self,
@@ -505,10 +525,11 @@ class ContinuousDecodeLoop:
 
         Sample ``i`` is seeded ``seed + i`` (wrapping within the seeds a generator takes; without
         a seed, each draws its own). The ``n`` requests are queued together when any iterator
-        is first read, and refused together (the first refusal is raised by every iterator, and
-        none of them runs). With prefix caching, the samples after the first are admitted once
-        the first has computed the prompt, and take its full blocks from the prefix cache
-        instead of computing them again (its last, partial block each computes). Leaving an
+        is first read, and refused together (the refusal is raised by every iterator, and none of
+        them runs): ``max_waiting`` lets in all ``n`` or none. With prefix caching, the samples
+        after the first are admitted once the first has computed the prompt, and take its full
+        blocks from the prefix cache instead of computing them again (its last, partial block
+        each computes). Leaving an
         iterator early aborts its own sample only.
 
         Raises:
@@ -529,18 +550,14 @@ class ContinuousDecodeLoop:
         def queue_all() -> None:
             if queued or refused:
                 return
-            lead: Request | None = None
             try:
-                for p in params:
-                    req, stream = self._enqueue(prompt_ids, p, priority, tenant, _Stream(detailed), deadline_s, lead)
-                    lead = lead or req
-                    queued.append((req.request_id, stream))
+                group = self._enqueue_group(
+                    prompt_ids, params, priority, tenant, [_Stream(detailed) for _ in params], deadline_s, None
+                )
             except BaseException as exc:
                 refused.append(exc)
-                for rid, _ in queued:
-                    self.abort(rid)
-                queued.clear()
                 raise
+            queued.extend((req.request_id, stream) for req, stream in group)
 
         async def sample_stream(i: int) -> AsyncGenerator[Any, None]:
             queue_all()
@@ -732,10 +749,12 @@ class ContinuousDecodeLoop:
                 aborts, self._aborts = self._aborts, []
                 self._admitting = len(inbox)
             now = self.clock.now()  # the step's time: its arrivals' and its scheduling's
-            wake = self._add_inbox(inbox, now)
             if inbox:
-                with self._cond:
+                with self._cond:  # counted by _num_waiting() once, in the inbox or the scheduler
+                    wake = self._add_inbox(inbox, now)
                     self._admitting = 0
+            else:
+                wake = []
             for rid in aborts:
                 if self.scheduler.abort(rid):
                     aborted = self._streams.pop(rid, None)
@@ -1043,8 +1062,8 @@ class ContinuousDecodeLoop:
 
     def _num_waiting(self) -> int:
         """Requests not yet running (call under the lock). Those the engine took from the inbox
-        count until they are in the scheduler (then for a moment twice: at worst a request is
-        refused early, never one too many admitted)."""
+        count until they are in the scheduler, which it adds them to under the lock: each is
+        counted once."""
         return len(self._inbox) + self._admitting + len(self.scheduler.waiting)
 
     def queue_depth(self) -> int:
