@@ -1129,11 +1129,18 @@ class TestWhatSubmitRefusesAndHowPrioritiesTakeASeat:
     def test_numpy_numbers_are_accepted_as_plain_ones(self) -> None:
         np = pytest.importorskip("numpy")
         p = SamplingParams(
-            temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int32(4), stop_token_ids=np.array([7])
+            max_new_tokens=np.int64(5),
+            temperature=np.float32(0.5),
+            top_k=np.int64(3),
+            seed=np.int32(4),
+            stop_token_ids=np.array([7]),
         )
-        assert (p.top_k, p.seed, p.stop_token_ids) == (3, 4, (7,))
+        assert (p.max_new_tokens, p.top_k, p.seed, p.stop_token_ids) == (5, 3, 4, (7,))
+        assert type(p.max_new_tokens) is int
         assert type(p.top_k) is int
         assert type(p.seed) is int
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+            SamplingParams(max_new_tokens=np.float64(5))
 
     def test_a_prompt_that_can_never_fit_is_refused_by_the_submit_call(
         self, loop: batchkit.ContinuousDecodeLoop

@@ -83,8 +83,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Everything is checked here, at submit: a value the sampler or the stop check could only
         # trip over inside a step would fail every request batched into that step.
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        max_new = _index(self.max_new_tokens)  # a numpy or torch integer too, as for top_k and seed
+        if max_new is None or max_new < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        object.__setattr__(self, "max_new_tokens", max_new)
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
         top_k = _index(self.top_k)
