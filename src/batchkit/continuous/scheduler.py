@@ -775,16 +775,19 @@ class Scheduler:
         its quota waits without holding up other tenants' requests behind it."""
         if plan.preempted or self.swapped:
             return
-        self._admit_from(plan, now, held=False)
-        self._admit_from(plan, now, held=True)  # the seats no one else took
+        if self._admit_from(plan, now, held=False):
+            self._admit_from(plan, now, held=True)  # the seats no one else took
 
-    def _admit_from(self, plan: _StepPlan, now: float, *, held: bool) -> None:
-        """Admit, best first, the waiting requests that are (or are not) :func:`_held`."""
+    def _admit_from(self, plan: _StepPlan, now: float, *, held: bool) -> bool:
+        """Admit, best first, the waiting requests that are (or are not) :func:`_held`; whether
+        it passed over one of the others."""
         a = self.allocator
         j = 0
+        passed = False
         while j < len(self.waiting) and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[j]
             if _held(req) is not held:
+                passed = True
                 j += 1
                 continue
             total = len(req.tokens)
@@ -799,8 +802,9 @@ class Scheduler:
                 j += 1  # its prompt's blocks are being computed by the request it follows
                 continue
             if not a.can_allocate(total, tenant=req.tenant):
-                break
+                return True  # out of room: the held pass may still fit a smaller request
             self._admit(plan, req, now)
+        return passed
 
     def _waits_for_its_prompt(self, req: Request) -> bool:
         """Whether ``req`` follows a live request (``req.after``) still computing the same prompt,
