@@ -60,6 +60,40 @@ def test_scatter_validates_shapes_and_slots() -> None:
         cache.scatter(0, k, k, torch.tensor([1]))
     with pytest.raises(ValueError, match="outside the cache"):
         cache.scatter(0, k, k, torch.tensor([1, 32 * 4]))
+    before = cache.key(0).clone()
+    with pytest.raises(ValueError, match="integer slots"):  # 1.7 would have written at slot 1
+        cache.scatter(0, torch.ones(2, 2, 8), k, torch.tensor([1.7, 2.2]))
+    assert torch.equal(cache.key(0), before)
+
+
+@pytest.mark.parametrize(
+    ("tables", "lens", "message"),
+    [
+        ([[0, 1], [2, 3]], [3], "one length per block-table row"),  # a row without a length
+        ([0, 1], [3], "2-D integer"),
+        ([[0.0, 1.0]], [3], "2-D integer"),
+        ([[0, 1]], [3.0], "1-D integers"),
+        ([[0, 1]], [-1], ">= 0"),
+        ([[0, 1]], [9], "longer than its block-table row"),  # 2 blocks of 4 hold 8
+        ([[0, 32]], [5], "outside 0..31"),
+        ([[0, -1]], [2], "outside 0..31"),
+    ],
+)
+def test_gather_and_attention_refuse_tables_that_do_not_fit(
+    tables: list[object], lens: list[float], message: str
+) -> None:
+    """The torch path checks what the CUDA gather kernel checks: no row silently ignored or
+    read past, no float index truncated."""
+    cache = make_cache()
+    with pytest.raises(ValueError, match=message):
+        cache.gather(0, torch.tensor(tables), torch.tensor(lens))
+    with pytest.raises(ValueError, match=message):
+        cache.paged_attention(0, torch.zeros(len(lens), 2, 8), torch.tensor(tables), torch.tensor(lens))
+
+
+def test_gather_of_no_sequences_is_empty() -> None:
+    k, v = make_cache().gather(0, [], [])
+    assert k.shape == v.shape == (0, 2, 8)
 
 
 def test_every_layer_of_a_step_writes_at_slots_checked_once() -> None:

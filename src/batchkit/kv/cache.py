@@ -39,6 +39,11 @@ def choose_backend(backend: Backend, device_type: str, cuda_available: Callable[
     return "cuda" if cuda_available() else "torch"
 
 
+def _is_integer(index: Tensor) -> bool:
+    """Whether an index tensor holds integers (bool and floating dtypes do not)."""
+    return not (index.dtype.is_floating_point or index.dtype.is_complex) and str(index.dtype) != "torch.bool"
+
+
 class PagedKVCache:
     """K/V tensors for ``num_blocks`` blocks of ``block_size`` tokens, for every layer.
 
@@ -175,11 +180,14 @@ class PagedKVCache:
                 backend; the CUDA one checks it only with ``CHECK_INDICES`` on).
         """
         block_tables, seq_lens = self._index(block_tables), self._index(seq_lens)
+        if not block_tables.numel() and block_tables.dim() == 1:  # no sequences, e.g. []
+            block_tables = block_tables.view(0, 0)
         if self._use_cuda():
             from .. import _cuda
 
             k = _cuda.gather_kv(self.key(layer), block_tables, seq_lens, total_tokens)
             return k, _cuda.gather_kv(self.value(layer), block_tables, seq_lens, int(k.shape[0]))
+        self._check_tables(block_tables, seq_lens)
         k = ops.gather(self.key(layer), block_tables, seq_lens)
         if total_tokens is not None and int(k.shape[0]) != total_tokens:
             raise ValueError(f"total_tokens={total_tokens!r} differs from sum(seq_lens)={int(k.shape[0])}")
@@ -233,6 +241,7 @@ class PagedKVCache:
         """Attention over this layer's pages (see :func:`batchkit.kv.ops.paged_attention`);
         ``block_tables``, ``seq_lens`` and ``query_lens`` may be numpy arrays or lists too."""
         block_tables, seq_lens = self._index(block_tables), self._index(seq_lens)
+        self._check_tables(block_tables, seq_lens)
         if query_lens is not None:
             query_lens = self._index(query_lens)
         return ops.paged_attention(query, self.key(layer), self.value(layer), block_tables, seq_lens, query_lens, scale)
@@ -260,6 +269,33 @@ class PagedKVCache:
             raise ValueError(
                 f"slot_mapping must be 1-D with one slot per token ({key.shape[0]}), got {tuple(slot_mapping.shape)}"
             )
+        if not _is_integer(slot_mapping):
+            raise ValueError(f"slot_mapping must hold integer slots, got {slot_mapping.dtype}")
+
+    def _check_tables(self, block_tables: Tensor, seq_lens: Tensor) -> None:
+        """The checks the CUDA gather kernel makes of its index arrays (with ``CHECK_INDICES``), made
+        on the torch path, where they cost no device synchronisation."""
+        if block_tables.dim() != 2 or not _is_integer(block_tables):
+            raise ValueError(
+                f"block_tables must be a 2-D integer tensor, got {block_tables.dtype} {tuple(block_tables.shape)}"
+            )
+        if seq_lens.dim() != 1 or seq_lens.shape[0] != block_tables.shape[0] or not _is_integer(seq_lens):
+            raise ValueError(
+                f"seq_lens must be 1-D integers, one length per block-table row ({block_tables.shape[0]}), got "
+                f"{seq_lens.dtype} {tuple(seq_lens.shape)}"
+            )
+        if not seq_lens.numel():
+            return
+        if int(seq_lens.min()) < 0:
+            raise ValueError(f"seq_lens must be >= 0, got {int(seq_lens.min())}")
+        capacity = block_tables.shape[1] * self.block_size
+        if int(seq_lens.max()) > capacity:
+            raise ValueError(
+                f"a sequence of {int(seq_lens.max())} tokens is longer than its block-table row can address "
+                f"({block_tables.shape[1]} blocks of {self.block_size})"
+            )
+        if block_tables.numel() and (int(block_tables.max()) >= self.num_blocks or int(block_tables.min()) < 0):
+            raise ValueError(f"block_tables hold a block outside 0..{self.num_blocks - 1}")
 
     def _check_slots(self, slot_mapping: Tensor) -> None:
         if slot_mapping.numel() and int(slot_mapping.max()) >= self.num_blocks * self.block_size:
