@@ -145,3 +145,20 @@ def test_close_without_drain_fails_what_waits_as_cancelled(make: Make) -> None:
         assert (stats.pending, stats.cancelled, stats.succeeded, stats.failed) == (0, 1, 0, 0)
 
     run(main)
+
+
+@pytest.mark.parametrize("on_full", ["reject", "block"])
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, "1", True])
+def test_a_timeout_that_is_not_a_wait_is_refused_whatever_the_policy(make: Make, on_full: str, timeout: object) -> None:
+    """A NaN, negative or non-number ``timeout`` is a ValueError naming it, also where the queue
+    would not have waited (it used to pass unnoticed there); nothing is queued."""
+    shell = make(double, on_full=on_full)
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            await shell.submit(1, timeout=timeout)
+        assert shell.statistics().submitted == 0
+        assert await shell.submit(2, timeout=0) == 4
+        await shell.close()
+
+    run(main)

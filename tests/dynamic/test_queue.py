@@ -63,6 +63,20 @@ def test_a_negative_cost_or_an_unhashable_key_is_refused_at_put() -> None:
     assert len(q) == 1
 
 
+@pytest.mark.parametrize("on_full", ["reject", "block", "drop_oldest"])
+def test_a_timeout_that_is_not_a_wait_is_refused_at_put_whatever_the_policy(on_full: Any) -> None:
+    q: BoundedQueue[int] = BoundedQueue(4, on_full=on_full)
+    for bad in (float("nan"), -1, "1", True):
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            q.put(1, timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            anyio.run(lambda: q.aput(1, timeout=bad))  # type: ignore[arg-type]  # noqa: B023
+    assert len(q) == 0
+    q.put(1, timeout=0)
+    q.put(2, timeout=float("inf"))
+    assert len(q) == 2
+
+
 def test_fifo_within_a_priority_and_lower_priority_value_first() -> None:
     """Lower priority values are served first; equal priorities in arrival order."""
     q: BoundedQueue[str] = BoundedQueue(10)

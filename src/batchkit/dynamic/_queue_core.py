@@ -139,6 +139,17 @@ def check_number(name: str, value: object, *, unit: str, positive: bool = False,
         raise ValueError(f"{name} must be {bound}{' or None' if optional else ''} (a number of {unit}), got {value!r}")
 
 
+def check_timeout(timeout: object) -> None:
+    """Refuse a ``timeout`` (seconds to wait for room) that is neither None nor a number >= 0, on
+    every queue policy: a NaN or negative one would otherwise pass unnoticed where no wait happens.
+
+    Raises:
+        ValueError: naming ``timeout``.
+    """
+    if timeout is not None:
+        check_number("timeout", timeout, unit="seconds", optional=True)
+
+
 def is_cost(cost: object) -> bool:
     """Whether ``cost`` is a finite number >= 0. An infinite cost is refused: the per-group
     totals that decide a ``max_batch_cost`` flush would turn NaN once it left (inf - inf)."""

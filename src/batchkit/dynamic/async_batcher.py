@@ -35,7 +35,7 @@ from .._errors import BatcherClosed, QueueFull
 from ..control import AdaptiveBatchController, CircuitBreaker
 from ._loop_pump import LoopPump
 from ._offload import OffloadThreads
-from ._queue_core import TAKEN
+from ._queue_core import TAKEN, check_timeout
 from .batcher import BatcherOptions, BatcherShell, LedgerEntry, is_async_callable
 from .former import FormedBatch
 from .ledger import NO_FALLBACK, Phase, Split
@@ -191,6 +191,8 @@ class AsyncBatcher(BatcherShell[T, R]):
             CircuitOpen: the circuit breaker is open.
             RuntimeError: called from another event loop than the first submit's.
         """
+        if timeout is not None:
+            check_timeout(timeout)
         entry = enter(self, item, self._loop, fallback) if priority == 0 and deadline_ms is None else None
         if entry is None:
             entry = await self._admit_elsewise(item, priority, deadline_ms, fallback, timeout)

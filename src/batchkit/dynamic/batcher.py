@@ -40,7 +40,16 @@ from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..control import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from ..metrics import LatencySummary, SampleWindow
 from ._loop_thread import LoopThread
-from ._queue_core import TAKEN, Drop, QueueEntry, check_number, check_put_args, check_queue_options, is_cost
+from ._queue_core import (
+    TAKEN,
+    Drop,
+    QueueEntry,
+    check_number,
+    check_put_args,
+    check_queue_options,
+    check_timeout,
+    is_cost,
+)
 from ._threads import BatchThreads
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
 from .ledger import FINAL, NO_FALLBACK, Phase, RequestLedger, Split
@@ -751,6 +760,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         Cancelling the awaiting task removes the item if its batch has not been dispatched yet,
         and discards its result otherwise. Same arguments and errors as :meth:`submit`.
         """
+        check_timeout(timeout)
         waiter = new_async_waiter()
         req = _Request(item, waiter, fallback)
         if self._block:
@@ -801,6 +811,7 @@ class DynamicBatcher(BatcherShell[T, R]):
         return True
 
     def _enqueue_sync(self, req: _Request, priority: int, deadline_ms: float | None, timeout: float | None) -> None:
+        check_timeout(timeout)
         if not self._block:
             self._enqueue(req, priority, deadline_ms)
             return

@@ -34,6 +34,7 @@ from ._queue_core import (
     QueueStatistics,
     check_put_args,
     check_queue_options,
+    check_timeout,
 )
 
 __all__ = ["ON_FULL_POLICIES", "BoundedQueue", "OnFull", "QueueEntry", "QueueStatistics", "check_queue_options"]
@@ -230,6 +231,7 @@ class BoundedQueue(Generic[T]):
         Raises:
             QueueFull: refused, or no room came within ``timeout``.
         """
+        check_timeout(timeout)
         if self.on_full != "block":
             return self.put_nowait(item, priority=priority, deadline_ms=deadline_ms, key=key, cost=cost)
         check_put_args(priority, deadline_ms, key, cost)
@@ -253,6 +255,7 @@ class BoundedQueue(Generic[T]):
         cost: float = 1,
     ) -> QueueEntry[T]:
         """Async :meth:`put`: on a ``"block"`` queue, await room (up to ``timeout`` seconds)."""
+        check_timeout(timeout)
         if self.on_full != "block":
             return self.put_nowait(item, priority=priority, deadline_ms=deadline_ms, key=key, cost=cost)
         check_put_args(priority, deadline_ms, key, cost)
