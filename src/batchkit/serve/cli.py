@@ -198,9 +198,13 @@ def run_serve(args: argparse.Namespace) -> int:
             )
             return 2
     try:
-        torch.device(args.device)
+        device = torch.device(args.device)
     except RuntimeError as exc:
         print(f"{prog}: error: argument --device: {exc}", file=sys.stderr)
+        return 2
+    unusable = _cuda_unusable(device)
+    if unusable:
+        print(f"{prog}: error: argument --device: {unusable}", file=sys.stderr)
         return 2
     log = logging.getLogger("batchkit")
     level = log.level
@@ -210,6 +214,21 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:  # the process's logging as it was (run_serve may be called in-process, by tests)
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+def _cuda_unusable(device: Any) -> str | None:
+    """Why a CUDA ``device`` (a ``torch.device``) cannot run here, told before anything listens
+    or loads, or None."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"{device} needs a torch built with CUDA; this one ({torch.__version__}) is not"
+    count = torch.cuda.device_count()
+    if (device.index is not None and device.index >= count) or not count:
+        return f"{device}: this machine has {count} CUDA device(s) visible"
+    return None
 
 
 class _LevelPrefix(logging.Formatter):
