@@ -3,7 +3,7 @@ finish reason read from that list (no model: a scripted stream and a character d
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -25,7 +25,12 @@ async def _stream(items: list[Any]) -> AsyncIterator[Any]:
 
 
 def _generation(
-    items: list[Any], *, detailed: bool = False, max_tokens: int = 10, stop: Sequence[str] = ()
+    items: list[Any],
+    *,
+    detailed: bool = False,
+    max_tokens: int = 10,
+    stop: Sequence[str] = (),
+    decode: Callable[[Sequence[int]], str] = _decode,
 ) -> Generation:
     return Generation(
         _stream(items),
@@ -37,8 +42,8 @@ def _generation(
         stop=stop,
         stop_token_ids=(25,),
         t_arrival=0.0,
-        decode=_decode,
-        token_text=lambda item: (_decode([item.token]), item.logprob, []),
+        decode=decode,
+        token_text=lambda item: (decode([item.token]), item.logprob, []),
         metrics=ServerMetrics(CollectorRegistry()),
         detailed=detailed,
     )
@@ -87,6 +92,57 @@ def test_a_stop_token_or_string_ends_with_stop() -> None:
     gen = _generation([0, 1, 2, 3], stop=["c"])
     assert anyio.run(_read_all, gen) == "ab"
     assert gen.finish_reason == "stop"
+
+
+PIECES = {0: "ab", 1: "c\n", 2: "\n", 3: "d", 4: "e"}
+
+
+def _pieces(ids: Sequence[int]) -> str:
+    return "".join(PIECES[t] for t in ids)
+
+
+def _detailed(tokens: list[int]) -> list[TokenLogprobs]:
+    return [TokenLogprobs(t, -float(i + 1)) for i, t in enumerate(tokens)]
+
+
+async def _read_streamed(gen: Generation) -> list[tuple[str, list[str]]]:
+    """Each piece of text with the logprob entries (their token strings) sent with it, as the
+    server streams them: a chunk when either is non-empty."""
+    chunks = []
+    while (text := await gen.next_text()) is not None:
+        if text or gen.has_unsent_logprobs:
+            chunks.append((text, [t for t, _, _ in gen.take_logprobs()]))
+    rest = gen.tail.finish()
+    if rest or gen.has_unsent_logprobs:
+        chunks.append((rest, [t for t, _, _ in gen.take_logprobs()]))
+    return chunks
+
+
+def test_with_a_stop_string_the_logprobs_are_those_of_the_text_before_it() -> None:
+    """The tokens past the cut (the stop string's, "\n") have no logprob entry; the token the cut
+    splits ("c\n": "c" returned) keeps its own, whole. Streamed or not, the same entries."""
+    items = [0, 1, 2, 3]  # "ab" "c\n" "\n" "d", stop "\n\n": the text is "abc"
+    gen = _generation(_detailed(items), detailed=True, stop=["\n\n"], decode=_pieces)
+    assert anyio.run(_read_all, gen) == "abc"
+    assert gen.take_logprobs() == [("ab", -1.0, []), ("c\n", -2.0, [])]
+    assert (gen.completion_tokens, gen.finish_reason) == (3, "stop")  # usage counts every token generated
+    gen = _generation(_detailed(items), detailed=True, stop=["\n\n"], decode=_pieces)
+    assert anyio.run(_read_streamed, gen) == [("ab", ["ab"]), ("c", ["c\n"])]
+
+
+def test_a_stop_string_at_the_start_leaves_no_logprobs() -> None:
+    gen = _generation(_detailed([2, 2, 3]), detailed=True, stop=["\n\n"], decode=_pieces)
+    assert anyio.run(_read_streamed, gen) == []
+    assert gen.take_logprobs() == []
+
+
+def test_a_streamed_tokens_logprobs_wait_while_its_text_may_begin_a_stop_string() -> None:
+    """A token whose text is held back (it may begin the stop string) is sent with that text once
+    it is released, never before; finished without a stop string, every entry is sent."""
+    gen = _generation(_detailed([0, 2, 3, 2]), detailed=True, stop=["\n\n"], decode=_pieces)
+    chunks = anyio.run(_read_streamed, gen)
+    assert chunks == [("ab", ["ab"]), ("\nd", ["\n", "d"]), ("\n", ["\n"])]
+    assert not gen.tail.stopped
 
 
 def test_an_echo_alone_reads_the_first_token_only_for_the_prompt_logprobs() -> None:

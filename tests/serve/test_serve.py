@@ -1683,6 +1683,78 @@ def test_a_stop_string_ends_the_text_before_it() -> None:
     assert "".join(pieces) + d.finish() == "Hell"
 
 
+def test_the_tokens_kept_are_those_the_text_before_a_stop_string_needs() -> None:
+    """num_tokens_kept: a token the stop string cuts ("lo": "l" returned, "o" the stop string's)
+    is kept, a token wholly past the cut is not; a stop string at a token boundary keeps the
+    tokens before it, one at the very start keeps none."""
+    d = _detok(("o w",))
+    for t in (1, 2, 3):
+        d.push(t)
+    assert (d.text, d.num_tokens_kept) == ("Hell", 2)
+    d = _detok((" wo",))
+    for t in (1, 2, 3):
+        d.push(t)
+    assert (d.text, d.num_tokens_kept) == ("Hello", 2)
+    d = _detok(("He",))
+    d.push(1)
+    assert (d.stopped, d.text, d.num_tokens_kept) == (True, "", 0)
+
+
+def test_a_token_whose_text_is_held_back_is_not_kept_until_its_text_is_sent() -> None:
+    """While a token's text may begin a stop string it is not counted; once its text is sent it
+    is; finished without a stop string, every token is, one whose text is not complete included."""
+    d = _detok(("lox",))
+    d.push(1)
+    assert (d.sent, d.num_tokens_kept) == (2, 1)  # "He" sent, "l" held back: "Hel" needs token 1
+    d.push(2)
+    assert (d.sent, d.num_tokens_kept) == (3, 1)  # "Hel" sent, "lo" held back
+    d.push(3)
+    assert (d.sent, d.num_tokens_kept) == (9, 3)
+    d.push(5)
+    d.finish()
+    assert d.num_tokens_kept == 4
+    d = _detok()
+    d.push(1)
+    d.push(5)
+    assert d.num_tokens_kept == 2  # without stop strings nothing is cut
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("stop", [("é a",), ("zz", "\u00e9\u00e9"), (" ",), ("\u00e9",)])
+def test_the_tokens_kept_are_the_fewest_whose_decode_begins_with_the_text_sent(
+    seed: int, stop: tuple[str, ...]
+) -> None:
+    """Byte-level tokens, characters split over tokens and tokens that decode to nothing: after
+    every push, num_tokens_kept is the fewest leading tokens whose whole decode begins with the
+    text sent so far, and at the end with the text before the stop string."""
+    import random
+
+    from batchkit.serve.protocol import IncrementalDetokenizer
+
+    # 7 and 8 each hold a byte of a split é beside a whole character: a stop string can cut them.
+    pieces = {0: b"a", 1: b" ", 2: b"\xc3", 3: b"\xa9", 4: b"z", 5: b"\xc3\xa9", 6: b"", 7: b"a\xc3", 8: b"\xa9 "}
+    splits = {2: (2, 3), 7: (7, 3), 8: (2, 8)}
+    rng = random.Random(seed)
+    ids = [t for i in (rng.choice([0, 1, 4, 5, 6, 2, 7, 8]) for _ in range(300)) for t in splits.get(i, (i,))]
+
+    def decode(tokens: Any) -> str:
+        return b"".join(pieces[i] for i in tokens).decode("utf-8", errors="replace")
+
+    def fewest(text: str, upto: int) -> int:
+        return next(k for k in range(upto + 1) if decode(ids[:k]).startswith(text))
+
+    d = IncrementalDetokenizer(decode, stop)
+    sent = ""
+    for n, t in enumerate(ids, 1):
+        sent += d.push(t)
+        assert d.num_tokens_kept == fewest(sent, n)
+        if d.stopped:
+            break
+    sent += d.finish()
+    assert d.stopped
+    assert d.num_tokens_kept == fewest(sent, len(d.ids))
+
+
 # ----------------------------------------------------------------------------- logprobs, echo, prompts, tokenizer
 
 
@@ -1773,6 +1845,72 @@ def test_streamed_completion_text_offsets_run_on_from_chunk_to_chunk_as_unstream
         assert chunks > 1
         assert tokens == expected["tokens"]
         assert offsets == expected["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def _text_and_logprob_tokens(url: str, body: dict[str, Any]) -> tuple[str, list[str]]:
+    """The answer's text and the token strings of its logprobs (chat or completions, streamed or
+    not: the chunks' pieces joined)."""
+    chat = "messages" in body
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not body.get("stream"):
+        choice = httpx.post(f"{url}{path}", json=body, timeout=DEADLINE_S).json()["choices"][0]
+        if chat:
+            return choice["message"]["content"], [c["token"] for c in choice["logprobs"]["content"]]
+        return choice["text"], choice["logprobs"]["tokens"]
+    text = ""
+    tokens: list[str] = []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=DEADLINE_S) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                text += (choice["delta"].get("content") or "") if chat else choice["text"]
+                if choice["logprobs"]:
+                    lps = choice["logprobs"]
+                    tokens += [c["token"] for c in lps["content"]] if chat else lps["tokens"]
+    return text, tokens
+
+
+@needs_models
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_with_a_stop_string_the_logprobs_are_those_of_the_returned_text(live: LiveServer, route: str) -> None:
+    """A stop string that begins inside one token and ends in the next: the text ends before it,
+    and the logprobs end with the token the cut splits (kept, whole); the next token, which
+    completed the stop string, has none. Streamed and unstreamed alike."""
+    body: dict[str, Any] = {"model": CHAT, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    if route == "chat":
+        body |= {"messages": QUESTION, "logprobs": True}
+    else:
+        body |= {"prompt": "The capital of France is", "logprobs": 0}
+    text, tokens = _text_and_logprob_tokens(live.url, body)
+    assert "".join(tokens) == text  # each token's string is its text: offsets in the text are theirs
+    starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    split = next(
+        i
+        for i in range(len(tokens) - 1)
+        if len(tokens[i]) >= 2 and tokens[i + 1] and text.find(tokens[i][1:] + tokens[i + 1][0]) == starts[i] + 1
+    )
+    stop = tokens[split][1:] + tokens[split + 1][0]
+    for stream in (False, True):
+        cut = _text_and_logprob_tokens(live.url, {**body, "stop": [stop], "stream": stream})
+        assert cut == (text[: starts[split] + 1], tokens[: split + 1]), (stop, stream)
+
+
+@needs_models
+def test_tokenize_token_strs_are_the_vocabulary_strings_special_tokens_included(
+    live: LiveServer, models: tuple[Any, Any]
+) -> None:
+    """return_token_strs gives each token's string as vLLM does (convert_ids_to_tokens): the chat
+    template's special tokens by name, not "", and other tokens as the vocabulary spells them."""
+    lm, _ = models
+    chat, plain = (
+        httpx.post(f"{live.url}/tokenize", json={**body, "return_token_strs": True}, timeout=DEADLINE_S).json()
+        for body in ({"messages": QUESTION}, {"prompt": "Hello world"})
+    )
+    for answer in (chat, plain):
+        assert answer["token_strs"] == lm.tokenizer.convert_ids_to_tokens(answer["tokens"])
+    assert chat["token_strs"][0] == "<|im_start|>"
+    assert plain["token_strs"][-1] == "\u0120world"  # byte-level BPE: "Ġ" spells the space
 
 
 @needs_models

@@ -475,7 +475,9 @@ class EngineBridge:
     # ------------------------------------------------------------------ the tokenizer routes
 
     async def tokenize(self, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
-        """``/tokenize``: the tokens of a prompt or chat, and each one's text if asked for."""
+        """``/tokenize``: the tokens of a prompt or chat and, if asked for, each one's string as the
+        vocabulary spells it (``convert_ids_to_tokens``, as vLLM's): special tokens by name, not
+        decoded text (a byte-level BPE spells a leading space ``Ġ``)."""
         assert self.prompts is not None
 
         def run(lm: PretrainedLM) -> tuple[list[int], list[str] | None]:
@@ -489,8 +491,8 @@ class EngineBridge:
                     tokens = list(lm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
             if not req.return_token_strs:
                 return tokens, None
-            cache = self._token_strings  # filled from this thread too: dict reads and writes are atomic
-            strs = [cache[t] if t in cache else cache.setdefault(t, lm.decode([t])) for t in tokens]
+            with lm.lock:
+                strs = [str(s) for s in lm.tokenizer.convert_ids_to_tokens(tokens)]
             return tokens, strs
 
         return await self.prompts.run(run)

@@ -46,7 +46,8 @@ class Generation:
 
     :attr:`output` holds each generated token once: the bare ids, or (``detailed``) the
     :class:`TokenLogprobs` the loop streams; the text is decoded from it, and the logprob entries
-    not yet sent are its tail from :attr:`logprobs_sent` on. With an echoed prompt's logprobs, the
+    not yet sent are those from :attr:`logprobs_sent` to the detokenizer's ``num_tokens_kept``
+    (with a stop string, the tokens of the text before it). With an echoed prompt's logprobs, the
     prompt's entries come first in the stream and go to :attr:`prompt_logprobs`. A ``max_tokens``
     of 0 (an echoed prompt alone) reads the first token's event only for the prompt's logprobs:
     the token itself is not part of the answer.
@@ -138,12 +139,15 @@ class Generation:
 
     @property
     def has_unsent_logprobs(self) -> bool:
-        return self.detailed and self.logprobs_sent < len(self.output)
+        return self.detailed and self.logprobs_sent < self.tail.num_tokens_kept
 
     def take_logprobs(self) -> list[TokenText]:
-        """The logprob entries of the tokens generated since the last call."""
-        items = self.output[self.logprobs_sent :]
-        self.logprobs_sent = len(self.output)
+        """The logprob entries not sent yet of the tokens known to be in the output: with a stop
+        string, those whose text has been sent (a token the stop string cuts included, the tokens
+        past it never)."""
+        kept = self.tail.num_tokens_kept
+        items = self.output[self.logprobs_sent : kept]
+        self.logprobs_sent = kept
         return [self.token_text(item) for item in items]
 
     def completion_logprobs(self, entries: Sequence[TokenText | str]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ silently ignored. Unknown fields are ignored, as OpenAI does for fields it does 
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import math
 import re
@@ -574,6 +575,9 @@ class IncrementalDetokenizer:
     string ends the text before it (it is not part of the output), as OpenAI does. Each push
     decodes a short window of the latest tokens, not the whole output (see
     :class:`~batchkit.continuous.sampling.DecodedText`), as the loop's own stop check does.
+
+    :attr:`num_tokens_kept` counts the leading tokens known to belong to the output: those whose
+    logprobs may be sent.
     """
 
     def __init__(
@@ -588,6 +592,11 @@ class IncrementalDetokenizer:
         self.text = ""  # what may be sent: the final text, or the text before a stop string
         self.sent = 0
         self.stopped = False
+        self._num_kept = 0  # with stop strings: the tokens the text sent needs (all, once finished)
+        # With stop strings, where each final text ends: after final_tokens[i] tokens, final_chars[i]
+        # characters (both strictly increasing), to find the tokens a prefix of the text needs.
+        self._final_tokens = [0]
+        self._final_chars = [0]
 
     def push(self, token: int) -> str:
         """Add ``token`` (to this object's own list) and :meth:`advance`."""
@@ -614,8 +623,37 @@ class IncrementalDetokenizer:
         self._decoded.commit(pending, len(self.ids))
         self.text = self._decoded.text
         if self.stop:
+            self._final_tokens.append(len(self.ids))
+            self._final_chars.append(len(self.text))
             return self._take(len(self.text) - self._held_back(self.text))
         return self._take(len(self.text))
+
+    @property
+    def num_tokens_kept(self) -> int:
+        """How many leading tokens of :attr:`ids` belong to the output for sure. With stop strings,
+        the fewest tokens whose text begins with the text sent so far: a token whose text the stop
+        string cuts is kept, those wholly past the cut are not; once finished without a stop
+        string, every token. Without stop strings nothing is cut: every token."""
+        return self._num_kept if self.stop else len(self.ids)
+
+    def _num_tokens_for(self, end: int) -> int:
+        """The fewest leading tokens whose text begins with ``text[:end]``."""
+        chars, tokens = self._final_chars, self._final_tokens
+        i = bisect.bisect_left(chars, end)
+        if i < len(chars) and chars[i] == end:
+            return tokens[i]
+        # ``end`` falls in the text of the tokens after tokens[i - 1], made final together (a
+        # character split over tokens, a token that decodes to nothing) or not final yet: read
+        # them one at a time, each decoded in the window DecodedText decoded them in.
+        first = tokens[i - 1]
+        last = tokens[i] if i < len(tokens) else len(self.ids)
+        context = tokens[i - 2] if i >= 2 else 0
+        before = len(self.decode(self.ids[context:first])) if first > context else 0
+        wanted = self.text[chars[i - 1] : end]
+        for n in range(first + 1, last):
+            if self.decode(self.ids[context:n])[before:].startswith(wanted):
+                return n
+        return last
 
     def _held_back(self, text: str) -> int:
         """Length of the longest tail of ``text`` that begins some stop string."""
@@ -628,14 +666,20 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """What is left to send once the request has ended (including a trailing U+FFFD the model
         really produced; before the end it may still complete a character)."""
-        if not self.stopped:
-            self._decoded.commit(self._decoded.pending(self.ids), len(self.ids))
-            self.text = self._decoded.text
-        return self._take(len(self.text))
+        if self.stopped:
+            return self._take(len(self.text))
+        self._decoded.commit(self._decoded.pending(self.ids), len(self.ids))
+        self.text = self._decoded.text
+        out = self._take(len(self.text))
+        self._num_kept = len(self.ids)  # no stop string cut the output: every token is part of it
+        return out
 
     def _take(self, end: int) -> str:
-        end = max(end, self.sent)
+        if end <= self.sent:
+            return ""
         out, self.sent = self.text[self.sent : end], end
+        if self.stop:
+            self._num_kept = self._num_tokens_for(end)
         return out
 
 
