@@ -112,6 +112,8 @@ def test_a_body_means_what_the_server_makes_of_it(model_dir: Path, in_tmp: Path)
     chat |= {"logprobs": True, "top_logprobs": 2, "stop": ["w40"]}
     comp = {"model": "m", "prompt": "w20 w21", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     comp |= {"echo": True, "logprobs": 1}
+    stopped = {"model": "m", "prompt": "w20 w21", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    stopped |= {"logprobs": 1, "stop": [" w44"]}  # greedy: w62 w59 </s> w44 (</s> decodes to "")
     # n samples, seeded seed + j: choices by index, prompt by prompt
     samples = {"model": "m", "messages": chat["messages"], "max_tokens": 4, "temperature": 1.0, "seed": 5, "n": 2}
     prompts = {"model": "m", "prompt": ["w9", "w30 w31"], "max_tokens": 3, "temperature": 1.0, "seed": 2, "n": 2}
@@ -120,6 +122,7 @@ def test_a_body_means_what_the_server_makes_of_it(model_dir: Path, in_tmp: Path)
         + _line("b", "/v1/completions", comp)
         + _line("c", "/v1/chat/completions", samples)
         + _line("d", "/v1/completions", prompts)
+        + _line("e", "/v1/completions", stopped)
     )
     assert _run(model_dir) == 0
     offline = {k: v["response"]["body"] for k, v in _answers(in_tmp / "out.jsonl").items()}
@@ -137,17 +140,22 @@ def test_a_body_means_what_the_server_makes_of_it(model_dir: Path, in_tmp: Path)
                     b = (await client.post("/v1/completions", json=comp)).json()
                     c = (await client.post("/v1/chat/completions", json=samples)).json()
                     d = (await client.post("/v1/completions", json=prompts)).json()
-        return [a, b, c, d]
+                    e = (await client.post("/v1/completions", json=stopped)).json()
+        return [a, b, c, d, e]
 
-    a, b, c, d = anyio.run(served)
+    a, b, c, d, e = anyio.run(served)
     assert [x["index"] for x in c["choices"]] == [0, 1]
     assert [x["index"] for x in d["choices"]] == [0, 1, 2, 3]
-    for mine, theirs in ((offline["a"], a), (offline["b"], b), (offline["c"], c), (offline["d"], d)):
+    for mine, theirs in zip([offline[k] for k in "abcde"], (a, b, c, d, e), strict=True):
         assert mine["choices"] == theirs["choices"]  # text, finish reason and logprobs
         assert mine["usage"] == theirs["usage"]
         assert mine["object"] == theirs["object"]
     assert offline["a"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
     assert offline["b"]["choices"][0]["text"].startswith("w20 w21")  # echoed
+    # The stop string is seen at the 4th token; the logprobs are those of the text before it.
+    cut = offline["e"]["choices"][0]
+    assert (cut["text"], cut["logprobs"]["tokens"]) == ("w62 w59", ["w62", "w59"])
+    assert offline["e"]["usage"]["completion_tokens"] == 4
 
 
 def test_a_bad_body_is_answered_with_the_servers_error_and_the_others_still_are(

@@ -319,7 +319,7 @@ class OpenAIBatchFunction(LoopFunction):
                 finish_reason = "length" if used >= limit else "stop"
             num_prompt += len(prompt) if index % req.n == 0 else 0  # each prompt once, as the server counts
             num_completion += used
-            entries = [self._token_text(it) for it in outputs[:used]] if detailed else []
+            entries = [self._token_text(it) for it in outputs[: tail.num_tokens_kept]] if detailed else []
             if request.route == "chat":
                 chat_choices.append(
                     chat_choice(index, text, finish_reason, chat_logprobs(entries) if detailed else None)
