@@ -993,6 +993,47 @@ def test_results_that_fit_no_parquet_schema_are_refused_with_the_fix(tmp_path: P
     assert not (tmp_path / "out.parquet").exists()
 
 
+@pytest.mark.parametrize(
+    ("first", "later", "read_back"),
+    [
+        (1, 0.75, (1.0, 0.75)),  # an int column that meets a float becomes float, not 0.75 -> 0
+        ({"label": "a"}, {"label": "b", "score": 0.5}, ({"label": "a", "score": None}, {"label": "b", "score": 0.5})),
+        (None, "text", (None, "text")),  # a null first chunk takes the later chunks' type
+    ],
+)
+def test_a_parquet_output_holds_every_result_whatever_chunk_it_is_in(
+    tmp_path: Path, first: object, later: object, read_back: tuple[object, object]
+) -> None:
+    """Results that fit one schema only together (the first chunk of rows alone does not show it)
+    are written whole: the schema comes from every chunk, not the first (which silently truncated
+    later floats to ints and dropped later keys)."""
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from batchkit.jobs import parquet
+
+    n = parquet.CHUNK_ROWS + 2
+    rows = [{"id": i, "output": first if i < parquet.CHUNK_ROWS else later} for i in range(n)]
+    src = write_jsonl(tmp_path / "out.jsonl", rows)
+    assert parquet.export_parquet(src, tmp_path / "out.parquet", key_field="id") == n
+    out = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert [r["id"] for r in out] == list(range(n))
+    assert (out[0]["output"], out[-1]["output"]) == read_back
+
+
+def test_results_parquet_cannot_store_are_refused_with_the_fix(tmp_path: Path) -> None:
+    """Empty objects (a struct without fields, which Parquet cannot store) are the same
+    ValueError as results of varying types, not pyarrow's own error."""
+    pytest.importorskip("pyarrow")
+    from batchkit.jobs import parquet
+
+    src = write_jsonl(tmp_path / "out.jsonl", [{"id": i, "output": {}} for i in range(3)])
+    with pytest.raises(ValueError, match="write the output as JSONL"):
+        parquet.export_parquet(src, tmp_path / "out.parquet")
+    assert not (tmp_path / "out.parquet").exists()
+    assert not list(tmp_path.glob(".out.parquet*"))
+
+
 def test_cli_a_job_whose_results_fit_no_parquet_schema_fails_with_status_1_not_a_usage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,7 @@ to Parquet, in chunks, once the job has committed every record.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -78,56 +79,63 @@ def export_parquet(
     jsonl: str | os.PathLike[str], target: str | os.PathLike[str], *, key_field: str | None = None
 ) -> int:
     """Write the records of a JSONL file to a Parquet file, atomically (a temporary file renamed
-    into place); return the rows written. The schema is inferred from the first chunk of rows;
-    with no rows at all, the file still has the job's columns, ``key_field`` and ``"output"``
-    (of Parquet's null type), so that readers find them.
+    into place); return the rows written.
+
+    Two passes over ``jsonl``, a chunk of rows at a time: the first infers each chunk's schema and
+    merges them into one that holds every row (ints and floats in one column become floats, a
+    struct takes every key any row has, a null column takes the type of the others); the second
+    writes the rows in it. With no rows at all, the file still has the job's columns,
+    ``key_field`` and ``"output"`` (of Parquet's null type), so that readers find them.
 
     Raises:
-        ValueError: later rows do not fit the schema of the first ones (results of varying
-            types): keep such a job's output as JSONL (the message names ``jsonl``, which holds
-            every row).
+        ValueError: the rows fit no one Parquet schema (results of varying types, such as ints in
+            some rows and strings in others, or types Parquet cannot store, such as empty
+            objects): keep such a job's output as JSONL (the message names ``jsonl``, which
+            holds every row).
     """
     pa = _pyarrow()
+    schema = None
+    for chunk in _chunks(jsonl):
+        with _unfit(pa, jsonl):
+            inferred = pa.Table.from_pylist(chunk).schema
+            schema = inferred if schema is None else pa.unify_schemas([schema, inferred], promote_options="permissive")
+    if schema is None:
+        schema = pa.schema([(key_field, pa.null()), ("output", pa.null())] if key_field is not None else [])
     target = Path(target)
     tmp = target.with_name(f".{target.name}.tmp")
-    writer = None
     rows = 0
     try:
-        with Path(jsonl).open("rb") as f:
-            chunk: list[dict[str, Any]] = []
-            for raw in f:
-                if raw.strip():
-                    chunk.append(json.loads(raw))
-                if len(chunk) == CHUNK_ROWS:
-                    writer = _write(pa, writer, tmp, chunk, jsonl)
-                    rows += len(chunk)
-                    chunk = []
-            if chunk or writer is None:
-                if not chunk and key_field is not None:
-                    empty = pa.schema([(key_field, pa.null()), ("output", pa.null())])
-                    writer = pa.parquet.ParquetWriter(str(tmp), empty)
-                else:
-                    writer = _write(pa, writer, tmp, chunk, jsonl)
+        with _unfit(pa, jsonl), pa.parquet.ParquetWriter(str(tmp), schema) as writer:
+            for chunk in _chunks(jsonl):
+                writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
                 rows += len(chunk)
-        writer.close()
-        writer = None
         os.replace(tmp, target)
     finally:
-        if writer is not None:
-            writer.close()
         tmp.unlink(missing_ok=True)
     return rows
 
 
-def _write(pa: Any, writer: Any, path: Path, rows: list[dict[str, Any]], jsonl: str | os.PathLike[str]) -> Any:
+def _chunks(jsonl: str | os.PathLike[str]) -> Iterator[list[dict[str, Any]]]:
+    """The records of ``jsonl`` in lists of up to :data:`CHUNK_ROWS` (blank lines skipped)."""
+    with Path(jsonl).open("rb") as f:
+        chunk: list[dict[str, Any]] = []
+        for raw in f:
+            if raw.strip():
+                chunk.append(json.loads(raw))
+            if len(chunk) == CHUNK_ROWS:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+
+@contextlib.contextmanager
+def _unfit(pa: Any, jsonl: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn pyarrow's refusal of the rows into the ValueError :func:`export_parquet` raises."""
     try:
-        table = pa.Table.from_pylist(rows, schema=writer.schema if writer is not None else None)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+        yield
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
         raise ValueError(
             f"the job's results do not fit one Parquet schema ({exc}): every result is in {str(jsonl)!r}; "
             "write the output as JSONL instead"
         ) from None
-    if writer is None:
-        writer = pa.parquet.ParquetWriter(str(path), table.schema)
-    writer.write_table(table)
-    return writer
