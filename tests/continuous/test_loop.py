@@ -1029,6 +1029,24 @@ class TestTheEngineNeverLeavesCallersWaiting:
         with pytest.raises(BatcherClosed):
             loop.submit([1], max_new_tokens=1)
         loop.close()
+        # As close() ends what is left: nothing counted running or waiting, the blocks all free.
+        stats = loop.statistics().scheduler
+        assert (stats.running, stats.waiting, stats.aborted) == (0, 0, 2)
+        assert loop.scheduler.allocator.num_free_blocks == loop.scheduler.allocator.num_blocks - 1
+
+    def test_requests_still_in_the_inbox_when_the_engine_fails_are_counted_aborted(self) -> None:
+        loop = batchkit.ContinuousDecodeLoop(_zeros, _cache(), engine="caller")
+        queued = loop.submit([1, 2], max_new_tokens=4)
+
+        def fail(*_: Any) -> Any:
+            raise Fatal("before any step")
+
+        loop._add_inbox = fail  # type: ignore[assignment,method-assign]  # the fault hits as the inbox is read
+        with pytest.raises(Fatal):
+            loop.run_engine()
+        with pytest.raises(BatcherClosed, match="engine failed"):
+            queued.result(timeout=30)
+        assert loop.statistics().scheduler.aborted == 1
 
 
 class TestStepOnceFromASecondThreadIsRefused:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import math
 import operator
 import threading
@@ -42,6 +43,8 @@ from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, Schedu
 from .step import StepBatch, check_logits
 
 __all__ = ["ContinuousDecodeLoop", "LoopStatistics"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -303,7 +306,7 @@ class ContinuousDecodeLoop:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inbox: list[tuple[Request, _Stream]] = []
-        self._admitting = 0  # requests taken from the inbox, not yet in the scheduler
+        self._admitting: list[tuple[Request, _Stream]] = []  # taken from the inbox, not yet in the scheduler
         self._aborts: list[Hashable] = []
         self._streams: dict[Hashable, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -723,13 +726,20 @@ class ContinuousDecodeLoop:
             # their callers waiting for ever.
             with self._cond:
                 self._closing = True
-                pending = list(self._streams.items()) + [(r.request_id, s) for r, s in self._inbox]
-                self._streams, self._inbox = {}, []
+                # The inbox, and what was being taken from it (those the scheduler has not seen).
+                inbox = self._inbox + [(r, s) for r, s in self._admitting if r.request_id not in self._streams]
+                pending = list(self._streams.items()) + [(r.request_id, s) for r, s in inbox]
+                self._streams, self._inbox, self._admitting = {}, [], []
             failed = BatcherClosed(f"the decode loop's engine failed: {exc!r}")
             failed.__cause__ = exc
             wake_all(
                 w for rid, st in pending if (w := st.push(TokenEvent(rid, None, True, "error", failed))) is not None
             )
+            # As a close would: the blocks back in the pool, statistics() counting them aborted.
+            try:
+                self._abort_all([r for r, _ in inbox if self.scheduler.get(r.request_id) is None])
+            except Exception:  # a scheduler the fault left inconsistent: the fault is what to raise
+                logger.exception("the decode loop could not abort its requests after its engine failed")
             raise
         finally:
             self._stopped.set()
@@ -747,12 +757,12 @@ class ContinuousDecodeLoop:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
-                self._admitting = len(inbox)
+                self._admitting = inbox
             now = self.clock.now()  # the step's time: its arrivals' and its scheduling's
             if inbox:
                 with self._cond:  # counted by _num_waiting() once, in the inbox or the scheduler
                     wake = self._add_inbox(inbox, now)
-                    self._admitting = 0
+                    self._admitting = []
             else:
                 wake = []
             for rid in aborts:
@@ -797,10 +807,7 @@ class ContinuousDecodeLoop:
         """End what the closed engine leaves: abort it in the scheduler (this is its thread), so
         that its blocks go back to the pool and statistics() counts it aborted, not running or
         waiting for ever; its callers get BatcherClosed."""
-        sched = self.scheduler
-        for req in [*sched.running, *sched.swapped, *sched.waiting]:
-            sched.abort(req.request_id)
-        self._abort_unadmitted(unadmitted)
+        self._abort_all(unadmitted)
         closed = BatcherClosed("the decode loop was closed")
         wake_all(w for rid, s in pending if (w := s.push(TokenEvent(rid, None, True, "abort", closed))) is not None)
 
@@ -1064,7 +1071,7 @@ class ContinuousDecodeLoop:
         """Requests not yet running (call under the lock). Those the engine took from the inbox
         count until they are in the scheduler, which it adds them to under the lock: each is
         counted once."""
-        return len(self._inbox) + self._admitting + len(self.scheduler.waiting)
+        return len(self._inbox) + len(self._admitting) + len(self.scheduler.waiting)
 
     def queue_depth(self) -> int:
         """Requests waiting for admission now: submitted or preempted, not running."""
@@ -1180,11 +1187,8 @@ class ContinuousDecodeLoop:
         if thread is None:
             # Nor will anyone step the scheduler again: requests added with scheduler.add() and
             # driven by step_once() are aborted too, their blocks back in the pool.
-            sched = self.scheduler
-            for req in [*sched.running, *sched.swapped, *sched.waiting]:
-                sched.abort(req.request_id)
+            self._abort_all([r for r, _ in orphans])
         if orphans:
-            self._abort_unadmitted([r for r, _ in orphans])
             closed = BatcherClosed("the decode loop was closed")
             wake_all(
                 w
@@ -1193,6 +1197,15 @@ class ContinuousDecodeLoop:
             )
         if thread is not None and thread is not threading.current_thread():
             self._stopped.wait(timeout)
+
+    def _abort_all(self, unadmitted: list[Request]) -> None:
+        """Abort every request the scheduler holds, and ``unadmitted`` (taken from the inbox
+        before it saw them), so that their blocks go back to the pool and statistics() counts
+        them aborted. Only the thread that steps the scheduler, or close() when none does."""
+        sched = self.scheduler
+        for req in [*sched.running, *sched.swapped, *sched.waiting]:
+            sched.abort(req.request_id)
+        self._abort_unadmitted(unadmitted)
 
     def _abort_unadmitted(self, requests: list[Request]) -> None:
         """Requests that close() ends before the scheduler ever saw them (still in the inbox)
