@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import signal
@@ -102,6 +103,37 @@ def test_a_batched_function_keeps_its_own_batcher(tmp_path: Path) -> None:
     assert report.succeeded == 40
     assert max(sizes) <= 5
     assert report.max_in_flight == 2 * 5 * 1
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_batched_function_isolates_a_raising_record_only_with_its_own_isolate_errors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, isolate: bool
+) -> None:
+    """The job cannot turn on a user's batcher's isolate_errors (fixed at its construction): with
+    it on, only the raising record is a dead letter; with it off, its batch-mates fail with it,
+    and the job says so in a warning at its start, naming the fix."""
+
+    @batchkit.batched(max_batch=5, max_wait_ms=1, isolate_errors=isolate)
+    def fn(records: list[dict[str, Any]]) -> list[int]:
+        if any(r["x"] == 7 for r in records):
+            raise RuntimeError("seven")
+        return [r["x"] for r in records]
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(20)])
+    try:
+        with caplog.at_level(logging.WARNING, logger="batchkit.jobs.runner"):
+            report = run(fn, src, tmp_path / "out.jsonl", retries=0)
+    finally:
+        fn.close()
+    warned = [r.getMessage() for r in caplog.records if "isolate_errors is off" in r.getMessage()]
+    dead = sorted(r["id"] for r in read_jsonl(tmp_path / "out.dead.jsonl"))
+    if isolate:
+        assert (dead, warned) == ([7], [])
+    else:
+        assert 7 in dead  # with the batch-mates that shared its batch (timing decides which)
+        assert len(warned) == 1
+        assert "isolate_errors=True" in warned[0]
+    assert report.succeeded == 20 - len(dead)
 
 
 def test_records_from_an_iterable_use_their_positions_as_line_numbers(tmp_path: Path) -> None:

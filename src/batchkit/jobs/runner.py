@@ -223,6 +223,13 @@ def _make_target(
             f"batchkit.jobs.generate_fn(...), got {fn!r}"
         )
     # The user's batcher keeps its own batch size, wait and concurrency; the job only sizes its window.
+    if not batcher.isolate_errors:  # fixed when the batcher was built: the job cannot turn it on
+        logger.warning(
+            "%s: isolate_errors is off, so a batch that raises fails every record in it (each retried, "
+            "then dead-lettered with the batch's error); build it with isolate_errors=True "
+            "(@batched(..., isolate_errors=True)) so that only the record that makes it raise fails",
+            batcher.name,
+        )
     window = 2 * batcher.max_batch_size * batcher.max_concurrent_batches
     return _Target(
         batcher.submit, batcher.flush, no_close, window, batcher.queue.maxsize, False, batcher.max_batch_size
