@@ -69,6 +69,21 @@ def test_generated_tokens_carry_their_raw_logprob_and_the_top_k() -> None:
         context = item.token
 
 
+def test_the_logprobs_calls_with_logprobs_none_give_each_tokens_own_logprob() -> None:
+    """logprobs=None passed to the logprobs calls means their default, 0 (each token's own
+    logprob, no alternatives), not an item without a logprob (NaN)."""
+    step = TableStep()
+    with make_loop(step) as loop:
+        items = loop.submit_logprobs([3], max_new_tokens=3, logprobs=None).result(timeout=WAIT)
+        synced = list(loop.generate_logprobs_sync([3], max_new_tokens=3, logprobs=None))
+    assert [i.token for i in items] == [i.token for i in synced]
+    context = 3
+    for item in items:
+        assert item.logprob == pytest.approx(step.expected(context, item.token), abs=1e-6)
+        assert not item.top_logprobs
+        context = item.token
+
+
 def test_prompt_logprobs_cover_every_prompt_token_after_the_first_across_chunks_and_cached_prefixes() -> None:
     """With prompt_logprobs, the stream starts with one entry per prompt token after the first,
     each predicted from the token before it, though the prompt is prefilled in several chunks;

@@ -46,6 +46,14 @@ __all__ = ["ContinuousDecodeLoop", "LoopStatistics"]
 
 logger = logging.getLogger(__name__)
 
+
+def _with_logprobs(sampling: dict[str, Any]) -> None:
+    """The sampling options of a call that returns logprobs: ``logprobs`` 0 (each token's own,
+    no alternatives) unless it asks for alternatives; None means 0 here too."""
+    if sampling.get("logprobs") is None:
+        sampling["logprobs"] = 0
+
+
 T = TypeVar("T")
 
 StepFn = Callable[[StepBatch, PagedKVCache], Any]
@@ -477,7 +485,7 @@ class ContinuousDecodeLoop:
         each new token with its logprob and its ``logprobs`` (default 0) most likely
         alternatives, from the raw logits (before temperature, top-k, top-p).
         """
-        sampling.setdefault("logprobs", 0)
+        _with_logprobs(sampling)
         return self._items(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
 
     async def _items(
@@ -541,7 +549,7 @@ class ContinuousDecodeLoop:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
         if detailed:
-            sampling.setdefault("logprobs", 0)
+            _with_logprobs(sampling)
         first = self._params(dict(sampling))
         seed = first.seed
         params = [first] + [
@@ -595,7 +603,7 @@ class ContinuousDecodeLoop:
         **sampling: Any,
     ) -> Iterator[TokenLogprobs]:
         """The blocking twin of :meth:`generate_logprobs`, for threads."""
-        sampling.setdefault("logprobs", 0)
+        _with_logprobs(sampling)
         return self._items_sync(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
 
     def _items_sync(
@@ -650,7 +658,7 @@ class ContinuousDecodeLoop:
         **sampling: Any,
     ) -> concurrent.futures.Future[list[TokenLogprobs]]:
         """:meth:`submit` whose future resolves to the items :meth:`generate_logprobs` streams."""
-        sampling.setdefault("logprobs", 0)
+        _with_logprobs(sampling)
         return self._submit_future(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
 
     def _submit_future(
