@@ -69,12 +69,25 @@ def test_a_row_of_only_minus_inf_fails_its_own_request_alone(temperature: float)
     assert loop.scheduler.get("b") is not None
 
 
+@pytest.mark.parametrize("temperature", [1e-37, 1e-45, 1e-46, 5e-324])  # the last two are 0 in float32
 @pytest.mark.parametrize("sampling", [{}, {"top_p": 0.5}, {"top_k": 2}])
-def test_a_tiny_temperature_samples_like_greedy(sampling: dict[str, Any]) -> None:
+def test_a_tiny_temperature_samples_like_greedy(sampling: dict[str, Any], temperature: float) -> None:
     logits = torch.tensor([[-5.0, -3.0, -4.0], [2.0, 1.0, 9.0]])
-    params = [SamplingParams(temperature=1e-45, **sampling)] * 2
+    params = [SamplingParams(temperature=temperature, **sampling)] * 2
     gens = [torch.Generator().manual_seed(0) for _ in range(2)]
     assert sample(logits, params, gens) == [1, 2]
+
+
+def test_a_temperature_that_is_zero_in_float32_fails_no_request_of_its_step() -> None:
+    """1e-46 divided the logits by zero (NaN) and failed every request of its step, its
+    neighbours' too: it samples greedily."""
+    loop = _loop(lambda row: row.__setitem__(5, 1.0))
+    loop.scheduler.add(Request("tiny", [1, 2], SamplingParams(max_new_tokens=2, temperature=1e-46)))
+    loop.scheduler.add(Request("other", [1, 2], SamplingParams(max_new_tokens=2, temperature=0.7, seed=1)))
+    _, events = loop.step_once()
+    by_id = {e.request_id: e for e in events}
+    assert (by_id["tiny"].token, by_id["tiny"].error) == (5, None)
+    assert by_id["other"].error is None
 
 
 def test_a_detokenize_hook_that_fails_on_one_output_fails_that_request_alone() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .grammar import Grammar
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "sample"]
+__all__ = ["GREEDY_BELOW", "MAX_LOGPROBS", "SamplingParams", "adjust_logits", "sample"]
 
 Tensor = Any
 
@@ -21,6 +21,9 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's
+# A temperature below float32's smallest normal number samples greedily: any two different
+# logits are then infinitely far apart, and the smallest of these divide by zero in float32.
+GREEDY_BELOW = 2.0**-126
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,8 @@ class SamplingParams:
 
     Args:
         max_new_tokens: generate at most this many tokens (>= 1).
-        temperature: 0 is greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 is greedy (argmax), and so is any temperature below
+            :data:`GREEDY_BELOW` (2**-126); otherwise logits are divided by it.
         top_k: keep the k most likely tokens (0: all).
         top_p: keep the smallest set of tokens whose probability reaches top_p (1.0: all).
         seed: seeds this request's generator, so that sampling is reproducible.
@@ -153,7 +157,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the token is the argmax: a temperature of 0, or one below
+        :data:`GREEDY_BELOW`, which is greedy in effect (and would divide the logits by a zero
+        once in float32)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
