@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from batchkit.serve.protocol import ApiError, parse_body, parse_chat, parse_completion, parse_embedding
+from batchkit.serve.protocol import (
+    ApiError,
+    completion_logprobs,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -188,3 +195,13 @@ def test_logprobs_echo_and_several_prompts_are_read() -> None:
     assert parse_chat({"model": "m", "messages": HI, "logprobs": False}).logprobs is None
     req = parse_completion({"model": "m", "prompt": ["a", [1, 2]], "logprobs": 0, "echo": True, "max_tokens": 0})
     assert (req.prompts, req.logprobs, req.echo, req.max_tokens) == (("a", [1, 2]), 0, True, 0)
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_too() -> None:
+    """As OpenAI's and vLLM's completions: each position's top_logprobs holds the token chosen
+    there even when it is not among the ``logprobs`` most likely (up to logprobs + 1 entries);
+    one that is among them is not repeated. Clients read ``top_logprobs[i][tokens[i]]``."""
+    out = completion_logprobs(["The", (" cat", -2.5, [(" dog", -0.5)]), (" sat", -0.1, [(" sat", -0.1)])])
+    assert out["tokens"] == ["The", " cat", " sat"]
+    assert out["top_logprobs"] == [None, {" dog": -0.5, " cat": -2.5}, {" sat": -0.1}]
+    assert completion_logprobs([(" a", -1.0, [])])["top_logprobs"] == [{" a": -1.0}]  # logprobs=0

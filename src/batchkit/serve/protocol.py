@@ -809,7 +809,9 @@ def chat_logprobs(entries: Sequence[TokenText]) -> dict[str, Any]:
 
 def completion_logprobs(entries: Sequence[TokenText | str], text_offset: int = 0) -> dict[str, Any]:
     """OpenAI's completions ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset``); a bare string is a token without a logprob (an echoed prompt's first)."""
+    ``text_offset``); a bare string is a token without a logprob (an echoed prompt's first).
+    Each ``top_logprobs`` holds the token itself too when it is not among the alternatives (up to
+    ``logprobs + 1`` entries, as OpenAI's and vLLM's)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -825,7 +827,9 @@ def completion_logprobs(entries: Sequence[TokenText | str], text_offset: int = 0
         text, lp, top = entry
         tokens.append(text)
         token_logprobs.append(_logprob(lp))
-        tops.append({t: _logprob(v) for t, v in top})
+        alternatives = {t: _logprob(v) for t, v in top}
+        alternatives.setdefault(text, _logprob(lp))
+        tops.append(alternatives)
         text_offset += len(text)
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
 
