@@ -218,12 +218,36 @@ def test_isolate_errors_fails_only_the_culprit() -> None:
                 assert f.result(WAIT) == i + 1
 
 
+def _numpy() -> Any:
+    return pytest.importorskip("numpy")
+
+
+class _Table:
+    """A pandas-DataFrame-like result: rows by len() and shape, but iteration over column labels."""
+
+    columns = ("score", "label", "extra")
+
+    def __init__(self, rows: int) -> None:
+        self.shape = (rows, len(self.columns))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: str) -> list[int]:
+        return [0] * self.shape[0]
+
+    def __iter__(self) -> Any:
+        return iter(self.columns)
+
+
 @pytest.mark.parametrize(
     ("result", "message"),
     [
         (lambda xs: xs[:-1], "returned 2 results for a batch of 3"),
         (lambda xs: 42, "not a sequence"),
         (lambda xs: "abc", "not a sequence"),
+        (lambda xs: _numpy().asarray(sum(xs)), "a 0-d ndarray"),  # killed the worker: no one answered
+        (lambda xs: _Table(len(xs)), "iterates over its columns"),  # callers got column names
     ],
 )
 def test_wrong_result_shape_is_batch_size_mismatch_for_everyone(

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from batchkit import AsyncBatcher, BatcherClosed, DynamicBatcher
+from batchkit import AsyncBatcher, BatcherClosed, BatchSizeMismatch, DynamicBatcher
 from batchkit.testing import MockClock
 
 WAIT = 10.0  # seconds: the bound on every wait in this file; nothing should come near it
@@ -159,6 +159,28 @@ def test_a_timeout_that_is_not_a_wait_is_refused_whatever_the_policy(make: Make,
             await shell.submit(1, timeout=timeout)
         assert shell.statistics().submitted == 0
         assert await shell.submit(2, timeout=0) == 4
+        await shell.close()
+
+    run(main)
+
+
+def test_a_single_value_for_the_whole_batch_fails_its_callers_and_the_batcher_goes_on(make: Make) -> None:
+    """A 0-d array (e.g. ``torch.tensor(xs).sum()``) is a BatchSizeMismatch for each caller of
+    the batch; it killed the worker, and no caller, then or later, was ever answered."""
+    np = pytest.importorskip("numpy")
+    calls: list[int] = []
+
+    def fn(items: list[int]) -> Any:
+        calls.append(len(items))
+        return np.asarray(sum(items)) if len(calls) == 1 else double(items)
+
+    shell = make(fn, max_batch_size=2, max_wait_ms=1e6)
+
+    async def main() -> None:
+        results = await asyncio.gather(shell.submit(1), shell.submit(2), return_exceptions=True)
+        assert all(isinstance(r, BatchSizeMismatch) for r in results), results
+        assert "0-d ndarray" in str(results[0])
+        assert list(await asyncio.gather(shell.submit(3), shell.submit(4))) == [6, 8]
         await shell.close()
 
     run(main)

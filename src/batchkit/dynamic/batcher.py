@@ -1081,9 +1081,13 @@ def malformed_results(name: str, results: object, n: int) -> BatchSizeMismatch |
     """The error for a batch function's return value that is not ``n`` results in a sequence
     (or an array), or None when it is well formed."""
     if isinstance(results, (str, bytes)) or (not isinstance(results, Sequence) and not _is_array(results)):
+        what = type(results).__name__
+        if getattr(results, "shape", None) == ():
+            what = f"a 0-d {what} (one value for the whole batch)"
+        elif hasattr(results, "columns"):
+            what += " (a table iterates over its columns: return its rows, e.g. df.to_dict('records'))"
         return BatchSizeMismatch(
-            f"{name} returned {type(results).__name__}, not a sequence; a batch "
-            "function must return one result per input, in order"
+            f"{name} returned {what}, not a sequence; a batch function must return one result per input, in order"
         )
     if len(results) != n:  # type: ignore[arg-type]
         return BatchSizeMismatch(
@@ -1094,4 +1098,13 @@ def malformed_results(name: str, results: object, n: int) -> BatchSizeMismatch |
 
 
 def _is_array(x: object) -> bool:
-    return hasattr(x, "__len__") and hasattr(x, "__getitem__") and hasattr(x, "shape")
+    """Whether ``x`` is an array of results, one per row (numpy, torch, a pandas Series...): not a
+    0-d array (a single value: it has no length), nor a table whose iteration yields its column
+    labels instead of its rows (a pandas DataFrame)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or not (hasattr(x, "__len__") and hasattr(x, "__getitem__")) or hasattr(x, "columns"):
+        return False
+    try:
+        return len(shape) >= 1
+    except TypeError:
+        return False
