@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import batchkit
-from batchkit import AsyncBatchedFunction, BatchedFunction, batched
+from batchkit import AsyncBatchedFunction, BatchedFunction, BatchSizeMismatch, batched
 from batchkit.dynamic.batcher import DynamicBatcher
 from batchkit.dynamic.queue import OnFull
 
@@ -137,6 +137,22 @@ def test_methods_get_one_batcher_per_instance() -> None:
     assert a.predict.batcher is not b.predict.batcher
     a.predict.close()
     b.predict.close()
+
+
+def test_a_methods_batcher_is_named_after_the_method() -> None:
+    """Errors, threads and repr name ``Model.predict``, not ``partial`` (the bound method)."""
+
+    class Model:
+        @batched(max_batch=4, max_wait_ms=1)
+        def predict(self, xs: list[int]) -> list[int]:
+            return xs[:-1]
+
+    m = Model()
+    with pytest.raises(BatchSizeMismatch, match=r"Model.predict returned 0 results"):
+        m.predict(1)
+    assert m.predict.batcher.name.endswith("Model.predict")
+    assert "partial" not in repr(m.predict)
+    m.predict.close()
 
 
 def test_bad_options_fail_at_decoration() -> None:

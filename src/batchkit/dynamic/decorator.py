@@ -100,7 +100,10 @@ class _BatchedBase(Generic[T, R]):
             with self._lock:
                 bound = store.get(self._attr)
                 if bound is None:
-                    bound = type(self)(functools.partial(self._fn, instance), self._settings)
+                    method = functools.partial(self._fn, instance)
+                    # The method's name (a partial has none), for the batcher's errors, threads and repr.
+                    functools.update_wrapper(method, self._fn)
+                    bound = type(self)(method, self._settings)
                     store[self._attr] = bound
         return bound
 
