@@ -206,6 +206,19 @@ def test_a_model_idle_most_of_the_run_gets_a_note_with_the_measured_throughput()
     assert note in report.table()
 
 
+def test_an_open_loop_run_below_capacity_is_not_told_to_plan_with_the_offered_rate() -> None:
+    """With --rate, a model idle most of the run only says the offered rate was low: the note
+    names the offered rate and QPS_max as the capacity (it said to plan with the measured
+    throughput, which is then the offered rate, however large the capacity)."""
+    report = bench.sweep(echo_batch, lambda i: i, [4], rate=200, duration_s=0.1)
+    (p,) = report.points
+    assert report.qps_max is not None
+    assert p.utilisation < bench.LOW_UTILISATION
+    (note,) = [n for n in report.notes if "busy" in n]
+    assert "offered 200/s" in note
+    assert "plan with" not in note
+
+
 def test_b_opt_meets_the_sla_even_when_the_knee_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """P99 is not monotone in B: here B = 8 reaches 90% of the best throughput (the knee) but its
     P99 misses the SLA, which B = 16 and B = 32 meet. B_opt must be a size that meets the SLA:

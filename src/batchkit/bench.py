@@ -581,7 +581,14 @@ def sweep(
     at = next(p for p in points if p.batch_size == report.b_opt)
     # The batch the load actually formed at B_opt, not the nominal limit (it may never fill).
     report.qps_max = at.mean_batch_size / (at.t_batch_ms / 1e3) if at.t_batch_ms > 0 else None
-    if report.qps_max is not None and at.utilisation < LOW_UTILISATION:
+    if report.qps_max is not None and at.utilisation < LOW_UTILISATION and rate is not None:
+        # Open loop: the model idles because the offered rate is lower than what it serves.
+        report.notes.append(
+            f"at B_opt the model was busy {at.utilisation:.0%} of the time: the offered {_significant(rate)}/s "
+            "is below its capacity, so the measured throughput is the offered rate, not a limit; "
+            "QPS_max is the capacity (raise --rate to measure P99 near it)"
+        )
+    elif report.qps_max is not None and at.utilisation < LOW_UTILISATION:
         report.notes.append(
             f"at B_opt the model was busy {at.utilisation:.0%} of the time: QPS_max counts its time alone, but "
             f"{_significant(at.throughput)}/s was measured (the callers or the overhead around each request "
