@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Clock", "ListenableClock", "MonotonicClock"]
+__all__ = ["Clock", "ListenableClock", "MonotonicClock", "checked_clock"]
 
 
 @runtime_checkable
@@ -39,3 +39,16 @@ class MonotonicClock:
 
     def __repr__(self) -> str:
         return "<MonotonicClock>"
+
+
+def checked_clock(clock: object) -> Clock:
+    """``clock``, or the :class:`MonotonicClock` for None.
+
+    Raises:
+        TypeError: ``clock`` has no ``now()`` method (caught where it is given, not at its first read).
+    """
+    if clock is None:
+        return MonotonicClock()
+    if not callable(getattr(clock, "now", None)):
+        raise TypeError(f"clock must have a now() method returning seconds (a batchkit.Clock), got {clock!r}")
+    return clock  # type: ignore[return-value]

@@ -30,7 +30,7 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
-from .._clock import Clock, MonotonicClock
+from .._clock import Clock, checked_clock
 from .._errors import BatcherClosed, KVCacheExhausted, QueueFull
 from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ..kv.allocator import PagedKVAllocator
@@ -183,8 +183,6 @@ def _checked_loop_args(
     if eos_token_id is not None:
         SamplingParams(eos_token_id=eos_token_id)  # the TypeError every request would raise, now
         eos_token_id = operator.index(eos_token_id)
-    if clock is not None and not callable(getattr(clock, "now", None)):
-        raise TypeError(f"clock must have a now() method (a batchkit.Clock), got {clock!r}")
     if max_waiting is not None and (
         isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
     ):
@@ -280,7 +278,7 @@ class ContinuousDecodeLoop:
         self.engine = engine
         self.step_fn = step_fn
         self.kv = kv_cache
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.clock: Clock = checked_clock(clock)
         self.allocator = PagedKVAllocator(
             kv_cache.num_blocks,
             kv_cache.block_size,

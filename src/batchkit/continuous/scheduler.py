@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._clock import Clock, MonotonicClock
+from .._clock import Clock, checked_clock
 from .._errors import DeadlineExceeded, KVCacheExhausted
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary, SampleWindow
@@ -336,7 +336,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode: PreemptionMode = preemption_mode
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.clock: Clock = checked_clock(clock)
         self.detokenize = detokenize
         self.waiting: list[Request] = []  # sorted by (priority, arrival order)
         self.running: list[Request] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-from .._clock import Clock, MonotonicClock
+from .._clock import Clock, checked_clock
 from .._errors import CircuitOpen
 from .controller import is_finite
 
@@ -65,7 +65,7 @@ class CircuitBreaker:
             raise ValueError(f"reset_timeout_s must be a finite number of seconds > 0, got {reset_timeout_s!r}")
         self.failure_threshold = int(failure_threshold)
         self.reset_timeout_s = float(reset_timeout_s)
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.clock: Clock = checked_clock(clock)
         self._state = _CLOSED
         self._failures = 0
         self._opened_at = 0.0

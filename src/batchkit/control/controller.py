@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._clock import Clock, MonotonicClock
+from .._clock import Clock, checked_clock
 
 __all__ = ["AdaptiveBatchController", "Decision", "is_out_of_memory"]
 
@@ -131,7 +131,7 @@ class AdaptiveBatchController:
         self.min_headroom = min_headroom
         self.deadband = deadband
         self.cooldown_s = cooldown_s
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.clock: Clock = checked_clock(clock)
         self.batch_size = start
         self._last_change = float("-inf")
         self._latencies: deque[tuple[float, float]] = deque()

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._clock import Clock, MonotonicClock
+from .._clock import Clock, checked_clock
 from .controller import AdaptiveBatchController, is_finite
 
 # The name api.md documents for the tuner's step errors (the module's name before control/).
@@ -83,7 +83,7 @@ class AdaptiveTuner:
         self.policy: BatchSizePolicy = (
             _ControllerPolicy(policy) if isinstance(policy, AdaptiveBatchController) else policy
         )
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.clock: Clock = checked_clock(clock)
         self._seen = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

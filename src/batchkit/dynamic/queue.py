@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
-from .._clock import Clock, MonotonicClock
+from .._clock import Clock, checked_clock
 from .._errors import QueueEmpty, QueueFull
 from .._waiters import ThreadWaiter, new_async_waiter, wake_all
 from ._queue_core import (
@@ -78,8 +78,6 @@ class BoundedQueue(Generic[T]):
         on_drop: DropCallback | None = None,
     ) -> None:
         self.core: QueueCore[T] = QueueCore(maxsize, on_full, aging_s=aging_s)
-        if clock is not None and not callable(getattr(clock, "now", None)):
-            raise TypeError(f"clock must have a now() method returning seconds (a batchkit.Clock), got {clock!r}")
         if on_drop is not None and not callable(on_drop):
             raise TypeError(f"on_drop must be called as on_drop(entry, error), got {on_drop!r}")
         self.maxsize = maxsize
@@ -90,7 +88,7 @@ class BoundedQueue(Generic[T]):
         self.mutex = threading.Lock()
         """Guards :attr:`core`. A runtime that admits through the core directly (the batcher)
         holds it, so that its decisions and this queue's callers see one state."""
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.clock: Clock = checked_clock(clock)
         self.on_drop = on_drop
         self.stop_waiting: Callable[[], bool] | None = None
         """A condition read under :attr:`mutex` beside the room: while it holds, writers waiting

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._clock import Clock, MonotonicClock
+from .._clock import Clock, checked_clock
 from .._errors import BatchTimeout, JobStateError, QueueFull
 from ..dynamic.decorator import progress_bar
 from .fingerprint import Fingerprints, InputCheck, canonical_json, content_digest, is_id, record_key
@@ -768,6 +768,7 @@ def run(
                 "to resume, so they must be files (not a folder, a pipe or a device such as /dev/null)"
             )
 
+    clock = checked_clock(clock)
     window = max_in_flight if max_in_flight is not None else 2 * max_batch * concurrency
     target = _make_target(
         fn,
@@ -787,7 +788,6 @@ def run(
         window = target.window
     if target.cap is not None:
         window = min(window, target.cap)
-    clock = clock if clock is not None else MonotonicClock()
     t0 = clock.now()
     name, settings = _fn_identity(fn)
     resume = _ResumeCheck(src, id_field, out_path.resolve())
