@@ -269,8 +269,6 @@ class PagedKVCache:
             raise ValueError(
                 f"slot_mapping must be 1-D with one slot per token ({key.shape[0]}), got {tuple(slot_mapping.shape)}"
             )
-        if not _is_integer(slot_mapping):
-            raise ValueError(f"slot_mapping must hold integer slots, got {slot_mapping.dtype}")
 
     def _check_tables(self, block_tables: Tensor, seq_lens: Tensor) -> None:
         """The checks the CUDA gather kernel makes of its index arrays (with ``CHECK_INDICES``), made
@@ -298,6 +296,8 @@ class PagedKVCache:
             raise ValueError(f"block_tables hold a block outside 0..{self.num_blocks - 1}")
 
     def _check_slots(self, slot_mapping: Tensor) -> None:
+        if not _is_integer(slot_mapping):  # the CUDA kernel refuses it in its own checks
+            raise ValueError(f"slot_mapping must hold integer slots, got {slot_mapping.dtype}")
         if slot_mapping.numel() and int(slot_mapping.max()) >= self.num_blocks * self.block_size:
             raise ValueError(
                 f"slot {int(slot_mapping.max())} is outside the cache ({self.num_blocks * self.block_size} slots)"
