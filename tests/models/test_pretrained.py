@@ -366,3 +366,44 @@ class TestFastDtype:
         assert isinstance(flags, frozenset)
         if Path("/proc/cpuinfo").exists():
             assert flags, "Linux lists the CPU's flags"
+
+
+class _PieceTokenizer:
+    """A SentencePiece-like stand-in: byte-fallback pieces, a word piece and a special token."""
+
+    all_special_ids = (0,)
+    pieces = ("</s>", "<0xF0>", "<0x9F>", "▁hi")
+    texts = ("", "\ufffd", "\ufffd", " hi")
+
+    def convert_ids_to_tokens(self, token: int) -> str:
+        return self.pieces[token]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.texts[i] for i in ids)
+
+
+def test_token_bytes_of_byte_fallback_pieces_are_their_bytes() -> None:
+    """``<0xF0>`` stands for the byte 0xF0 (its text alone is U+FFFD); other pieces and special
+    tokens give the UTF-8 of their text alone."""
+    lm = PretrainedLM(
+        model=cast(Any, None),
+        tokenizer=_PieceTokenizer(),
+        eos_token_id=0,
+        stop_token_ids=(0,),
+        max_model_len=64,
+        name="pieces",
+        path=Path("."),
+    )
+    assert [lm.token_bytes(t) for t in range(4)] == [b"", b"\xf0", b"\x9f", b" hi"]
+
+
+@needs_smollm2
+def test_token_bytes_spell_the_text_where_tokens_split_characters() -> None:
+    """A byte-level BPE splits an emoji over tokens whose texts alone are U+FFFD: their bytes,
+    joined, are the text's UTF-8 (what OpenAI's chat logprobs ``bytes`` promise)."""
+    lm = load_pretrained(SMOLLM2)
+    text = "cats: \U0001f431 na\u00efve\n\tx"
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+    assert any(lm.decode([t]) == "\ufffd" for t in ids)  # some token holds part of a character
+    assert b"".join(lm.token_bytes(t) for t in ids) == text.encode()
+    assert lm.token_bytes(lm.tokenizer.convert_tokens_to_ids("<|im_start|>")) == b""  # special: its text, none

@@ -10,6 +10,8 @@ import pytest
 
 from batchkit.serve.protocol import (
     ApiError,
+    TokenString,
+    chat_logprobs,
     completion_logprobs,
     parse_body,
     parse_chat,
@@ -205,3 +207,15 @@ def test_completion_top_logprobs_hold_the_chosen_token_too() -> None:
     assert out["tokens"] == ["The", " cat", " sat"]
     assert out["top_logprobs"] == [None, {" dog": -0.5, " cat": -2.5}, {" sat": -0.1}]
     assert completion_logprobs([(" a", -1.0, [])])["top_logprobs"] == [{" a": -1.0}]  # logprobs=0
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes() -> None:
+    """OpenAI's ``bytes``: joined, they spell the text, also where a token holds part of a
+    character (its text alone is U+FFFD, whose UTF-8 they used to give)."""
+    first, second = TokenString("\ufffd", b"\xf0\x9f"), TokenString("\ufffd", b"\x90\xb1")
+    out = chat_logprobs([(first, -0.1, [(first, -0.1)]), (second, -0.2, []), ("!", -0.3, [])])
+    content = out["content"]
+    assert [c["bytes"] for c in content] == [[0xF0, 0x9F], [0x90, 0xB1], [ord("!")]]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "\U0001f431!"
+    assert content[0]["top_logprobs"][0]["bytes"] == [0xF0, 0x9F]
+    assert json.loads(json.dumps(out))["content"][0]["token"] == "\ufffd"  # a str for JSON

@@ -28,6 +28,7 @@ from ..serve.protocol import (
     ApiError,
     GenerationRequest,
     IncrementalDetokenizer,
+    TokenString,
     TokenText,
     chat_choice,
     chat_logprobs,
@@ -39,6 +40,7 @@ from ..serve.protocol import (
     parse_body,
     parse_chat,
     parse_completion,
+    token_string,
     usage,
 )
 from ..serve.structured import grammar_for
@@ -154,7 +156,7 @@ class OpenAIBatchFunction(LoopFunction):
         self.max_prompts_per_request = max_prompts_per_request
         self._lock = threading.Lock()  # the counter below and the token strings, from the engine thread
         self.num_errors = 0  # requests answered with an error status, since this object was made
-        self._token_strings: dict[int, str] = {}
+        self._token_strings: dict[int, TokenString] = {}
 
     def settings(self) -> dict[str, Any]:
         """What shapes an answer besides its line: the model's type and name, whether the name
@@ -342,12 +344,8 @@ class OpenAIBatchFunction(LoopFunction):
             body = completion_response(new_id("cmpl"), self.model_name, choices, counts)
         return OutputLine(_line(request.custom_id, 200, body, None), num_completion)
 
-    def _token_string(self, token: int) -> str:
-        cache = self._token_strings
-        text = cache.get(token)
-        if text is None:
-            text = cache[token] = self.lm.decode([token])
-        return text
+    def _token_string(self, token: int) -> TokenString:
+        return token_string(self.lm, self._token_strings, token)
 
     def _token_text(self, item: TokenLogprobs) -> TokenText:
         text = self._token_string

@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -253,6 +254,40 @@ class PretrainedLM:
         """Text of ``token_ids``, special tokens (EOS...) left out. Safe from any thread."""
         with self.lock:
             return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes token ``token`` adds to a text, as OpenAI's logprobs ``bytes`` hold
+        them: a token may hold part of a character (an emoji's first bytes), which its text alone
+        (:meth:`decode` of it, U+FFFD) cannot show. Exact for byte-level BPE tokenizers (GPT-2's
+        byte alphabet: Llama 3, Qwen, SmolLM...) and byte-fallback tokens (``<0xE2>``); for
+        special tokens and other tokenizers, the UTF-8 of the token's text alone."""
+        tok = self.tokenizer
+        with self.lock:
+            pieces = getattr(tok, "convert_ids_to_tokens", None)
+            piece = pieces(int(token)) if pieces is not None else None
+            special = int(token) in getattr(tok, "all_special_ids", ())
+            decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+        if isinstance(piece, str) and not special:
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback is not None:
+                return bytes([int(fallback.group(1), 16)])
+            if type(decoder).__name__ == "ByteLevel" and all(c in _GPT2_BYTES for c in piece):
+                return bytes(_GPT2_BYTES[c] for c in piece)
+        return self.decode([token]).encode()
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable Latin-1 bytes stand for
+    themselves, the others (controls, space...) for the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in chars]
+    chars.update((b, chr(256 + i)) for i, b in enumerate(others))
+    return {c: b for b, c in chars.items()}
+
+
+_GPT2_BYTES = _gpt2_byte_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _native_config(config: Any) -> LlamaConfig | None:

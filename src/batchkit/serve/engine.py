@@ -28,7 +28,7 @@ from ..dynamic.decorator import BatchedFunction, batched
 from .admission import PromptRoom, Refused, WaitingRoom
 from .generation import Generation
 from .metrics import BatchkitCollector, ServerMetrics
-from .protocol import ApiError, GenerationRequest, TokenizeRequest, TokenText, new_id
+from .protocol import ApiError, GenerationRequest, TokenizeRequest, TokenString, TokenText, new_id, token_string
 from .structured import compile_in_thread, grammar_for
 from .tokenizing import InputCutter, PromptTokenizer
 
@@ -102,7 +102,7 @@ class EngineBridge:
         # vLLM's names too: routers and autoscalers configured for vLLM then read this server as it is.
         self.collector = BatchkitCollector(vllm_names=True).register(self.registry)
         self.metrics = ServerMetrics(self.registry)
-        self._token_strings: dict[int, str] = {}
+        self._token_strings: dict[int, TokenString] = {}
         self._in_flight = 0
         self._idle: anyio.Event | None = None  # set when the last request in flight leaves
         self._token: Any = None  # the event loop serving the app (set in the lifespan)
@@ -461,16 +461,11 @@ class EngineBridge:
         text = self.token_string
         return text(item.token), item.logprob, [(text(t), v) for t, v in item.top_logprobs]
 
-    def token_string(self, token: int) -> str:
-        """One token's text alone (cached: a response may name the same tokens many times).
-        Decoded on the event loop: one token costs less there than the hop to a thread."""
-        cache = self._token_strings
-        text = cache.get(token)
-        if text is None:
-            lm = self.lm
-            assert lm is not None
-            text = cache[token] = lm.decode([token])
-        return text
+    def token_string(self, token: int) -> TokenString:
+        """One token's text alone, with its bytes (cached: a response may name the same tokens
+        many times). Decoded on the event loop: one token costs less there than the hop to a thread."""
+        assert self.lm is not None
+        return token_string(self.lm, self._token_strings, token)
 
     # ------------------------------------------------------------------ the tokenizer routes
 

@@ -792,6 +792,33 @@ def _logprob(value: float) -> float:
 TokenText = tuple[str, float, Sequence[tuple[str, float]]]  # a token's text, logprob and top alternatives
 
 
+class TokenString(str):
+    """One token's text alone, carrying the bytes the token adds to a text (``raw``): a token
+    that holds part of a character reads as U+FFFD but keeps its own bytes, which chat logprobs'
+    ``bytes`` give (joined, they spell the text)."""
+
+    raw: bytes
+
+    def __new__(cls, text: str, raw: bytes) -> TokenString:
+        token = super().__new__(cls, text)
+        token.raw = raw
+        return token
+
+
+def token_string(lm: Any, cache: dict[int, TokenString], token: int) -> TokenString:
+    """Token ``token``'s :class:`TokenString` from a ``PretrainedLM``, kept in ``cache`` (a
+    response may name the same tokens many times)."""
+    text = cache.get(token)
+    if text is None:
+        text = cache[token] = TokenString(lm.decode([token]), lm.token_bytes(token))
+    return text
+
+
+def _utf8(text: str) -> list[int]:
+    """The bytes of a token's text as OpenAI's ``bytes`` field: its own for a :class:`TokenString`."""
+    return list(text.raw if isinstance(text, TokenString) else text.encode())
+
+
 def chat_logprobs(entries: Sequence[TokenText]) -> dict[str, Any]:
     """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     return {
@@ -799,8 +826,8 @@ def chat_logprobs(entries: Sequence[TokenText]) -> dict[str, Any]:
             {
                 "token": text,
                 "logprob": _logprob(lp),
-                "bytes": list(text.encode()),
-                "top_logprobs": [{"token": t, "logprob": _logprob(v), "bytes": list(t.encode())} for t, v in top],
+                "bytes": _utf8(text),
+                "top_logprobs": [{"token": t, "logprob": _logprob(v), "bytes": _utf8(t)} for t, v in top],
             }
             for text, lp, top in entries
         ]
