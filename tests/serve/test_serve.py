@@ -1900,7 +1900,10 @@ def test_with_a_stop_string_the_logprobs_are_those_of_the_returned_text(live: Li
 def test_chat_logprobs_bytes_spell_the_answer_where_tokens_split_characters(live: LiveServer) -> None:
     """An answer of emojis, which SmolLM2 spells with tokens holding parts of a character: the
     tokens' ``bytes``, joined, are the answer's UTF-8 (each gave U+FFFD's bytes before)."""
-    body = {"model": CHAT, "messages": [{"role": "user", "content": "Repeat exactly: \U0001f431\U0001f436"}]}
+    body: dict[str, Any] = {
+        "model": CHAT,
+        "messages": [{"role": "user", "content": "Repeat exactly: \U0001f431\U0001f436"}],
+    }
     body |= {"temperature": 0, "max_tokens": 12, "logprobs": True}
     r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=DEADLINE_S).json()
     content = r["choices"][0]["logprobs"]["content"]
