@@ -240,6 +240,21 @@ class _Table:
         return iter(self.columns)
 
 
+class _Ragged:
+    """An array-like result whose length says one row per input but whose iteration yields one."""
+
+    def __init__(self, rows: int) -> None:
+        self.shape = (rows,)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i: int) -> int:
+        if i >= 1:
+            raise IndexError(i)
+        return 0
+
+
 @pytest.mark.parametrize(
     ("result", "message"),
     [
@@ -248,6 +263,7 @@ class _Table:
         (lambda xs: "abc", "not a sequence"),
         (lambda xs: _numpy().asarray(sum(xs)), "a 0-d ndarray"),  # killed the worker: no one answered
         (lambda xs: _Table(len(xs)), "iterates over its columns"),  # callers got column names
+        (lambda xs: _Ragged(len(xs)), "iterates over 1 results"),  # killed the worker part-way
     ],
 )
 def test_wrong_result_shape_is_batch_size_mismatch_for_everyone(

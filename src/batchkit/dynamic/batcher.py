@@ -479,6 +479,8 @@ class BatcherShell(Generic[T, R]):
             error: BaseException | None = exc
         else:
             error = malformed_results(self.name, results, len(reqs))
+            if error is None and not isinstance(results, list | tuple):
+                results, error = _rows(self.name, results, len(reqs))
         return self._answer(reqs, results, error), error is None
 
     def _answer(self, reqs: Sequence[Any], results: Any, error: BaseException | None) -> list[Any]:
@@ -1095,6 +1097,22 @@ def malformed_results(name: str, results: object, n: int) -> BatchSizeMismatch |
             "return exactly one result per input, in order"
         )
     return None
+
+
+def _rows(name: str, results: Any, n: int) -> tuple[list[Any] | None, BatchSizeMismatch | None]:
+    """An array's (or other sequence's) results as a list, read before any caller is answered:
+    one whose iteration fails or yields another count than its length fails the batch's callers
+    instead of the thread answering them."""
+    try:
+        rows = list(results)
+    except Exception as exc:  # noqa: BLE001 - a broken result type is the batch function's error
+        return None, BatchSizeMismatch(f"{name} returned a {type(results).__name__} that could not be read: {exc!r}")
+    if len(rows) != n:
+        return None, BatchSizeMismatch(
+            f"{name} returned a {type(results).__name__} of length {n} that iterates over {len(rows)} results; "
+            "return a list of one result per input"
+        )
+    return rows, None
 
 
 def _is_array(x: object) -> bool:
