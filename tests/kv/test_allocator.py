@@ -242,6 +242,23 @@ def test_tenant_quota_limits_only_that_tenant() -> None:
     assert a.statistics().tenant_usage == {"small": 4, "half": 16, None: 10}
 
 
+def test_a_prefix_cache_hit_counts_against_the_quota_of_each_sequence_holding_it() -> None:
+    """A shared cached block counts once for each sequence that holds it: a second sequence on the
+    same prompt that would take its tenant over its quota is refused, nothing changed (its hits
+    were charged without being checked, and the tenant went over)."""
+    a = PagedKVAllocator(64, block_size=4, enable_prefix_caching=True, tenant_quotas={"t": 6})
+    prompt = list(range(13))  # 4 blocks
+    a.allocate("s1", prompt, tenant="t")
+    a.mark_computed("s1", 13)
+    before = a.statistics()
+    with pytest.raises(KVCacheExhausted, match="quota"):
+        a.allocate("s2", prompt, tenant="t")
+    after = a.statistics()
+    assert (after.tenant_usage, after.used_blocks) == (before.tenant_usage, before.used_blocks) == ({"t": 4}, 4)
+    a.free("s1")
+    assert a.allocate("s2", prompt, tenant="t") == 12  # alone, the same prompt fits and hits the cache
+
+
 def test_swap_out_and_in_round_trip() -> None:
     """swap_out frees device blocks and returns the copies; swap_in restores the sequence."""
     a = PagedKVAllocator(16, block_size=4, num_cpu_blocks=8)

@@ -198,7 +198,9 @@ class PagedKVAllocator:
         goes back to the pool, or onto the prefix cache's LRU list if it is cached."""
         self.pool.push_free(self.prefix.park(self.pool.release(blocks)))
 
-    def _check_room(self, n: int, tenant: Hashable, *, admission: bool) -> None:
+    def _check_room(self, n: int, tenant: Hashable, *, admission: bool, charged: int | None = None) -> None:
+        """Refuse taking ``n`` blocks from the pool, or charging ``tenant`` for ``charged`` (default
+        ``n``: more when cached blocks another sequence holds are shared, which each holder pays)."""
         avail = self.num_free_blocks - (self._watermark_blocks if admission else 0)
         if n > avail:
             raise KVCacheExhausted(
@@ -206,7 +208,7 @@ class PagedKVAllocator:
                 + (f" above the watermark ({self._watermark_blocks} kept free)" if admission else "")
                 + "; free or preempt sequences, or give the cache more blocks"
             )
-        self.quotas.check(tenant, n)
+        self.quotas.check(tenant, n if charged is None else charged)
 
     # ------------------------------------------------------------------ sequences
 
@@ -353,7 +355,7 @@ class PagedKVAllocator:
         fresh = need_total - len(hit_blocks)
         ref = self.pool.ref
         revived = [b for b in hit_blocks if ref[b] == 0]  # reviving an evictable hit takes an available block
-        self._check_room(fresh + len(revived), tenant, admission=True)
+        self._check_room(fresh + len(revived), tenant, admission=True, charged=need_total)
         # Checks passed: mutate.
         for b in revived:
             self.prefix.revive(b)
