@@ -259,6 +259,21 @@ def test_a_prefix_cache_hit_counts_against_the_quota_of_each_sequence_holding_it
     assert a.allocate("s2", prompt, tenant="t") == 12  # alone, the same prompt fits and hits the cache
 
 
+@pytest.mark.parametrize("bad", [1.5, 1.5j, None, "7"])
+def test_a_token_id_that_is_not_an_int_changes_nothing(bad: object) -> None:
+    """Errors leave the pool as it was: a bad generated token id (read only after the slots were
+    taken, before) is a ValueError with the sequence's length and blocks unchanged."""
+    a = PagedKVAllocator(16, block_size=4, enable_prefix_caching=True)
+    a.allocate("s", [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="token_ids"):
+        a.append_slots("s", 1, token_ids=[bad])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="token_ids"):
+        a.append_slots_batch(["s"], token_ids=[bad])  # type: ignore[list-item]
+    assert (a.num_tokens("s"), a.statistics().used_blocks) == (4, 1)
+    a.append_slots("s", 1, token_ids=[5])
+    assert a.num_tokens("s") == 5
+
+
 def test_swap_out_and_in_round_trip() -> None:
     """swap_out frees device blocks and returns the copies; swap_in restores the sequence."""
     a = PagedKVAllocator(16, block_size=4, num_cpu_blocks=8)

@@ -44,6 +44,12 @@ __all__ = [
 ]
 
 
+def _token_ints(token_ids: Sequence[object]) -> list[int]:
+    """Token ids as Python ints (prefix keys hash alike whatever ints were given), read before
+    anything changes: a ValueError for an id that is not an int leaves the pool as it was."""
+    return [_int(t, "token_ids (token ids)") for t in token_ids]
+
+
 def _int(value: object, name: str) -> int:
     """``value`` as an int (numpy's included); ValueError naming ``name`` for anything else (a
     float, a bool): a fractional token count would corrupt the block tables."""
@@ -475,10 +481,8 @@ class PagedKVAllocator:
                 continue
             if token_ids is None:
                 info.keys = None
-            elif n == 1:
-                self.prefix.extend(info.keys, [int(token_ids[j])])
             else:
-                self.prefix.extend(info.keys, [int(t) for t in token_ids[j * n : (j + 1) * n]])
+                self.prefix.extend(info.keys, list(token_ids[j * n : (j + 1) * n]))
 
     def can_append_slots(self, seq_ids: Iterable[Hashable], n: int = 1) -> bool:
         """Whether every listed sequence can take ``n`` more tokens now (blocks and quotas)."""
@@ -514,6 +518,8 @@ class PagedKVAllocator:
             info = self._resident(seq_id)  # raises
         if token_ids is not None and len(token_ids) != n:
             raise ValueError(f"token_ids has {len(token_ids)} ids for n={n} slots")
+        # Read as ints before anything changes (a bad id leaves the sequence as it was).
+        ids = None if token_ids is None or info.keys is None else _token_ints(token_ids)
         # The one-sequence path reads the row as plain ints: a decode loop calls it every step for
         # every sequence, and index arrays cost more than the bookkeeping they would vectorise.
         t = self.tables
@@ -535,10 +541,10 @@ class PagedKVAllocator:
             slots = t.row_slots(row, length, n)
         keys = info.keys
         if keys is not None:
-            if token_ids is None:
+            if ids is None:
                 info.keys = None  # generated ids unknown: this sequence stops caching its blocks
             else:
-                self.prefix.extend(keys, [int(token_ids[0])] if n == 1 else [int(x) for x in token_ids])
+                self.prefix.extend(keys, ids)
         return slots
 
     def batch(self, seq_ids: Sequence[Hashable]) -> SeqBatch:
@@ -585,9 +591,10 @@ class PagedKVAllocator:
             raise ValueError(f"token_ids has {len(token_ids)} ids for {rows.size} sequences")
         if not rows.size:
             return np.empty(0, dtype=np.int64)
+        ids = None if token_ids is None or not self.enable_prefix_caching else _token_ints(token_ids)
         slots = self._append(seqs.seq_ids, rows, 1)
         if self.enable_prefix_caching:
-            self._record_tokens(seqs.seq_ids, token_ids, 1)
+            self._record_tokens(seqs.seq_ids, ids, 1)
         return slots
 
     # ------------------------------------------------------------------ sharing and freeing
