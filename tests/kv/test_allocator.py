@@ -274,6 +274,30 @@ def test_a_token_id_that_is_not_an_int_changes_nothing(bad: object) -> None:
     assert a.num_tokens("s") == 5
 
 
+def test_a_batched_step_of_forked_sequences_copies_their_shared_block_once() -> None:
+    """Parent and child both write after a fork: the batched step copies the shared partial block
+    for one and lets the other keep it, as one append_slots after the other does (it copied it
+    for both: a block more than needed, and the shared one freed); with a third holder outside
+    the step, both writers copy."""
+    batched = PagedKVAllocator(16, block_size=4)
+    batched.allocate("p", 6)
+    batched.fork("p", "c")
+    one_by_one = PagedKVAllocator(16, block_size=4)
+    one_by_one.allocate("p", 6)
+    one_by_one.fork("p", "c")
+    assert batched.can_append_slots(["p", "c"])
+    slots = batched.append_slots_batch(["p", "c"]).tolist()
+    assert slots == [*one_by_one.append_slots("p").tolist(), *one_by_one.append_slots("c").tolist()]
+    assert batched.take_copies() == one_by_one.take_copies() == [(2, 3)]
+    assert batched.statistics().used_blocks == one_by_one.statistics().used_blocks == 3
+    three = PagedKVAllocator(16, block_size=4)
+    three.allocate("p", 6)
+    three.fork("p", "c")
+    three.fork("p", "d")
+    three.append_slots_batch(["p", "c"])
+    assert len(three.take_copies()) == 2  # d still holds the original
+
+
 def test_swap_out_and_in_round_trip() -> None:
     """swap_out frees device blocks and returns the copies; swap_in restores the sequence."""
     a = PagedKVAllocator(16, block_size=4, num_cpu_blocks=8)

@@ -392,7 +392,14 @@ class PagedKVAllocator:
         if not self.pool.num_shared:
             return lens, new, None
         last = t.table[rows, np.maximum(t.num_blocks[rows] - 1, 0)]
-        cow = (lens % bs != 0) & (self.pool.ref[last] > 1)
+        ref = self.pool.ref
+        cow = (lens % bs != 0) & (ref[last] > 1)
+        if cow.any():
+            # A block every holder of which writes now: the others copy it, the last row keeps
+            # it (as one append_slots after another would do), not one copy more than needed.
+            blocks, writers = np.unique(last[cow], return_counts=True)
+            for b in blocks[writers == ref[blocks]].tolist():
+                cow[np.nonzero(cow & (last == b))[0][-1]] = False
         return lens, new, cow
 
     def _append(self, seq_ids: Sequence[Hashable], rows: np.ndarray, n: int) -> np.ndarray:
