@@ -220,6 +220,33 @@ def test_a_sliding_window_is_printed_and_counted_in_full(tmp_path: Path, capsys:
     assert ModelShape.from_hf_config(config).kv_bytes_per_token == kv_cache_bytes(1, 32, 8, 128, 2)
 
 
+@pytest.mark.parametrize(
+    ("config", "sliding", "head_dim"),
+    [
+        # Gemma 2 without layer_types: every other layer slides, head_dim 256 by the model's default
+        ({"model_type": "gemma2", "num_hidden_layers": 26, "sliding_window": 4096}, 13, 256),
+        # Qwen2: the layers from max_window_layers on slide
+        ({"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 4096, "use_sliding_window": True,
+          "max_window_layers": 2}, 2, 32),
+    ],
+)  # fmt: skip
+def test_a_config_dict_or_file_is_read_with_its_models_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, Any], sliding: int, head_dim: int
+) -> None:
+    """A dict or config.json is read as transformers reads it, through the model's own config
+    class (it read the dict's fields alone: Gemma 2's window on all 26 layers, Qwen2's on all 4,
+    Gemma's head_dim as hidden_size / heads)."""
+    pytest.importorskip("transformers")
+    config = config | {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 256}
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.num_sliding_layers, shape.sliding_window, shape.head_dim) == (sliding, 4096, head_dim)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert ModelShape.from_hf_config(path) == shape
+    assert main(["plan", "--config", str(path), "--device-gib", "80"]) == 0
+    assert f"4,096 tokens on {sliding} layers" in capsys.readouterr().out
+
+
 def test_a_layer_that_is_not_attention_is_refused_by_the_planner() -> None:
     """A config with linear-attention layers has no paged KV to plan: a ValueError naming the type."""
     config = dict(PRESETS["llama-3-8b"]) | {

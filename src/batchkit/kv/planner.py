@@ -150,6 +150,7 @@ class ModelShape:
         """
         if isinstance(config, (str, Path)):
             config = read_hf_config(config)
+        config = as_transformers_config(config)
         get = _getter(config)
         if get("num_hidden_layers") is None or get("num_attention_heads") is None:
             raise ValueError("config needs num_hidden_layers and num_attention_heads")
@@ -201,6 +202,23 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def as_transformers_config(config: Any) -> Any:
+    """A config dict with a ``model_type`` transformers knows, as transformers' own config object
+    for it, whose defaults fill what the dict leaves out (Gemma's head_dim, Gemma 2's alternating
+    sliding layers, Qwen2's ``max_window_layers``...); anything else as it is (so without
+    transformers installed, the dict's own fields are read)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return config
+    try:
+        import transformers
+    except ImportError:
+        return config
+    try:
+        return transformers.AutoConfig.for_model(**config)
+    except (ValueError, KeyError, TypeError):  # a model_type this transformers does not know
+        return config
+
+
 def _getter(config: Any) -> Any:
     """``get(key, default)`` over a dict or a config object."""
     if isinstance(config, dict):
@@ -209,16 +227,17 @@ def _getter(config: Any) -> Any:
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: full attention) of a config (object or dict), read as
-    transformers reads it: ``layer_types`` when the config has them (``"sliding_attention"``
-    layers get ``sliding_window``), else ``sliding_window`` on every layer, unless
-    ``use_sliding_window`` is false (Qwen2, Qwen3, Qwen2-MoE).
+    """Each layer's sliding window (None: full attention) of a config (object or dict: see
+    :func:`as_transformers_config`), read as transformers reads it: ``layer_types`` when the
+    config has them (``"sliding_attention"`` layers get ``sliding_window``), else
+    ``sliding_window`` on every layer, unless ``use_sliding_window`` is false (Qwen2, Qwen3,
+    Qwen2-MoE).
 
     Raises:
         ValueError: a layer type that is not attention over the sequence (linear attention,
             chunked attention, a convolution, ...): paged K/V cannot hold it.
     """
-    get = _getter(config)
+    get = _getter(as_transformers_config(config))
     num_layers = _positive_int(get, "num_hidden_layers")
     window = get("sliding_window") or None
     if get("use_sliding_window") is False:
