@@ -150,10 +150,13 @@ class ModelShape:
         """
         if isinstance(config, (str, Path)):
             config = read_hf_config(config)
-        config = as_transformers_config(config)
         get = _getter(config)
         if get("num_hidden_layers") is None or get("num_attention_heads") is None:
+            # Named by the config itself (GPT-2's n_layer, or names nested in text_config, are not
+            # planned from, even where transformers would map them).
             raise ValueError("config needs num_hidden_layers and num_attention_heads")
+        config = as_transformers_config(config)
+        get = _getter(config)
         layers = _positive_int(get, "num_hidden_layers")
         heads = _positive_int(get, "num_attention_heads")
         kv_heads = _positive_int(get, "num_key_value_heads") if get("num_key_value_heads") else heads
