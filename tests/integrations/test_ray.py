@@ -373,6 +373,21 @@ def test_decode_deployment_is_sized_from_max_num_seqs() -> None:
     assert decode_deployment(tiny_loop, max_num_seqs=8, max_waiting=20).max_ongoing_requests == 20
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_num_seqs": 8, "max_waiting": 4}, r"max_waiting \(4\) is below max_num_seqs \(8\)"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an int >= 1"),
+        ({"max_num_seqs": 8, "max_waiting": 0}, "max_waiting must be an int >= 1"),
+    ],
+)
+def test_decode_deployment_names_its_own_options_in_its_errors(options: dict[str, Any], message: str) -> None:
+    """Its errors name max_num_seqs / max_waiting, the arguments given (they named
+    deployment_options' max_batch / max_queue)."""
+    with pytest.raises(ValueError, match=message):
+        decode_deployment(tiny_loop, **options)
+
+
 def test_a_replica_admits_all_serve_sends_while_a_small_batch_runs() -> None:
     """A replica's queue holds every request Serve may send it, even when the running batch is a
     single item (on the previous main, the 40th of 40 requests failed with QueueFull)."""

@@ -600,6 +600,13 @@ def decode_deployment(
     _require_ray()
     if not callable(make_loop):
         raise TypeError(f"make_loop must be a callable that builds a ContinuousDecodeLoop, got {make_loop!r}")
+    # This function's names, not deployment_options' (max_batch / max_queue), in its errors.
+    _check_int("max_num_seqs", max_num_seqs, 1)
+    if max_waiting is not None and _check_int("max_waiting", max_waiting, 1) < max_num_seqs:
+        raise ValueError(
+            f"max_waiting ({max_waiting}) is below max_num_seqs ({max_num_seqs}): a replica would never be sent "
+            "enough requests to fill its seats; raise max_waiting or lower max_num_seqs"
+        )
     from ray import serve
 
     serve_options = deployment_options(
