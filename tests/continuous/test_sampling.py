@@ -198,3 +198,28 @@ def test_greedy_takes_each_rows_first_best_logit(dtype: str) -> None:
     hot = SamplingParams(temperature=1.0, seed=1)
     mixed = sample(logits, [greedy, hot, greedy], [None, torch.Generator().manual_seed(1), None])
     assert (mixed[0], mixed[2]) == (2, 0)
+
+
+def test_a_row_whose_sampling_raises_fails_its_own_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler raising on one request's row (any cause: the tiny temperature was one) fails
+    that request with the error; the step's other requests go on (they all failed)."""
+    import batchkit.continuous.loop as loop_module
+
+    real = sample
+
+    def faulty(logits: Any, params: Any, generators: Any) -> list[int]:
+        if any(p.top_k == 3 for p in params):  # the marked request's row
+            raise RuntimeError("the sampler cannot draw this row")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(loop_module, "sample", faulty)
+    loop = _loop(lambda row: row.__setitem__(5, 1.0))
+    loop.scheduler.add(Request("good", [1, 2], SamplingParams(max_new_tokens=2)))  # the first row: 5 is best
+    loop.scheduler.add(Request("bad", [1, 2], SamplingParams(max_new_tokens=2, temperature=0.7, top_k=3, seed=1)))
+    _, events = loop.step_once()
+    by_id = {e.request_id: e for e in events}
+    assert isinstance(by_id["bad"].error, RuntimeError)
+    assert by_id["bad"].finished
+    assert (by_id["good"].token, by_id["good"].error) == (5, None)
+    assert loop.scheduler.get("bad") is None
+    assert loop.scheduler.get("good") is not None

@@ -881,7 +881,10 @@ class ContinuousDecodeLoop:
         if constrained:
             logits, dead = self._grammars.mask(logits, sampling)
             broken += [sampling[i].request_id for i in dead]
-        tokens = sample(logits, params, [r.generator for r in sampling])
+        try:
+            tokens = sample(logits, params, [r.generator for r in sampling])
+        except Exception:  # noqa: BLE001 - found again row by row below
+            tokens = self._sample_each(logits, sampling, broken, errors)
         if constrained:
             skip = [i for i, r in enumerate(sampling) if r.request_id in broken] if broken else ()
             broken += [sampling[i].request_id for i in self._grammars.advance(sampling, tokens, skip)]
@@ -951,6 +954,24 @@ class ContinuousDecodeLoop:
         if self._t_first is None:
             self._t_first = t0
         self._t_last = done
+
+    @staticmethod
+    def _sample_each(
+        logits: Any, sampling: list[Request], broken: list[Hashable], errors: dict[Hashable, Exception]
+    ) -> list[int]:
+        """Sample row by row after the step's sampling raised: a row that raises again fails its
+        own request alone (added to ``broken`` with its error; its token, 0, is dropped), not
+        every request of the step. (Rows sampled before the fault draw again: a seeded request's
+        stream moves on by that draw.)"""
+        tokens: list[int] = []
+        for i, req in enumerate(sampling):
+            try:
+                tokens += sample(logits[i : i + 1], [req.params], [req.generator])
+            except Exception as exc:  # noqa: BLE001 - the request gets it
+                broken.append(req.request_id)
+                errors[req.request_id] = exc
+                tokens.append(0)
+        return tokens
 
     def _fail_bad_rows(
         self, events: list[TokenEvent], broken: list[Hashable], errors: Mapping[Hashable, Exception]
