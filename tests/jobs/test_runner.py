@@ -818,8 +818,23 @@ def test_cli_exit_status_says_whether_anything_failed(
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--dead-letter", "o.jsonl"], "three files"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--id-field", "output"], "--id-field"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "taken.jsonl"], "argument --output: .*has no journal"),
+        # generation options shape what --model generates: a function target would ignore them
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--max-new-tokens", "2"], "--max-new-tokens"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--chat"], "argument --chat: shapes"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--temperature", "1"], "--temperature"),
     ],
-    ids=["no-input", "no-module", "no-folder", "same-file", "same-dead-letter", "reserved-id", "foreign-output"],
+    ids=[
+        "no-input",
+        "no-module",
+        "no-folder",
+        "same-file",
+        "same-dead-letter",
+        "reserved-id",
+        "foreign-output",
+        "max-new-tokens-without-model",
+        "chat-without-model",
+        "temperature-without-model",
+    ],
 )
 def test_cli_usage_errors_exit_2_with_one_line(
     argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -855,6 +870,55 @@ def test_cli_an_input_named_parquet_that_is_not_parquet_is_a_usage_error(
     assert err.startswith("batchkit run: error: argument --input: 'in.parquet' is not a Parquet file"), err
     assert "rerun" not in err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == []
+
+
+@pytest.mark.parametrize(("backoff", "cap"), [("0.5", 30.0), ("45", 45.0)])
+def test_cli_backoff_waits_are_capped_at_30_s_or_at_backoff_s_when_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backoff: str, cap: float
+) -> None:
+    """--backoff-s 45 waited 30 s before the first retry (the API's default cap, which the
+    command line could not change): the cap is now 30 s or S, the longer."""
+    import batchkit.jobs.cli as cli
+
+    seen: dict[str, Any] = {}
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise RuntimeError("captured")
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    monkeypatch.setattr(cli, "run", capture)
+    assert _cli(["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--backoff-s", backoff]) == 1
+    assert (seen["backoff_s"], seen["max_backoff_s"]) == (float(backoff), cap)
+
+
+def test_cli_a_parquet_output_without_pyarrow_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without pyarrow a `.parquet` output is refused before the job starts, status 2 naming
+    --output, as a `.parquet` input is (it was a failed job, status 1)."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyarrow(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "pyarrow" or name.startswith("pyarrow."):
+            raise ModuleNotFoundError("No module named 'pyarrow'", name="pyarrow")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    assert _cli(["jobfns:double", "--input", "in.jsonl", "--output", "out.parquet", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("batchkit run: error: argument --output: "), err
+    assert "pyarrow" in err
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("out")]
 
 
 def test_cli_an_output_it_may_not_write_says_the_fix_not_rerun(

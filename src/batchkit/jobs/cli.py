@@ -23,7 +23,7 @@ from typing import Any
 from .._argtypes import float_in as _float_in
 from .._argtypes import import_from_cwd, one_line
 from .._argtypes import int_in as _int_in
-from .parquet import is_parquet, open_parquet
+from .parquet import is_parquet, open_parquet, require_pyarrow
 from .runner import RESERVED_FIELDS, run
 from .store import JobStateError, dead_letter_path_for
 
@@ -361,14 +361,31 @@ def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
         raise _Usage(f"argument --input: {exc}") from None
 
 
-def _check_parquet_input(src: Path) -> None:
-    """A ``.parquet`` input is read as Parquet: say now if it is not one (or pyarrow is missing)."""
-    if not is_parquet(src):
-        return
-    try:
-        open_parquet(src)
-    except (ValueError, ModuleNotFoundError) as exc:
-        raise _Usage(f"argument --input: {exc}") from None
+def _generation_options(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """The options that shape what --model generates, and whether each was given (not its default)."""
+    return [
+        ("--prompt-field", args.prompt_field != "prompt"),
+        ("--chat", args.chat),
+        ("--max-new-tokens", args.max_new_tokens != 256),
+        ("--temperature", args.temperature != 0.0),
+        ("--max-num-seqs", args.max_num_seqs != 16),
+        ("--num-blocks", args.num_blocks != 1024),
+    ]
+
+
+def _check_parquet_files(src: Path, out: Path) -> None:
+    """A ``.parquet`` input is read as Parquet, and a ``.parquet`` output written as Parquet: say
+    now if the input is not one, or pyarrow is missing for either."""
+    if is_parquet(src):
+        try:
+            open_parquet(src)
+        except (ValueError, ModuleNotFoundError) as exc:
+            raise _Usage(f"argument --input: {exc}") from None
+    if is_parquet(out):
+        try:
+            require_pyarrow()
+        except ModuleNotFoundError as exc:
+            raise _Usage(f"argument --output: {exc}") from None
 
 
 def _failure(exc: Exception, *, started: bool, src: Path) -> str:
@@ -436,6 +453,13 @@ def run_cli(args: argparse.Namespace) -> int:
         loop = None
         if args.tokenizer is not None and args.model is None:
             raise _Usage("argument --tokenizer: goes with --model (the model whose tokenizer it replaces)")
+        if args.model is None:
+            for option, is_set in _generation_options(args):
+                if is_set:
+                    raise _Usage(
+                        f"argument {option}: shapes the text --model generates; a MODULE:FUNCTION target "
+                        "(generate_fn's included) has its own settings"
+                    )
         if args.model is not None:
             if args.target is not None:
                 raise _Usage("give MODULE:FUNCTION or --model, not both")
@@ -445,7 +469,7 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             fn = _load_target(args.target)
         _check_distinct(src, out, dead)
-        _check_parquet_input(src)
+        _check_parquet_files(src, out)
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
         started = True
         try:
@@ -462,6 +486,8 @@ def run_cli(args: argparse.Namespace) -> int:
                     max_in_flight=args.max_in_flight,
                     retries=args.retries,
                     backoff_s=args.backoff_s,
+                    # S, 2S, 4S... capped at 30 s, or at S itself when S is longer
+                    max_backoff_s=max(args.backoff_s, 30.0),
                     ordered=args.ordered,
                     retry_dead_letters=args.retry_dead_letters,
                     batch_timeout_s=args.batch_timeout_s,
