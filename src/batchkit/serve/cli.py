@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 from typing import Any
 
 from .._argtypes import float_in, int_in
@@ -91,7 +92,9 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         help=f"the largest request body taken, as in TGI and TEI; a longer one gets 413 (default: {MAX_REQUEST_BYTES})",
     )
     s = p.add_argument_group("scheduling")
-    s.add_argument("--num-blocks", type=_positive_int, default=512, help="KV cache blocks")
+    s.add_argument(
+        "--num-blocks", type=int_in(2, 2**31 - 1), default=512, help="KV cache blocks (>= 2: block 0 is reserved)"
+    )
     s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     s.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests decoded together")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=1024, help="token budget per step")
@@ -349,6 +352,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
     server_state = app.state.batchkit
     exc = server_state.load_error
     if exc is not None:
+        if getattr(args, "traceback", False):  # batchkit's --traceback: where it failed, then the line
+            traceback.print_exception(exc, file=sys.stderr)
         print(f"{prog}: the models failed to load: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 1
     return 0 if server.started else 1

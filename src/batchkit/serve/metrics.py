@@ -356,8 +356,8 @@ class BatchkitCollector(Collector):
             swaps.add_metric([name, "out"], s.swaps_out)
             swaps.add_metric([name, "in"], s.swaps_in)
             evictions.add_metric([name], s.evictions)
-            for tenant, n in s.tenant_usage.items():
-                tenants.add_metric([name, str(tenant)], n)
+            for tenant, n in s.tenant_usage.items():  # requests without a tenant: tenant=""
+                tenants.add_metric([name, "" if tenant is None else str(tenant)], n)
         yield from (blocks, usage, frag, hit, seqs, queries, hits, swaps, evictions, tenants)
 
 
