@@ -895,6 +895,28 @@ def test_cli_backoff_waits_are_capped_at_30_s_or_at_backoff_s_when_longer(
     assert (seen["backoff_s"], seen["max_backoff_s"]) == (float(backoff), cap)
 
 
+@pytest.mark.skipif(os.name != "posix", reason="SIGTERM")
+def test_cli_sigterm_while_the_target_loads_stops_with_one_line_and_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM before the job starts (a --model job loading its model for seconds) stops as it
+    does mid-job: status 143 and one line (the process was killed by the signal, silently)."""
+    import batchkit.jobs.cli as cli
+
+    def loading(spec: str) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the target loads
+        raise AssertionError("SIGTERM should have stopped the load")
+
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    monkeypatch.setattr(cli, "_load_target", loading)
+    before = signal.getsignal(signal.SIGTERM)
+    assert _cli(["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl"]) == 143
+    err = capsys.readouterr().err.strip()
+    assert err == "batchkit run: terminated (SIGTERM): rerun the same command to resume"
+    assert signal.getsignal(signal.SIGTERM) == before  # the job's handler is gone with it
+
+
 def test_cli_a_parquet_output_without_pyarrow_is_a_usage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -421,7 +421,15 @@ def _check_distinct(src: Path, out: Path, dead: Path | None) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """Run the job ``args`` describes (from :func:`add_run_parser`); print the report; return the
     exit status (0 all done, 1 dead letters or a failure, 2 a usage error, 130 interrupted, 143
-    terminated by SIGTERM)."""
+    terminated by SIGTERM: from the start, a model's loading included)."""
+    with _sigterm_stops_the_job():
+        try:
+            return _run_cli(args)
+        except _Terminated:  # after the job (printing its report): it is done and committed
+            return 128 + signal.SIGTERM
+
+
+def _run_cli(args: argparse.Namespace) -> int:
     prog = "batchkit run"
     show_tb = bool(getattr(args, "traceback", False))
     started = False  # the job opened its files: a rerun resumes it
@@ -473,31 +481,30 @@ def run_cli(args: argparse.Namespace) -> int:
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
         started = True
         try:
-            with _sigterm_stops_the_job():
-                report = run(
-                    fn,
-                    src,
-                    out,
-                    dead_letter=dead,
-                    id_field=id_field,
-                    max_batch=args.max_batch,
-                    max_wait_ms=args.max_wait_ms,
-                    concurrency=args.concurrency,
-                    max_in_flight=args.max_in_flight,
-                    retries=args.retries,
-                    backoff_s=args.backoff_s,
-                    # S, 2S, 4S... capped at 30 s, or at S itself when S is longer
-                    max_backoff_s=max(args.backoff_s, 30.0),
-                    ordered=args.ordered,
-                    retry_dead_letters=args.retry_dead_letters,
-                    batch_timeout_s=args.batch_timeout_s,
-                    max_failures=args.max_failures,
-                    fail_fast=args.fail_fast,
-                    # the model a --model job generates with is part of what its results depend on
-                    fn_name=_model_name(args),
-                    price_per_hour=args.price_per_hour,
-                    progress=progress,
-                )
+            report = run(
+                fn,
+                src,
+                out,
+                dead_letter=dead,
+                id_field=id_field,
+                max_batch=args.max_batch,
+                max_wait_ms=args.max_wait_ms,
+                concurrency=args.concurrency,
+                max_in_flight=args.max_in_flight,
+                retries=args.retries,
+                backoff_s=args.backoff_s,
+                # S, 2S, 4S... capped at 30 s, or at S itself when S is longer
+                max_backoff_s=max(args.backoff_s, 30.0),
+                ordered=args.ordered,
+                retry_dead_letters=args.retry_dead_letters,
+                batch_timeout_s=args.batch_timeout_s,
+                max_failures=args.max_failures,
+                fail_fast=args.fail_fast,
+                # the model a --model job generates with is part of what its results depend on
+                fn_name=_model_name(args),
+                price_per_hour=args.price_per_hour,
+                progress=progress,
+            )
         except JobStateError as exc:
             raise _Usage(f"argument --output: {exc}") from None
         except TypeError as exc:  # run() checks its arguments before it calls anything
