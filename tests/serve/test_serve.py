@@ -481,10 +481,12 @@ def test_an_unknown_role_and_an_empty_embedding_input_are_refused_as_openai_does
 
 
 @needs_models
-def test_a_bad_priority_header_is_refused(live: LiveServer) -> None:
-    """X-Batchkit-Priority must be an integer."""
+@pytest.mark.parametrize("value", ["high", "1_000", "1.0", ""])
+def test_a_bad_priority_header_is_refused(live: LiveServer, value: str) -> None:
+    """X-Batchkit-Priority must be an integer in ASCII digits ("1_000" passed as 1000: Python's
+    int() takes underscores)."""
     body = {"model": CHAT, "messages": QUESTION, "max_tokens": 1}
-    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"X-Batchkit-Priority": "high"}, timeout=30)
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"X-Batchkit-Priority": value}, timeout=30)
     assert r.status_code == 400
     assert "X-Batchkit-Priority" in r.json()["error"]["message"].replace("x-batchkit-priority", "X-Batchkit-Priority")
 

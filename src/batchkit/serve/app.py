@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -80,6 +81,7 @@ __all__ = ["ModelServer", "create_app"]
 
 TENANT_HEADER = "x-batchkit-tenant"
 PRIORITY_HEADER = "x-batchkit-priority"
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 MAX_TENANT_LENGTH = 64
 
 T = TypeVar("T")
@@ -314,12 +316,11 @@ class ModelServer:
         raw = request.headers.get(PRIORITY_HEADER)
         priority = 0
         if raw is not None:
-            try:
-                priority = int(raw)
-            except ValueError:
+            if not _INTEGER.fullmatch(raw.strip()):  # ASCII digits only: int() takes "1_000" and other scripts' digits
                 raise ApiError(
                     400, f"{PRIORITY_HEADER} must be an integer (lower runs first), got {raw!r}", code="invalid_header"
-                ) from None
+                )
+            priority = int(raw)
         tenant = request.headers.get(TENANT_HEADER) or None
         if tenant is not None and len(tenant) > MAX_TENANT_LENGTH:
             raise ApiError(400, f"{TENANT_HEADER} is longer than {MAX_TENANT_LENGTH} characters", code="invalid_header")

@@ -191,6 +191,16 @@ def run_serve(args: argparse.Namespace) -> int:
             except FileNotFoundError as exc:
                 print(f"{prog}: error: argument {option}: {exc}", file=sys.stderr)
                 return 2
+    for option, name in (
+        ("--served-model-name", args.served_model_name),
+        ("--embedding-model-name", args.embedding_model_name),
+    ):
+        if name is not None and not name.strip():  # an empty name would be ignored: say so
+            print(
+                f"{prog}: error: argument {option}: must be a name (the one requests give), got {name!r}",
+                file=sys.stderr,
+            )
+            return 2
     if args.model:
         option = "--tokenizer" if args.tokenizer else "--model"
         if not has_tokenizer(resolved[option]):
