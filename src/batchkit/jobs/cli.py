@@ -333,17 +333,11 @@ def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
         raise _Usage("argument --format: openai-batch answers each request with a model: pass --model SOURCE")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise _Usage("argument --served-model-name: must be a name (the one bodies give as their model), got ''")
-    given = [
-        option
-        for option, is_set in (
-            ("--line-ids", args.line_ids),
-            ("--id-field", args.id_field != "id"),
-            ("--prompt-field", args.prompt_field != "prompt"),
-            ("--chat", args.chat),
-            ("--temperature", args.temperature != 0.0),
-        )
-        if is_set
-    ]
+    # A body says its own prompt and sampling; --max-new-tokens, --max-num-seqs and --num-blocks still apply.
+    per_body = {"--prompt-field", "--chat", "--temperature"}
+    options = [("--line-ids", args.line_ids), ("--id-field", args.id_field != "id")]
+    options += [(o, is_set) for o, is_set in _generation_options(args) if o in per_body]
+    given = [option for option, is_set in options if is_set]
     if given:
         raise _Usage(
             f"argument {given[0]}: not with --format openai-batch: each line's custom_id is its id, and its url "
