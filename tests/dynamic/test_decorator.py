@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import gc
 import inspect
+import pickle
 import threading
 import weakref
 
 import anyio
 import pytest
 import trio
+from typing_extensions import assert_type
 
 import batchkit
 from batchkit import AsyncBatchedFunction, BatchedFunction, BatchSizeMismatch, batched
@@ -650,9 +653,17 @@ class TestMapWaitsForRoom:
 
 
 class Model:
+    def __init__(self, factor: int = 2) -> None:
+        self.factor = factor
+
     @batchkit.batched(max_batch=4, max_wait_ms=1)
     def run(self, xs: list[int]) -> list[int]:
-        return [2 * x for x in xs]
+        return [self.factor * x for x in xs]
+
+
+@batchkit.batched(max_batch=4, max_wait_ms=1)
+def module_double(xs: list[int]) -> list[int]:
+    return [2 * x for x in xs]
 
 
 class TestOnAMethod:
@@ -670,6 +681,70 @@ class TestOnAMethod:
         gc.collect()
         assert [r() for r in refs] == [None, None, None]
         assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("batchkit")]
+
+    def test_a_copy_of_an_instance_gets_its_own_batcher(self) -> None:
+        a = Model()
+        assert a.run(1) == 2
+        b = copy.copy(a)  # its __dict__ holds a's batcher, bound to a
+        b.factor = 100
+        try:
+            assert b.run(1) == 100
+            assert b.run is not a.run
+            b.run.close()
+            assert a.run(1) == 2  # closing the copy's batcher left the original's open
+        finally:
+            a.run.close()
+
+    def test_an_instance_that_used_its_batcher_deep_copies_and_pickles(self) -> None:
+        a = Model(3)
+        assert a.run(1) == 3
+        try:
+            for other in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
+                assert other.factor == 3
+                assert other.run(2) == 6
+                assert other.run is not a.run
+                assert other.run.batcher is not a.run.batcher
+                other.run.close()
+            assert a.run(2) == 6
+        finally:
+            a.run.close()
+
+    def test_a_function_pickles_and_copies_by_reference(self) -> None:
+        assert pickle.loads(pickle.dumps(module_double)) is module_double
+        assert copy.deepcopy(module_double) is module_double
+        assert copy.copy(module_double) is module_double
+
+    def test_a_method_called_on_the_class_is_refused_naming_the_instance(self) -> None:
+        with pytest.raises(TypeError, match=r"Model\.run is a @batched method: call it on an instance"):
+            Model.run.submit(1)
+        with pytest.raises(TypeError, match="on an instance"):
+            Model.run(1)
+
+    def test_a_module_function_assigned_in_a_class_body_stays_a_function(self) -> None:
+        class Holder:
+            double = module_double
+
+        assert module_double(4) == 8
+        assert Holder.double(5) == 10
+
+    def test_staticmethod_under_batched_is_refused_at_decoration(self) -> None:
+        with pytest.raises(TypeError, match="put @staticmethod above @batched"):
+
+            class Host:
+                @batchkit.batched(max_batch=2, max_wait_ms=1)
+                @staticmethod
+                def double(xs: list[int]) -> list[int]:
+                    return [2 * x for x in xs]
+
+    def test_a_method_is_typed_as_a_batched_function_of_its_items(self) -> None:
+        m = Model()
+        try:
+            # Checked by mypy (the suite's type check): an instance's method takes an item.
+            assert_type(m.run, BatchedFunction[int, int])
+            assert_type(m.run(1), int)
+            assert_type(Model.run, BatchedFunction[int, int])
+        finally:
+            m.run.close()
 
     def test_each_instance_has_its_own_batcher_and_closing_one_leaves_the_other(self) -> None:
         a, b = Model(), Model()

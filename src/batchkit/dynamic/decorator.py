@@ -29,7 +29,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 import anyio.to_thread
-from typing_extensions import Unpack
+from typing_extensions import Self, Unpack
 
 from .._errors import BatcherClosed, QueueFull
 from ._progress import progress_bar
@@ -65,12 +65,36 @@ class _BatchedBase(Generic[T, R]):
         # Where an instance keeps its bound copy: keyed by the qualified name, so that a subclass's
         # override and the base method it overrides (``super().f``) each get their own batcher.
         self._attr = f"__batchkit_{getattr(fn, '__qualname__', None) or getattr(fn, '__name__', 'fn')}"
+        self._method_of: str | None = None  # the class that defines this method (see __set_name__)
+        # A method's batcher for one instance: the class's function it was made by, and the instance.
+        self._unbound: _BatchedBase[T, R] | None = None
+        self._instance: object = None
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        # Defined in this class's body (not a module-level function assigned to a class attribute,
+        # which stays usable as a function): a method, whose calls belong to instances.
+        qualname = getattr(self, "__qualname__", "")
+        if qualname.startswith(owner.__qualname__ + ".") and "." not in qualname[len(owner.__qualname__) + 1 :]:
+            self._method_of = owner.__qualname__
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # A function pickles (and copies) by reference, as a plain function does; a method's
+        # batcher as its instance's method, so that an instance that used it pickles and copies
+        # (the copy gets a batcher of its own on first use).
+        if self._unbound is not None:
+            return _method_of_instance, (self._unbound, self._instance)
+        return str(getattr(self, "__qualname__", self.__name__))
 
     @property
     def batcher(self) -> DynamicBatcher[T, R]:
         """The :class:`DynamicBatcher` behind this function (created on first use)."""
         b = self._batcher
         if b is None:
+            if self._method_of is not None:
+                raise TypeError(
+                    f"{self._method_of}.{self.__name__} is a @batched method: call it on an instance "
+                    f"(each instance has its own batcher), not on the class"
+                )
             with self._lock:
                 b = self._batcher
                 if b is None:
@@ -80,7 +104,11 @@ class _BatchedBase(Generic[T, R]):
                     )
         return b
 
-    def __get__(self, instance: object, owner: type | None = None) -> Any:
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> Self: ...
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> Self: ...
+    def __get__(self, instance: object, owner: type | None = None) -> Self:
         if instance is None:
             return self
         if isinstance(instance, type):  # under @classmethod (Python < 3.13 chains __get__)
@@ -95,15 +123,17 @@ class _BatchedBase(Generic[T, R]):
                 f"@batched on a method needs instances with a __dict__ to hold their batcher; "
                 f"{type(instance).__name__} uses __slots__: add '__dict__' to its slots"
             ) from None
+        # Another instance's batcher where a shallow copy (copy.copy) took the original's __dict__.
         bound = store.get(self._attr)
-        if bound is None:
+        if bound is None or bound._instance is not instance:
             with self._lock:
                 bound = store.get(self._attr)
-                if bound is None:
+                if bound is None or bound._instance is not instance:
                     method = functools.partial(self._fn, instance)
                     # The method's name (a partial has none), for the batcher's errors, threads and repr.
                     functools.update_wrapper(method, self._fn)
                     bound = type(self)(method, self._settings)
+                    bound._unbound, bound._instance = self, instance
                     store[self._attr] = bound
         return bound
 
@@ -192,6 +222,11 @@ class _BatchedBase(Generic[T, R]):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {getattr(self, '__qualname__', '?')} batcher={self._batcher!r}>"
+
+
+def _method_of_instance(method: _BatchedBase[T, R], instance: object) -> _BatchedBase[T, R]:
+    """``instance``'s batcher of ``method`` (how a method's batcher unpickles)."""
+    return method.__get__(instance, type(instance))
 
 
 def _submit_waiting(b: DynamicBatcher[T, R], item: T) -> concurrent.futures.Future[R]:
@@ -391,6 +426,14 @@ class _Decorator:
 
 
 def _wrap(fn: Callable[..., Any], settings: _Settings) -> Any:
+    if isinstance(fn, staticmethod | classmethod):  # it would be handed the instance or the class
+        kind = type(fn).__name__
+        raise TypeError(
+            f"@batched over @{kind} is not supported: put @{kind} above @batched"
+            if kind == "staticmethod"
+            else "@batched over @classmethod is not supported: decorate a module-level function, "
+            "a staticmethod or a method (one batcher per instance)"
+        )
     if not callable(fn):
         raise TypeError(f"@batched decorates a function over a list of items, got {fn!r}")
     # Validate now, so that a typo fails at decoration, not at the first call; without building
