@@ -19,7 +19,7 @@ from batchkit.continuous.sampling import SamplingParams  # noqa: E402
 from batchkit.continuous.scheduler import Request  # noqa: E402
 from batchkit.kv.planner import layer_windows  # noqa: E402
 from batchkit.models import LlamaModel, load_pretrained  # noqa: E402
-from batchkit.models.hf import HFStepModel  # noqa: E402
+from batchkit.models.hf import HFStepModel, check_config  # noqa: E402
 
 VOCAB = TINY_LM["vocab_size"]
 WINDOW = 6  # sliding windows shorter than every prompt and its output
@@ -189,6 +189,34 @@ def test_a_layer_that_is_not_attention_is_refused_naming_its_type() -> None:
     hf.config.layer_types = ["linear_attention", "full_attention"]
     with pytest.raises(ValueError, match=r"layer type 'linear_attention' is not supported"):
         HFStepModel(hf)
+
+
+@pytest.mark.parametrize(
+    ("name", "rope"),
+    [
+        ("llama", {"rope_type": "dynamic", "factor": 2.0}),
+        ("phi3", {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
+    ],
+)
+def test_a_rope_recomputed_from_the_sequence_length_is_refused(name: str, rope: dict[str, Any]) -> None:
+    """Dynamic NTK and LongRoPE frequencies follow the longest position of a forward call: in a
+    packed step a sequence's tokens would depend on its neighbours'. Refused, by config and model."""
+    config = _tiny(name).config
+    config.rope_parameters = {**rope, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+    with pytest.raises(ValueError, match=f"uses RoPE type '{rope['rope_type']}'.*batched with others"):
+        check_config(config)
+
+
+def test_modeling_code_with_its_own_attention_table_is_refused_at_load(tmp_path: Path) -> None:
+    """GPT-Neo picks its attention class from a table of its own: a ValueError naming the
+    attention interface, not transformers' KeyError."""
+    config = transformers.GPTNeoConfig(
+        vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, attention_types=[[["global"], 2]]
+    )
+    transformers.GPTNeoForCausalLM(config).save_pretrained(tmp_path)
+    _word_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"'gpt_neo'.* does not call the attention interface"):
+        load_pretrained(tmp_path)
 
 
 def test_a_cache_of_another_shape_is_refused_at_the_step() -> None:

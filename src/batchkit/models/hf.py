@@ -159,14 +159,40 @@ def _config_int(config: Any, name: str, default: int | None = None) -> int:
     return int(value)
 
 
+# RoPE types whose frequencies transformers recomputes from the longest position of the forward
+# call: in a step that packs several sequences, a sequence's rotation would depend on the others.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_types(config: Any) -> set[str]:
+    """The RoPE types a config names (``rope_parameters`` or the older ``rope_scaling``; per layer
+    type where it holds one set of parameters for each, as Gemma3's)."""
+    out = set()
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if not isinstance(params, dict):
+            continue
+        for p in (params, *(v for v in params.values() if isinstance(v, dict))):
+            kind = p.get("rope_type", p.get("type"))
+            if isinstance(kind, str):
+                out.add(kind)
+    return out
+
+
 def check_config(config: Any) -> None:
     """Refuse, from its config alone (before any weight is read), a model the paged attention
     would run wrong, with one line naming the feature.
 
     Raises:
-        ValueError: an encoder-decoder, cross-attention, or a layer that is not attention.
+        ValueError: an encoder-decoder, cross-attention, a layer that is not attention, or a RoPE
+            recomputed from the sequence length (``dynamic``, ``longrope``).
     """
     kind = getattr(config, "model_type", "?")
+    for rope in sorted(_rope_types(config) & set(LENGTH_DEPENDENT_ROPE)):
+        raise ValueError(
+            f"{kind!r} uses RoPE type {rope!r}, whose frequencies transformers recomputes from the longest "
+            "sequence of a forward call: batched with others, a sequence's tokens would change"
+        )
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{kind!r} is an encoder-decoder model: batchkit runs decoder-only causal LMs")
     if getattr(config, "add_cross_attention", False) or getattr(config, "cross_attention_layers", None):

@@ -309,9 +309,20 @@ def _build_model(config: Any, folder: Path, dtype: torch.dtype, device: Any) -> 
         model.load_hf_state_dict(_read_state_dict(folder))
         return model
     register_attention()
-    hf = _transformers().AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
-    )
+    try:
+        hf = _transformers().AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+        )
+    except KeyError as exc:
+        if exc.args != (ATTN_IMPLEMENTATION,):
+            raise
+        # Modeling code that picks its attention from a table of its own (GPT-Neo's) has no entry
+        # for an implementation registered through the attention interface.
+        kind = getattr(config, "model_type", "?")
+        raise ValueError(
+            f"{kind!r}'s transformers modeling code does not call the attention interface, so batchkit cannot "
+            "plug its paged attention in"
+        ) from None
     return HFStepModel(hf.to(device))
 
 
