@@ -31,6 +31,7 @@ def _generation(
     max_tokens: int = 10,
     stop: Sequence[str] = (),
     decode: Callable[[Sequence[int]], str] = _decode,
+    include_stop: bool = False,
 ) -> Generation:
     return Generation(
         _stream(items),
@@ -41,6 +42,7 @@ def _generation(
         max_tokens=max_tokens,
         stop=stop,
         stop_token_ids=(25,),
+        include_stop=include_stop,
         t_arrival=0.0,
         decode=decode,
         token_text=lambda item: (decode([item.token]), item.logprob, []),
@@ -87,11 +89,29 @@ def test_detailed_tokens_are_kept_once_as_their_logprob_entries() -> None:
 
 def test_a_stop_token_or_string_ends_with_stop() -> None:
     gen = _generation([0, 25])
-    assert anyio.run(_read_all, gen) == "az"  # the fake decode keeps the stop token's text
-    assert gen.finish_reason == "stop"
+    assert anyio.run(_read_all, gen) == "a"  # the stop token's text is left out, as vLLM's
+    assert (gen.finish_reason, gen.completion_tokens) == ("stop", 2)
     gen = _generation([0, 1, 2, 3], stop=["c"])
     assert anyio.run(_read_all, gen) == "ab"
     assert gen.finish_reason == "stop"
+
+
+def test_include_stop_keeps_the_stop_token_or_string_in_the_text() -> None:
+    """vLLM's include_stop_str_in_output: the text ends after the stop string or stop token."""
+    gen = _generation([0, 25], include_stop=True)
+    assert anyio.run(_read_all, gen) == "az"
+    gen = _generation([0, 1, 2, 3], stop=["bc", "c"], include_stop=True)
+    assert anyio.run(_read_all, gen) == "abc"
+    assert gen.finish_reason == "stop"
+
+
+def test_a_stop_token_ends_the_text_held_back_before_it() -> None:
+    """Text held back as a possible stop string's start is sent when a stop token ends the request."""
+    gen = _generation([0, 1, 25], stop=["bcd"])
+    assert anyio.run(_read_all, gen) == "ab"
+    detailed = _generation([TokenLogprobs(0, -1.0), TokenLogprobs(25, -2.0)], detailed=True)
+    assert anyio.run(_read_all, detailed) == "a"
+    assert detailed.take_logprobs() == [("a", -1.0, []), ("z", -2.0, [])]  # the stop token's entry stays
 
 
 PIECES = {0: "ab", 1: "c\n", 2: "\n", 3: "d", 4: "e"}

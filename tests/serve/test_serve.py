@@ -211,6 +211,30 @@ def test_completion_with_a_stop_string_ends_before_it(client: Any, models: tuple
 
 
 @needs_models
+def test_vllm_stop_token_ids_and_include_stop_str_in_output(
+    client: Any, models: tuple[Any, Any], reference: Any
+) -> None:
+    """vLLM's extensions: a stop token id ends the answer, its text left out unless
+    include_stop_str_in_output (which keeps a stop string too), streamed or not."""
+    lm, _ = models
+    full = reference(lm.chat_prompt(QUESTION), 16)
+    (paris,) = lm.encode(" Paris")  # one token, which the greedy answer holds
+    cut = full.index(" Paris")
+    base = {"model": CHAT, "messages": QUESTION, "temperature": 0, "max_tokens": 16}
+    r = client.chat.completions.create(**base, extra_body={"stop_token_ids": [paris]})
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (full[:cut], "stop")
+    assert r.usage.completion_tokens == len(lm.encode(full[:cut])) + 1  # the stop token counts
+    kept = client.chat.completions.create(
+        **base, extra_body={"stop_token_ids": [paris], "include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].message.content == full[: cut + len(" Paris")]
+    chunks = client.chat.completions.create(**base, stream=True, extra_body={"stop_token_ids": [paris]})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full[:cut]
+    stop = client.chat.completions.create(**base, stop=["Par"], extra_body={"include_stop_str_in_output": True})
+    assert stop.choices[0].message.content == full[: cut + len(" Par")]
+
+
+@needs_models
 def test_seeded_sampling_repeats(client: Any) -> None:
     """The same seed, temperature and top_p give the same sampled text."""
     kwargs = {"model": CHAT, "messages": QUESTION, "temperature": 1.0, "top_p": 0.9, "seed": 7, "max_tokens": 8}

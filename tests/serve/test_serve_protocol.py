@@ -219,3 +219,36 @@ def test_chat_logprobs_bytes_are_each_tokens_own_bytes() -> None:
     assert bytes(b for c in content for b in c["bytes"]).decode() == "\U0001f431!"
     assert content[0]["top_logprobs"][0]["bytes"] == [0xF0, 0x9F]
     assert json.loads(json.dumps(out))["content"][0]["token"] == "\ufffd"  # a str for JSON
+
+
+class TestVllmStopExtensions:
+    """vLLM's stop_token_ids, include_stop_str_in_output and top_k=-1, as its server reads them."""
+
+    def test_stop_token_ids_join_the_models_and_survive_ignore_eos(self) -> None:
+        req = parse_chat({"model": "m", "messages": HI, "stop_token_ids": [7, 3, 7]})
+        assert req.stop_token_ids == (7, 3)
+        assert req.sampling_options([2, 3])["stop_token_ids"] == (7, 3, 2)
+        ignoring = parse_completion({"model": "m", "prompt": "Hi", "stop_token_ids": [7], "ignore_eos": True})
+        assert ignoring.sampling_options([2])["stop_token_ids"] == (7,)  # ignore_eos drops the model's only
+
+    @pytest.mark.parametrize("value", [7, [-1], [1.5], [True], ["7"]])
+    def test_bad_stop_token_ids_are_refused_naming_the_field(self, value: Any) -> None:
+        err = _refusal({"model": "m", "messages": HI, "stop_token_ids": value})
+        assert (err.param, err.code) == ("stop_token_ids", "invalid_value")
+
+    def test_a_stop_token_id_past_the_vocabulary_is_refused(self) -> None:
+        req = parse_chat({"model": "m", "messages": HI, "stop_token_ids": [3, 100]})
+        with pytest.raises(ApiError) as info:
+            req.check_vocabulary(100)
+        assert info.value.param == "stop_token_ids"
+        req.check_vocabulary(101)
+
+    def test_include_stop_str_in_output_is_a_boolean(self) -> None:
+        assert parse_chat({"model": "m", "messages": HI, "include_stop_str_in_output": True}).include_stop_str_in_output
+        assert not parse_chat({"model": "m", "messages": HI}).include_stop_str_in_output
+        err = _refusal({"model": "m", "messages": HI, "include_stop_str_in_output": "yes"})
+        assert err.param == "include_stop_str_in_output"
+
+    def test_top_k_minus_one_is_off_as_zero(self) -> None:
+        assert parse_chat({"model": "m", "messages": HI, "top_k": -1}).top_k == 0
+        assert _refusal({"model": "m", "messages": HI, "top_k": -2}).param == "top_k"

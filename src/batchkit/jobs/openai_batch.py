@@ -291,7 +291,7 @@ class OpenAIBatchFunction(LoopFunction):
         chat_choices, choices = [], []
         num_prompt = num_completion = 0
         detailed = req.logprobs is not None
-        stop_ids = () if req.ignore_eos else lm.stop_token_ids
+        stop_ids = req.stop_ids(lm.stop_token_ids)
         for index, fut in enumerate(request.futures):
             p = index // req.n
             prompt, limit = request.prompts[p], request.limits[p]
@@ -305,11 +305,14 @@ class OpenAIBatchFunction(LoopFunction):
             ids = [it.token for it in outputs] if detailed else outputs
             if limit == 0:  # an echoed prompt alone: the token it sampled is no part of the answer
                 outputs, ids = [], []
-            tail = IncrementalDetokenizer(lm.decode, req.stop)
+            tail = IncrementalDetokenizer(lm.decode, req.stop, include_stop=req.include_stop_str_in_output)
             used = 0
             for token in ids:
                 used += 1
-                tail.push(token)
+                if token in stop_ids and not req.include_stop_str_in_output:
+                    tail.push(token, text=False)  # as the server: a stop token's text is left out
+                else:
+                    tail.push(token)
                 if tail.stopped:
                     break
             if not tail.stopped:

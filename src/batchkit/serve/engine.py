@@ -427,6 +427,7 @@ class EngineBridge:
                         max_tokens=limit,
                         stop=req.stop,
                         stop_token_ids=stop_ids,
+                        include_stop=req.include_stop_str_in_output,
                         t_arrival=t_arrival,
                         decode=lm.decode,
                         token_text=self.token_text,

@@ -68,6 +68,7 @@ class Generation:
         max_tokens: int,
         stop: Sequence[str],
         stop_token_ids: Sequence[int],
+        include_stop: bool = False,
         t_arrival: float,
         decode: Callable[[Sequence[int]], str],
         token_text: Callable[[TokenLogprobs], TokenText],
@@ -84,13 +85,14 @@ class Generation:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.include_stop = include_stop  # the stop string's or stop token's text ends the output
         self.t_arrival = t_arrival
         self.token_text = token_text
         self.metrics = metrics
         self.detailed = detailed
         self.output: list[Any] = []  # int, or TokenLogprobs when detailed
         ids: Sequence[int] = TokenIds(self.output) if detailed else self.output
-        self.tail = IncrementalDetokenizer(decode, stop, ids)
+        self.tail = IncrementalDetokenizer(decode, stop, ids, include_stop=include_stop)
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.logprobs_sent = 0  # how many of output's logprob entries are sent
         self.text_offset = 0  # characters of the token strings of the logprob entries sent
@@ -132,7 +134,10 @@ class Generation:
         self.t_last = now
         self.output.append(item)
         m.generation_tokens.labels(self.route).inc()
-        text = self.tail.advance()
+        if self.tail.ids[-1] in self.stop_token_ids and not self.include_stop:
+            text = self.tail.end_before_last()  # the request ends on it: its text is left out
+        else:
+            text = self.tail.advance()
         if self.tail.stopped:
             await self.close()  # the loop stops it at the same token; this frees it at once regardless
         return text

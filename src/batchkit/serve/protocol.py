@@ -233,6 +233,8 @@ class GenerationRequest:
     seed: int | None
     stop: tuple[str, ...]
     top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: the caller's, besides the model's EOS ids
+    include_stop_str_in_output: bool = False  # vLLM's extension: the text ends after the stop string
     ignore_eos: bool = False
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None  # the first of ``prompts``
@@ -269,7 +271,7 @@ class GenerationRequest:
             "min_p": self.min_p,
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
-            "stop_token_ids": () if self.ignore_eos else tuple(stop_token_ids),
+            "stop_token_ids": self.stop_ids(stop_token_ids),
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
@@ -285,6 +287,12 @@ class GenerationRequest:
                 options["prompt_logprobs"] = self.logprobs
         return options
 
+    def stop_ids(self, model_stop_ids: Sequence[int]) -> tuple[int, ...]:
+        """The token ids that end this request: the caller's ``stop_token_ids``, then the model's
+        EOS ids ``model_stop_ids`` unless ``ignore_eos`` (which leaves the caller's, as vLLM's)."""
+        own = self.stop_token_ids
+        return own + tuple(t for t in (() if self.ignore_eos else model_stop_ids) if t not in own)
+
     def check_vocabulary(self, vocab_size: int) -> None:
         """Refuse a token id past the vocabulary, in a token-id prompt or in ``logit_bias``.
 
@@ -295,6 +303,8 @@ class GenerationRequest:
         for i, prompt in enumerate(self.prompts):
             if not isinstance(prompt, str) and (min(prompt) < 0 or max(prompt) >= vocab_size):
                 raise _invalid(self.prompt_param(i), f"token ids must be in [0, {vocab_size})")
+        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
+            raise _invalid("stop_token_ids", f"'stop_token_ids' must be in [0, {vocab_size})")
         if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
             raise _invalid(
                 "logit_bias", f"'logit_bias' token ids must be in [0, {vocab_size}), got {self.logit_bias[-1][0]}"
@@ -359,8 +369,10 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
         "seed": seed,
         "stop": stop,
         # Extensions vLLM's server also takes (the openai client sends them with extra_body=).
-        "top_k": _opt_int(body, "top_k", lo=0) or 0,
+        "top_k": max(_opt_int(body, "top_k", lo=-1) or 0, 0),  # -1 is off, as 0 (vLLM's)
         "ignore_eos": _opt_bool(body, "ignore_eos"),
+        "stop_token_ids": _stop_token_ids(body),
+        "include_stop_str_in_output": _opt_bool(body, "include_stop_str_in_output"),
         "presence_penalty": _opt_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         "frequency_penalty": _opt_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         "repetition_penalty": _opt_number(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
@@ -368,6 +380,16 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
         "logit_bias": _logit_bias(body),
         "response_format": parse_response_format(body),
     }
+
+
+def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``: a list of token ids (>= 0) that end the output, each kept in it."""
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_token(t) and t >= 0 for t in value):
+        raise _invalid("stop_token_ids", f"'stop_token_ids' must be a list of token ids (integers >= 0), got {value!r}")
+    return tuple(dict.fromkeys(int(t) for t in value))
 
 
 def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -572,7 +594,8 @@ class IncrementalDetokenizer:
 
     Text is emitted only when it is final: not while the decoded text ends in an incomplete
     UTF-8 sequence (U+FFFD), and not while its end could be the start of a stop string. A stop
-    string ends the text before it (it is not part of the output), as OpenAI does. Each push
+    string ends the text before it (it is not part of the output), as OpenAI does; with
+    ``include_stop`` after it (vLLM's ``include_stop_str_in_output``). Each push
     decodes a short window of the latest tokens, not the whole output (see
     :class:`~batchkit.continuous.sampling.DecodedText`), as the loop's own stop check does.
 
@@ -581,10 +604,16 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str], ids: Sequence[int] | None = None
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop: Sequence[str],
+        ids: Sequence[int] | None = None,
+        *,
+        include_stop: bool = False,
     ) -> None:
         self.decode = decode
         self.stop = tuple(stop)
+        self.include_stop = include_stop
         # The tokens so far: this object's own list, or ``ids``, a caller's sequence that grows
         # by one token before each advance() (read, never copied).
         self.ids: Sequence[int] = [] if ids is None else ids
@@ -598,12 +627,13 @@ class IncrementalDetokenizer:
         self._final_tokens = [0]
         self._final_chars = [0]
 
-    def push(self, token: int) -> str:
-        """Add ``token`` (to this object's own list) and :meth:`advance`."""
+    def push(self, token: int, *, text: bool = True) -> str:
+        """Add ``token`` (to this object's own list) and :meth:`advance`; with ``text=False``,
+        a stop token whose text is left out: :meth:`end_before_last`."""
         if not isinstance(self.ids, list):
             raise TypeError("push() adds to the detokenizer's own list; with ids= given, call advance()")
         self.ids.append(token)
-        return self.advance()
+        return self.advance() if text else self.end_before_last()
 
     def advance(self) -> str:
         """The text that became final with the latest token of :attr:`ids`."""
@@ -615,6 +645,8 @@ class IncrementalDetokenizer:
             text = self._decoded.text + pending
             hit = find_stop(text, self.stop, max(0, self.sent - max(len(s) for s in self.stop)))
             if hit >= 0:
+                if self.include_stop:  # the first stop string (in the order given) found there
+                    hit += len(next(s for s in self.stop if text.startswith(s, hit)))
                 self.stopped = True
                 self.text = text[:hit]
                 return self._take(hit)
@@ -662,6 +694,19 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self.stop):
                 return n
         return 0
+
+    def end_before_last(self) -> str:
+        """End the output before the latest token of :attr:`ids`, a stop token whose text is no
+        part of the output (vLLM leaves a stop token's text out unless
+        ``include_stop_str_in_output``); return the text left to send. Its logprob entry stays:
+        every token counts as kept."""
+        head = self.ids[: len(self.ids) - 1]
+        self._decoded.commit(self._decoded.pending(head), len(head))
+        self.text = self._decoded.text
+        self.stopped = True
+        out = self._take(len(self.text))
+        self._num_kept = len(self.ids)
+        return out
 
     def finish(self) -> str:
         """What is left to send once the request has ended (including a trailing U+FFFD the model
