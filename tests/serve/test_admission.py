@@ -59,6 +59,17 @@ def test_the_model_context_is_checked_before_the_pool() -> None:
     assert "maximum context length is 20 tokens; the prompt has 20" in info.value.message
 
 
+def test_an_echo_alone_may_hold_the_whole_context() -> None:
+    """max_tokens 0 (echo: the prompt's logprobs, nothing generated) of a prompt of the model's
+    whole context fits; one token more, or any output, does not."""
+    room = _room(max_model_len=20)
+    assert room.output_limit(20, 0, 256, "prompt", "max_tokens") == 0
+    with pytest.raises(Refused):
+        room.output_limit(20, 1, 256, "prompt", "max_tokens")
+    with pytest.raises(Refused):
+        room.output_limit(21, 0, 256, "prompt", "max_tokens")
+
+
 def test_without_a_limit_the_default_is_capped_by_the_smallest_room() -> None:
     """The default output limit shrinks to what context, pool and quota leave (at least 1)."""
     assert _room().output_limit(10, None, 256, "prompt", "max_tokens") == 22

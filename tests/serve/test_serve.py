@@ -1851,6 +1851,26 @@ def test_echoed_prompt_logprobs_of_several_prompts_come_back_as_choices_by_index
 
 
 @needs_models
+def test_special_tokens_are_spelled_by_name_in_logprobs_echo_and_detokenize(client: Any, live: LiveServer) -> None:
+    """A chat-formatted prompt holds special tokens: its logprob entries spell each by name (as
+    '' they overwrote each other in top_logprobs, and the chosen token's entry was lost), the
+    echo of its token ids and /detokenize keep them, so /tokenize then /detokenize round-trips."""
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\nParis.<|im_end|>"
+    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": text}, timeout=DEADLINE_S).json()["tokens"]
+    back = httpx.post(f"{live.url}/detokenize", json={"tokens": ids}, timeout=DEADLINE_S).json()
+    assert back == {"prompt": text}
+    r = client.completions.create(model=CHAT, prompt=ids, echo=True, logprobs=5, max_tokens=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text
+    assert lp.tokens[0] == "<|im_start|>"
+    assert lp.tokens[-1] == "<|im_end|>"
+    assert "".join(lp.tokens) == text
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top[token] == logprob  # the chosen token's own entry, special or not
+        assert len(top) >= 5
+
+
+@needs_models
 def test_streamed_completion_text_offsets_run_on_from_chunk_to_chunk_as_unstreamed(live: LiveServer) -> None:
     """Streamed /v1/completions with logprobs (and echo): each chunk's text_offset goes on from
     the chunks before, from the start of the choice's text, so that the stream's offsets are the
@@ -1913,7 +1933,9 @@ def test_with_a_stop_string_the_logprobs_are_those_of_the_returned_text(live: Li
     else:
         body |= {"prompt": "The capital of France is", "logprobs": 0}
     text, tokens = _text_and_logprob_tokens(live.url, body)
-    assert "".join(tokens) == text  # each token's string is its text: offsets in the text are theirs
+    # Each token's string is its text (offsets in the text are theirs), but a special token's:
+    # spelled by name, left out of the text (the EOS that ignore_eos runs past).
+    assert "".join(t for t in tokens if t != "<|im_end|>") == text
     starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     split = next(
         i
@@ -1938,7 +1960,8 @@ def test_chat_logprobs_bytes_spell_the_answer_where_tokens_split_characters(live
     r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=DEADLINE_S).json()
     content = r["choices"][0]["logprobs"]["content"]
     assert any(c["token"] == "\ufffd" for c in content)  # the answer has a split character
-    raw = bytes(b for c in content for b in c["bytes"])
+    assert content[-1]["token"] == "<|im_end|>"  # the EOS that ended it, by name: no part of the text
+    raw = bytes(b for c in content[:-1] for b in c["bytes"])
     assert raw.decode(errors="replace") == r["choices"][0]["message"]["content"]
 
 

@@ -334,7 +334,7 @@ class OpenAIBatchFunction(LoopFunction):
             echoed_entries: list[TokenText | str] = []
             if req.echo:
                 source = req.prompts[p]
-                echoed = source if isinstance(source, str) else lm.decode(prompt)
+                echoed = source if isinstance(source, str) else lm.decode(prompt, skip_special_tokens=False)
                 if detailed:
                     prompt_items = [it for it in items if it.prompt]
                     echoed_entries = [self._token_string(prompt[0]), *(self._token_text(it) for it in prompt_items)]

@@ -250,17 +250,18 @@ class PretrainedLM:
         with self.lock:
             return [int(t) for t in self.tokenizer.encode(text)]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids``, special tokens (EOS...) left out. Safe from any thread."""
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``, special tokens (EOS...) left out unless ``skip_special_tokens``
+        is False (then spelled by name, ``<|im_end|>``). Safe from any thread."""
         with self.lock:
-            return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+            return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def token_bytes(self, token: int) -> bytes:
         """The UTF-8 bytes token ``token`` adds to a text, as OpenAI's logprobs ``bytes`` hold
         them: a token may hold part of a character (an emoji's first bytes), which its text alone
         (:meth:`decode` of it, U+FFFD) cannot show. Exact for byte-level BPE tokenizers (GPT-2's
         byte alphabet: Llama 3, Qwen, SmolLM...) and byte-fallback tokens (``<0xE2>``); for
-        special tokens and other tokenizers, the UTF-8 of the token's text alone."""
+        special tokens (their name) and other tokenizers, the UTF-8 of the token's text alone."""
         tok = self.tokenizer
         with self.lock:
             pieces = getattr(tok, "convert_ids_to_tokens", None)
@@ -273,7 +274,7 @@ class PretrainedLM:
                 return bytes([int(fallback.group(1), 16)])
             if type(decoder).__name__ == "ByteLevel" and all(c in _GPT2_BYTES for c in piece):
                 return bytes(_GPT2_BYTES[c] for c in piece)
-        return self.decode([token]).encode()
+        return self.decode([token], skip_special_tokens=False).encode()
 
 
 def _gpt2_byte_alphabet() -> dict[str, int]:

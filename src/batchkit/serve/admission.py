@@ -70,7 +70,9 @@ class PromptRoom:
         """
         room_ctx = self.max_model_len - prompt_len
         room_kv = self.kv_tokens - prompt_len
-        if room_ctx < 1:
+        # requested 0 (echo alone: the prompt's logprobs) reads the prompt and generates nothing:
+        # a prompt of the whole context fits.
+        if room_ctx < (0 if requested == 0 else 1):
             raise Refused(
                 "prompt_too_long",
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len}",

@@ -445,7 +445,8 @@ class EngineBridge:
 
     async def echo_texts(self, req: GenerationRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text that ``echo`` puts before its output ('' without echo); token-id
-        prompts are decoded off the event loop."""
+        prompts are decoded off the event loop, special tokens spelled by name (as a string prompt
+        holds them)."""
         if not req.echo:
             return [""] * len(prompts)
         if all(isinstance(p, str) for p in req.prompts):
@@ -453,7 +454,10 @@ class EngineBridge:
         assert self.prompts is not None
 
         def run(lm: PretrainedLM) -> list[str]:
-            return [p if isinstance(p, str) else lm.decode(ids) for p, ids in zip(req.prompts, prompts, strict=True)]
+            return [
+                p if isinstance(p, str) else lm.decode(ids, skip_special_tokens=False)
+                for p, ids in zip(req.prompts, prompts, strict=True)
+            ]
 
         return await self.prompts.run(run)
 
@@ -495,7 +499,8 @@ class EngineBridge:
 
     async def detokenize(self, tokens: list[int]) -> str:
         assert self.prompts is not None
-        return await self.prompts.run(lambda lm: lm.decode(tokens))
+        # As vLLM's: special tokens kept, so that /tokenize then /detokenize gives the text back.
+        return await self.prompts.run(lambda lm: lm.decode(tokens, skip_special_tokens=False))
 
     # ------------------------------------------------------------------ embeddings
 

@@ -852,10 +852,12 @@ class TokenString(str):
 
 def token_string(lm: Any, cache: dict[int, TokenString], token: int) -> TokenString:
     """Token ``token``'s :class:`TokenString` from a ``PretrainedLM``, kept in ``cache`` (a
-    response may name the same tokens many times)."""
+    response may name the same tokens many times). A special token is spelled by name
+    (``<|im_end|>``), as vLLM and OpenAI spell them: as '' they would all be one key of a
+    completions ``top_logprobs`` object, overwriting each other."""
     text = cache.get(token)
     if text is None:
-        text = cache[token] = TokenString(lm.decode([token]), lm.token_bytes(token))
+        text = cache[token] = TokenString(lm.decode([token], skip_special_tokens=False), lm.token_bytes(token))
     return text
 
 
