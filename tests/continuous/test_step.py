@@ -86,3 +86,45 @@ def test_logits_wider_than_the_vocabulary_are_malformed(model: LlamaModel) -> No
         except concurrent.futures.TimeoutError:
             pytest.fail("the request was never answered")
         assert all(0 <= t < VOCAB for t in tokens), tokens
+
+
+def test_a_signal_during_in_fresh_thread_is_raised_once_its_function_returned() -> None:
+    """Ctrl-C while a model loads in the fresh thread: KeyboardInterrupt comes out only after the
+    thread's function has returned (a process exiting under a thread still in torch aborts)."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    started, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def load() -> int:
+        started.set()
+        release.wait(30)
+        done.set()
+        return 1
+
+    def main_thread_waits() -> bool:
+        """Whether the main thread waits in in_fresh_thread for the function (not in Thread.start)."""
+        frame = sys._current_frames().get(threading.main_thread().ident or 0)
+        while frame is not None:
+            caller = frame.f_back
+            if frame.f_code.co_name == "wait" and caller is not None and caller.f_code.co_name == "in_fresh_thread":
+                return True
+            frame = caller
+        return False
+
+    def interrupt() -> None:
+        started.wait(30)
+        for _ in range(10_000):  # until the main thread waits for the loading thread (10 s at most)
+            if main_thread_waits():
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+                break
+            time.sleep(0.001)
+        threading.Timer(0.2, release.set).start()
+
+    assert threading.current_thread() is threading.main_thread()
+    threading.Thread(target=interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        batchkit.continuous.in_fresh_thread(load)
+    assert done.is_set()

@@ -101,17 +101,31 @@ def in_fresh_thread(fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
     the main thread has ever run torch work. The main thread never ends, so its team never goes.
     Build the model and its KV cache through this function (``load_pretrained`` and
     ``PretrainedLM.make_loop`` do), and the engine thread's team is the only one.
+
+    A signal that interrupts the wait here (Ctrl-C, ``batchkit run``'s SIGTERM) is raised once
+    ``fn`` has returned: a process that exits while the thread still runs torch code aborts
+    (status 134, "terminate called without an active exception"). A second signal is not held.
     """
     box: list[Any] = []
+
+    finished = threading.Event()
 
     def run() -> None:
         try:
             box.append((True, fn(*args, **kwargs)))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             box.append((False, exc))
+        finally:
+            finished.set()
 
     t = threading.Thread(target=run, name="batchkit-setup")
     t.start()
+    # An Event, not Thread.join: a join that a signal interrupts marks the thread ended while it runs.
+    try:
+        finished.wait()
+    except BaseException:
+        finished.wait()
+        raise
     t.join()
     ok, value = box[0]
     if not ok:
