@@ -290,6 +290,10 @@ def test_served_model_name_answers_only_bodies_that_name_it(model_dir: Path, in_
         (["--model", "M", "--format", "openai-batch", "--line-ids"], "argument --line-ids: not with --format"),
         (["--model", "M", "--format", "openai-batch", "--id-field", "k"], "argument --id-field: not with --format"),
         (["--model", "M", "--format", "openai-batch", "--temperature", "1"], "argument --temperature: not with"),
+        # Given at their default value too: each body sets its own (--temperature 0 would not make it greedy).
+        (["--model", "M", "--format", "openai-batch", "--temperature", "0"], "argument --temperature: not with"),
+        (["--model", "M", "--format", "openai-batch", "--id-field", "id"], "argument --id-field: not with"),
+        (["--model", "M", "--format", "openai-batch", "--prompt-field", "prompt"], "argument --prompt-field: not"),
         (["--model", "M", "--format", "openai-batch", "--prompt-field", "q"], "argument --prompt-field: not with"),
         (["--model", "M", "--served-model-name", "x"], "argument --served-model-name: goes with --format openai-batch"),
         (

@@ -822,6 +822,10 @@ def test_cli_exit_status_says_whether_anything_failed(
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--max-new-tokens", "2"], "--max-new-tokens"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--chat"], "argument --chat: shapes"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--temperature", "1"], "--temperature"),
+        # given at their default value too
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--temperature", "0"], "--temperature"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--max-num-seqs", "16"], "--max-num-seqs"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--num-blocks", "1024"], "--num-blocks"),
     ],
     ids=[
         "no-input",
@@ -834,6 +838,9 @@ def test_cli_exit_status_says_whether_anything_failed(
         "max-new-tokens-without-model",
         "chat-without-model",
         "temperature-without-model",
+        "default-temperature-without-model",
+        "default-max-num-seqs-without-model",
+        "default-num-blocks-without-model",
     ],
 )
 def test_cli_usage_errors_exit_2_with_one_line(

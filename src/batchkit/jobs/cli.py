@@ -81,7 +81,10 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
     )
     ids = p.add_mutually_exclusive_group()
     ids.add_argument(
-        "--id-field", default="id", metavar="FIELD", help="the field that identifies a record (a string or an integer)"
+        "--id-field",
+        default=None,
+        metavar="FIELD",
+        help="the field that identifies a record (a string or an integer; default: id)",
     )
     ids.add_argument("--line-ids", action="store_true", help="use line numbers as ids instead of a field")
     p.add_argument(
@@ -178,21 +181,37 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         help="with --format openai-batch: the name each body's model must give (other names are answered 404 "
         "model_not_found) and the answers' model; default: any name is answered by --model, named as its own",
     )
-    g.add_argument("--prompt-field", default="prompt", metavar="FIELD", help="the record field holding the prompt")
+    g.add_argument(
+        "--prompt-field", default=None, metavar="FIELD", help="the record field holding the prompt (default: prompt)"
+    )
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template (a user turn)")
     g.add_argument(
         "--max-new-tokens",
         type=_int_in(1, 1 << 20),
-        default=256,
+        default=None,
         metavar="N",
-        help="tokens generated at most (with --format openai-batch: for a body that sets no max_tokens)",
+        help="tokens generated at most (with --format openai-batch: for a body that sets no max_tokens; default: 256)",
     )
     g.add_argument(
-        "--temperature", type=_float_in(0, 100), default=0.0, metavar="T", help="sampling temperature (0: greedy)"
+        "--temperature",
+        type=_float_in(0, 100),
+        default=None,
+        metavar="T",
+        help="sampling temperature (0: greedy; the default)",
     )
-    g.add_argument("--max-num-seqs", type=_int_in(1, 4096), default=16, metavar="N", help="sequences decoded together")
     g.add_argument(
-        "--num-blocks", type=_int_in(2, 1 << 24), default=1024, metavar="N", help="KV cache blocks of 16 tokens"
+        "--max-num-seqs",
+        type=_int_in(1, 4096),
+        default=None,
+        metavar="N",
+        help="sequences decoded together (default: 16)",
+    )
+    g.add_argument(
+        "--num-blocks",
+        type=_int_in(2, 1 << 24),
+        default=None,
+        metavar="N",
+        help="KV cache blocks of 16 tokens (default: 1024)",
     )
     p.add_argument(
         "--price-per-hour",
@@ -335,7 +354,7 @@ def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
         raise _Usage("argument --served-model-name: must be a name (the one bodies give as their model), got ''")
     # A body says its own prompt and sampling; --max-new-tokens, --max-num-seqs and --num-blocks still apply.
     per_body = {"--prompt-field", "--chat", "--temperature"}
-    options = [("--line-ids", args.line_ids), ("--id-field", args.id_field != "id")]
+    options = [("--line-ids", args.line_ids), ("--id-field", "--id-field" in args.given)]
     options += [(o, is_set) for o, is_set in _generation_options(args) if o in per_body]
     given = [option for option, is_set in options if is_set]
     if given:
@@ -356,15 +375,36 @@ def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
 
 
 def _generation_options(args: argparse.Namespace) -> list[tuple[str, bool]]:
-    """The options that shape what --model generates, and whether each was given (not its default)."""
-    return [
-        ("--prompt-field", args.prompt_field != "prompt"),
-        ("--chat", args.chat),
-        ("--max-new-tokens", args.max_new_tokens != 256),
-        ("--temperature", args.temperature != 0.0),
-        ("--max-num-seqs", args.max_num_seqs != 16),
-        ("--num-blocks", args.num_blocks != 1024),
-    ]
+    """The options that shape what --model generates, and whether each was given (at its default
+    value too: ``--temperature 0`` with openai-batch would be ignored as surely as 0.5)."""
+    names = ("--prompt-field", "--max-new-tokens", "--temperature", "--max-num-seqs", "--num-blocks")
+    return [("--chat", args.chat), *((name, name in args.given) for name in names)]
+
+
+# The defaults of the options whose presence is checked (parsed as None, so that given is told
+# from a default value): set by _take_defaults once the presence is noted.
+_DEFAULTS = {
+    "id_field": "id",
+    "prompt_field": "prompt",
+    "max_new_tokens": 256,
+    "temperature": 0.0,
+    "max_num_seqs": 16,
+    "num_blocks": 1024,
+}
+
+
+def _take_defaults(args: argparse.Namespace) -> None:
+    """Note in ``args.given`` which of the options in ``_DEFAULTS`` the command line gave; give
+    the others their default value."""
+    if hasattr(args, "given"):  # taken already (the first time, when nothing was filled in)
+        return
+    given: set[str] = set()
+    for name, default in _DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+        else:
+            given.add("--" + name.replace("_", "-"))
+    args.given = given
 
 
 def _check_parquet_files(src: Path, out: Path) -> None:
@@ -425,6 +465,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def _run_cli(args: argparse.Namespace) -> int:
     prog = "batchkit run"
+    _take_defaults(args)
     show_tb = bool(getattr(args, "traceback", False))
     started = False  # the job opened its files: a rerun resumes it
     try:
