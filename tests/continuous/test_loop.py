@@ -1432,3 +1432,67 @@ def test_a_request_following_another_waits_until_that_one_has_computed_its_promp
     assert "follower" in [r.request_id for r in third.requests]
     assert follower.after is None
     assert alloc.statistics().prefix_hits == 8
+
+
+# --------------------------------------------------------------------------- min_tokens
+
+EOS = 40
+
+
+class PreferEos(EchoStep):
+    """EchoStep whose EOS is always the most likely token: (last + 1) only the second."""
+
+    def __call__(self, batch: StepBatch, kv: Any) -> Any:
+        rows = len(batch.sample_indices)
+        eos = torch.nn.functional.one_hot(torch.full((rows,), EOS), VOCAB).to(torch.float32)
+        return super().__call__(batch, kv) + 2 * eos
+
+
+def _letters(ids: Sequence[int]) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def _tokens_and_reason(prompt: list[int], **params: Any) -> tuple[list[int], str | None]:
+    """One request's greedy tokens and finish reason, the loop stepped in this thread."""
+    loop = make_loop(PreferEos(), detokenize=_letters, eos_token_id=EOS)
+    loop.scheduler.add(Request("r", prompt, SamplingParams(eos_token_id=EOS, **params)))
+    tokens: list[int] = []
+    for _ in range(100):
+        _, events = loop.step_once()
+        for ev in events:
+            assert ev.error is None, ev.error
+            assert ev.token is not None
+            tokens.append(ev.token)
+            if ev.finished:
+                return tokens, ev.finish_reason
+    raise AssertionError("the request did not finish")
+
+
+class TestMinTokens:
+    """vLLM's min_tokens: the stop tokens are masked and stop strings do not count until the
+    output holds min_tokens tokens."""
+
+    def test_eos_is_masked_until_min_tokens_then_ends_the_output(self) -> None:
+        assert _tokens_and_reason([1], max_new_tokens=8) == ([EOS], "eos")
+        assert _tokens_and_reason([1], max_new_tokens=8, min_tokens=3) == ([2, 3, 4, EOS], "eos")
+        assert _tokens_and_reason([1], max_new_tokens=3, min_tokens=3) == ([2, 3, 4], "length")
+
+    def test_stop_token_ids_are_masked_too_whatever_ignore_eos(self) -> None:
+        got = _tokens_and_reason([1], max_new_tokens=8, min_tokens=2, stop_token_ids=[EOS], ignore_eos=True)
+        assert got == ([2, 3, EOS], "stop")
+        # ignore_eos alone: EOS stops nothing, so nothing is masked (EOS is drawn every time).
+        assert _tokens_and_reason([1], max_new_tokens=3, min_tokens=2, ignore_eos=True) == ([EOS] * 3, "length")
+
+    def test_a_stop_string_counts_once_it_ends_in_the_min_tokens_th_tokens_text(self) -> None:
+        # EOS masked for 3 tokens: 2 3 4 ("cde"), then EOS.
+        # "d" ends in the 2nd token's text, before the 3rd: it never counts.
+        assert _tokens_and_reason([1], max_new_tokens=8, min_tokens=3, stop="d") == ([2, 3, 4, EOS], "eos")
+        # "de" ends in the 3rd token's: it counts there.
+        assert _tokens_and_reason([1], max_new_tokens=8, min_tokens=3, stop="de") == ([2, 3, 4], "stop")
+        assert _tokens_and_reason([1], max_new_tokens=8, stop="d") == ([EOS], "eos")
+
+    def test_min_tokens_is_checked_against_max_new_tokens(self) -> None:
+        for bad in (-1, 9, 1.5):
+            with pytest.raises(ValueError, match="min_tokens"):
+                SamplingParams(max_new_tokens=8, min_tokens=bad)  # type: ignore[arg-type]
+        assert SamplingParams(max_new_tokens=8, min_tokens=8).min_tokens == 8

@@ -209,7 +209,10 @@ FIELD_VALUES: dict[str, tuple[Any, Any]] = {
     "echo": (True, "no"),
     "temperature": (0.5, 2.5),
     "top_p": (0.5, 0),
-    "top_k": (5, -1),
+    "top_k": (5, -2),
+    "stop_token_ids": ([2], [-1]),
+    "min_tokens": (2, 3),  # more than the max_tokens (2) of the request
+    "include_stop_str_in_output": (True, "x"),
     "min_p": (0.1, 1.5),
     "seed": (3, 2**64),
     "presence_penalty": (1.0, 2.5),
@@ -564,7 +567,8 @@ def test_a_prompt_too_long_is_counted_as_a_rejection(live: LiveServer) -> None:
     with httpx.stream(
         "POST", f"{live.url}/v1/completions", json=body, headers={"X-Batchkit-Tenant": "acme"}, timeout=WAIT_S
     ) as s:
-        assert next(line for line in s.iter_lines() if line.startswith("data: "))
+        lines = s.iter_lines()  # kept: a line iterator left to the collector closes the stream (an abort)
+        assert next(line for line in lines if line.startswith("data: "))
         # The series exists only while the tenant holds blocks (none, e.g., while its request is
         # preempted), so look until it shows, with a deadline, while the request still streams.
         tenant_key = ("batchkit_kv_tenant_blocks", (("pool", "chat"), ("tenant", "acme")))

@@ -235,6 +235,18 @@ def test_vllm_stop_token_ids_and_include_stop_str_in_output(
 
 
 @needs_models
+def test_vllm_min_tokens_runs_past_the_eos(client: Any) -> None:
+    """min_tokens: the answer does not end before that many tokens (EOS masked until then)."""
+    base = {"model": CHAT, "messages": QUESTION, "temperature": 0, "max_tokens": 40}
+    short = client.chat.completions.create(**base)
+    assert short.choices[0].finish_reason == "stop"
+    want = short.usage.completion_tokens + 4
+    r = client.chat.completions.create(**base, extra_body={"min_tokens": want})
+    assert r.usage.completion_tokens >= want
+    assert r.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+@needs_models
 def test_seeded_sampling_repeats(client: Any) -> None:
     """The same seed, temperature and top_p give the same sampled text."""
     kwargs = {"model": CHAT, "messages": QUESTION, "temperature": 1.0, "top_p": 0.9, "seed": 7, "max_tokens": 8}
@@ -418,6 +430,43 @@ def test_an_embedding_queue_smaller_than_a_request_limits_the_request_with_400(m
         r = httpx.post(f"{server.url}/v1/embeddings", json={"model": EMBED, "input": ["x"] * 8}, timeout=DEADLINE_S)
         assert r.status_code == 200
         assert len(r.json()["data"]) == 8
+
+
+@needs_models
+def test_an_embedding_request_without_room_for_all_its_inputs_is_refused_whole_at_once(
+    models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder busy, 6 of the queue's 8 places taken: a request of 3 inputs is 503 queue_full
+    at once, none of its inputs queued (they were queued one by one, then cancelled); the queued
+    requests are then served."""
+    from batchkit.serve import create_app
+
+    _, encoder = models
+    busy, release = threading.Event(), threading.Event()
+    encode = encoder.encode
+
+    def blocked(texts: list[str]) -> Any:
+        busy.set()
+        assert release.wait(DEADLINE_S)
+        return encode(texts)
+
+    monkeypatch.setattr(encoder, "encode", blocked)
+    app = create_app(embedding_model=encoder, embedding_max_queue=8, embedding_max_batch=1, warmup=False)
+    url_of = "{}/v1/embeddings".format
+    with LiveServer(app) as server, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        url = url_of(server.url)
+        first = pool.submit(httpx.post, url, json={"model": EMBED, "input": "one"}, timeout=DEADLINE_S)
+        assert busy.wait(DEADLINE_S)
+        queue = server.state.embed.batcher.queue
+        six = pool.submit(httpx.post, url, json={"model": EMBED, "input": ["x"] * 6}, timeout=DEADLINE_S)
+        _wait_until(lambda: len(queue) == 6, "six inputs queued")
+        r = httpx.post(url, json={"model": EMBED, "input": ["y"] * 3}, timeout=DEADLINE_S)
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "queue_full")
+        assert int(r.headers["Retry-After"]) >= 1
+        assert len(queue) == 6
+        assert server.state.embed.statistics().cancelled == 0
+        release.set()
+        assert first.result(DEADLINE_S).status_code == six.result(DEADLINE_S).status_code == 200
 
 
 # ----------------------------------------------------------------------------- errors

@@ -4,6 +4,7 @@ each refusal is a 400 naming the offending field (``param``) with OpenAI's ``cod
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -252,3 +253,51 @@ class TestVllmStopExtensions:
     def test_top_k_minus_one_is_off_as_zero(self) -> None:
         assert parse_chat({"model": "m", "messages": HI, "top_k": -1}).top_k == 0
         assert _refusal({"model": "m", "messages": HI, "top_k": -2}).param == "top_k"
+
+
+class TestMinTokens:
+    """vLLM's min_tokens: read and checked here; the server's detokenizer finds a stop string at
+    the very token the loop stops at."""
+
+    def test_min_tokens_is_read_and_checked_against_max_tokens(self) -> None:
+        req = parse_chat({"model": "m", "messages": HI, "min_tokens": 3, "max_tokens": 5})
+        assert req.sampling_options([2])["min_tokens"] == 3
+        assert parse_chat({"model": "m", "messages": HI}).sampling_options([2])["min_tokens"] == 0
+        assert _refusal({"model": "m", "messages": HI, "min_tokens": 6, "max_tokens": 5}).param == "min_tokens"
+        assert _refusal({"model": "m", "messages": HI, "min_tokens": -1}).param == "min_tokens"
+
+    def test_the_loop_and_the_detokenizer_stop_at_the_same_token(self) -> None:
+        torch = pytest.importorskip("torch")
+        from batchkit import ContinuousDecodeLoop, PagedKVCache
+        from batchkit.continuous import StepBatch
+        from batchkit.serve.protocol import IncrementalDetokenizer
+
+        pieces = ["a", "b", "ab", "ba", " ", "c"]
+
+        def decode(ids: Any) -> str:
+            return "".join(pieces[i] for i in ids)
+
+        rng = random.Random(5)
+        for _ in range(30):
+            script = [rng.randrange(len(pieces)) for _ in range(12)]
+            text = decode(script)
+            at = rng.randrange(len(text))
+            stop = (text[at : at + rng.randint(1, 3)],)
+            min_tokens = rng.randrange(0, 9)
+
+            def step(batch: StepBatch, kv: Any, script: list[int] = script) -> Any:
+                nth = batch.positions[batch.sample_indices]  # the prompt is one token at position 0
+                return torch.nn.functional.one_hot(torch.tensor(script)[nth], len(pieces)).float()
+
+            with ContinuousDecodeLoop(step, PagedKVCache(1, 16, 4, 1, 4), detokenize=decode) as loop:
+                fut = loop.submit([0], max_new_tokens=12, min_tokens=min_tokens, stop=stop, temperature=0)
+                tokens = fut.result(30)
+            d = IncrementalDetokenizer(decode, stop, min_tokens=min_tokens)
+            pushed = 0
+            for t in script:
+                pushed += 1
+                d.push(t)
+                if d.stopped:
+                    break
+            assert len(tokens) == pushed, (script, stop, min_tokens)
+            assert pushed >= min_tokens

@@ -873,7 +873,7 @@ class ContinuousDecodeLoop:
         logits, broken = self._mask_bad_rows(logits, sampling)
         params = [r.params for r in sampling]
         errors: dict[Hashable, Exception] = {}
-        if any(p.adjusts_logits for p in params):
+        if any(p.adjusts_logits or p.min_tokens for p in params):
             errors = self._refuse_bias_past(int(logits.shape[1]), sampling, params)
             broken.extend(errors)
             logits = adjust_logits(logits, params, [r.tokens for r in sampling], [r.prompt_len for r in sampling])

@@ -60,6 +60,10 @@ class SamplingParams:
             are masked out of this request's logits, after penalties and biases. Its stop
             tokens join ``stop_token_ids`` (even with ``ignore_eos``): once the grammar is
             complete they are all it allows, and they end the request.
+        min_tokens: generate at least this many tokens (0 to ``max_new_tokens``; vLLM's meaning):
+            until then the stop tokens (``stop_token_ids``, and ``eos_token_id`` unless
+            ``ignore_eos``) are masked out of the logits, and no stop string ends the output (one
+            counts once it ends in the text of the ``min_tokens``-th token or a later one).
 
     Penalties and biases change the logits both greedy decoding and sampling read, in the order
     vLLM applies them (bias, then repetition, frequency and presence); the logprobs reported are
@@ -83,6 +87,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = field(default_factory=tuple)
     min_p: float = 0.0
     grammar: Grammar | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Everything is checked here, at submit: a value the sampler or the stop check could only
@@ -147,6 +152,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}")
         object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        min_tokens = _index(self.min_tokens)
+        if min_tokens is None or not 0 <= min_tokens <= max_new:
+            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens={max_new}], got {self.min_tokens!r}")
+        object.__setattr__(self, "min_tokens", min_tokens)
         if self.grammar is not None:
             if not isinstance(self.grammar, Grammar):
                 raise TypeError(f"grammar must be a batchkit Grammar (see json_grammar) or None, got {self.grammar!r}")
@@ -166,6 +175,19 @@ class SamplingParams:
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as it is kept: ``(token_id, bias)`` pairs sorted by id."""
         return cast(tuple[tuple[int, float], ...], self.logit_bias)
+
+    def holds_stops(self, num_output: int) -> bool:
+        """Whether, with ``num_output`` tokens generated, the next token may not be a stop token
+        (``min_tokens`` not reached, and there are stop tokens to mask)."""
+        return num_output < self.min_tokens and bool(self.stop_ids)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The token ids that end the output: ``stop_token_ids``, and ``eos_token_id`` unless ``ignore_eos``."""
+        eos = self.eos_token_id
+        if eos is None or self.ignore_eos or eos in self.stop_token_ids:
+            return self.stop_token_ids
+        return (*self.stop_token_ids, eos)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -272,9 +294,9 @@ class DecodedText:
         self._prefix, self._read = self._read, length
 
 
-def find_stop(text: str, stop: Sequence[str], start: int) -> int:
-    """Where the first stop string in ``text[start:]`` begins, or -1."""
-    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+def find_stop(text: str, stop: Sequence[str], start: int, min_end: int = 0) -> int:
+    """Where the first stop string in ``text[start:]`` that ends past ``text[:min_end]`` begins, or -1."""
+    hits = [i for i in (text.find(s, max(start, min_end - len(s) + 1)) for s in stop) if i >= 0]
     return min(hits) if hits else -1
 
 
@@ -285,11 +307,13 @@ def adjust_logits(
 
     Row ``i`` has seen ``tokens[i]``, its prompt (the first ``prompt_lens[i]``) then its output
     so far. Only the rows whose parameters adjust their logits are computed, all in one
-    vectorised pass per kind; ``logits`` itself is returned, unchanged, when no row adjusts.
+    vectorised pass per kind; ``logits`` itself is returned, unchanged, when no row adjusts. A
+    row whose ``min_tokens`` is not reached has its stop tokens masked (-inf) after the rest.
     """
     import torch
 
-    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    holding = [p.holds_stops(len(t) - n) for p, t, n in zip(params, tokens, prompt_lens, strict=True)]
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits or holding[i]]
     if not rows:
         return logits
     device = logits.device
@@ -329,6 +353,10 @@ def adjust_logits(
         freq = torch.tensor([p.frequency_penalty for p in picked], dtype=torch.float32, device=device)[:, None]
         presence = torch.tensor([p.presence_penalty for p in picked], dtype=torch.float32, device=device)[:, None]
         x -= freq * counts + presence * (counts > 0)
+    held = [(j, t) for j, i in enumerate(rows) if holding[i] for t in params[i].stop_ids]
+    if held:
+        r, t = zip(*held, strict=True)
+        x[torch.tensor(r, device=device), torch.tensor(t, device=device)] = float("-inf")
     out = logits.to(torch.float32, copy=True)
     out[row_index] = x
     return out

@@ -135,6 +135,7 @@ class Request:
         "prompt_logprobs_done",
         "request_id",
         "status",
+        "stop_floor",
         "stop_text",
         "t_first_scheduled",
         "t_last_token",
@@ -171,6 +172,9 @@ class Request:
         self.num_preemptions = 0
         self.generator: Any = None
         self.stop_text: DecodedText | None = None  # the output's text, for stop strings
+        # With min_tokens: a stop string counts once it ends past this many characters (the text of
+        # the first min_tokens - 1 tokens).
+        self.stop_floor = 0
         # params.prompt_logprobs: the prompt tokens' entries not yet handed out, and how many of
         # the prompt's positions (from 1 on) have theirs.
         self.prompt_logprobs: list[TokenLogprobs] = []
@@ -966,9 +970,10 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if token in p.stop_token_ids:
+        stopping = len(req.output) >= p.min_tokens  # before min_tokens, nothing but the limit ends it
+        if stopping and token in p.stop_token_ids:
             return "stop"
-        if p.eos_token_id is not None and token == p.eos_token_id and not p.ignore_eos:
+        if stopping and p.eos_token_id is not None and token == p.eos_token_id and not p.ignore_eos:
             return "eos"
         if p.stop and self.detokenize is not None:
             # A short window of the latest tokens is decoded, not the whole output (O(n^2) per
@@ -977,8 +982,10 @@ class Scheduler:
             if decoded is None:
                 decoded = req.stop_text = DecodedText(self.detokenize)
             pending = decoded.pending(req.output)
+            if len(req.output) == p.min_tokens - 1:
+                req.stop_floor = len(decoded.text) + len(pending)
             start = max(0, len(decoded.text) - max(len(s) for s in p.stop))
-            if find_stop(decoded.text + pending, p.stop, start) >= 0:
+            if stopping and find_stop(decoded.text + pending, p.stop, start, req.stop_floor) >= 0:
                 return "stop"
             if pending and not pending.endswith("\ufffd"):
                 decoded.commit(pending, len(req.output))

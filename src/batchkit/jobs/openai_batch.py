@@ -305,7 +305,9 @@ class OpenAIBatchFunction(LoopFunction):
             ids = [it.token for it in outputs] if detailed else outputs
             if limit == 0:  # an echoed prompt alone: the token it sampled is no part of the answer
                 outputs, ids = [], []
-            tail = IncrementalDetokenizer(lm.decode, req.stop, include_stop=req.include_stop_str_in_output)
+            tail = IncrementalDetokenizer(
+                lm.decode, req.stop, include_stop=req.include_stop_str_in_output, min_tokens=req.min_tokens
+            )
             used = 0
             for token in ids:
                 used += 1

@@ -428,6 +428,7 @@ class EngineBridge:
                         stop=req.stop,
                         stop_token_ids=stop_ids,
                         include_stop=req.include_stop_str_in_output,
+                        min_tokens=req.min_tokens,
                         t_arrival=t_arrival,
                         decode=lm.decode,
                         token_text=self.token_text,
@@ -520,6 +521,15 @@ class EngineBridge:
         """
         embed = self.embed
         assert embed is not None
+        # A request whose inputs cannot all be queued now is refused whole, at once: submitted
+        # one by one, the first ones would be queued (a task each on the event loop: thousands
+        # of them stalled every other request) before the refusal, then cancelled.
+        queue = embed.batcher.queue
+        room = queue.maxsize - len(queue)
+        if len(inputs) > room:
+            raise self._queue_full(
+                QueueFull(f"{len(inputs)} inputs do not fit in the embedding queue, which has room for {room} now")
+            )
         results: list[Any] = [None] * len(inputs)
         errors: list[BaseException] = []
         async with anyio.create_task_group() as tg:

@@ -69,6 +69,7 @@ class Generation:
         stop: Sequence[str],
         stop_token_ids: Sequence[int],
         include_stop: bool = False,
+        min_tokens: int = 0,
         t_arrival: float,
         decode: Callable[[Sequence[int]], str],
         token_text: Callable[[TokenLogprobs], TokenText],
@@ -92,7 +93,7 @@ class Generation:
         self.detailed = detailed
         self.output: list[Any] = []  # int, or TokenLogprobs when detailed
         ids: Sequence[int] = TokenIds(self.output) if detailed else self.output
-        self.tail = IncrementalDetokenizer(decode, stop, ids, include_stop=include_stop)
+        self.tail = IncrementalDetokenizer(decode, stop, ids, include_stop=include_stop, min_tokens=min_tokens)
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.logprobs_sent = 0  # how many of output's logprob entries are sent
         self.text_offset = 0  # characters of the token strings of the logprob entries sent

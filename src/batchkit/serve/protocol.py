@@ -235,6 +235,7 @@ class GenerationRequest:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: the caller's, besides the model's EOS ids
     include_stop_str_in_output: bool = False  # vLLM's extension: the text ends after the stop string
+    min_tokens: int = 0  # vLLM's extension: no stop token or stop string before this many tokens
     ignore_eos: bool = False
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None  # the first of ``prompts``
@@ -276,6 +277,7 @@ class GenerationRequest:
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens,
         }
         if grammar is not None:
             options["grammar"] = grammar
@@ -354,6 +356,9 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
             "stream_options.include_usage", f"'stream_options.include_usage' must be a boolean, got {include_usage!r}"
         )
     seed = _opt_int(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1])
+    min_tokens = _opt_int(body, "min_tokens", lo=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:  # as vLLM
+        raise _invalid("min_tokens", f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens})")
     from .structured import parse_response_format  # structured.py builds on this module's ApiError
 
     return {
@@ -373,6 +378,7 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
         "ignore_eos": _opt_bool(body, "ignore_eos"),
         "stop_token_ids": _stop_token_ids(body),
         "include_stop_str_in_output": _opt_bool(body, "include_stop_str_in_output"),
+        "min_tokens": min_tokens,
         "presence_penalty": _opt_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         "frequency_penalty": _opt_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         "repetition_penalty": _opt_number(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
@@ -595,7 +601,9 @@ class IncrementalDetokenizer:
     Text is emitted only when it is final: not while the decoded text ends in an incomplete
     UTF-8 sequence (U+FFFD), and not while its end could be the start of a stop string. A stop
     string ends the text before it (it is not part of the output), as OpenAI does; with
-    ``include_stop`` after it (vLLM's ``include_stop_str_in_output``). Each push
+    ``include_stop`` after it (vLLM's ``include_stop_str_in_output``). With ``min_tokens``, a stop
+    string counts once it ends in the text of the ``min_tokens``-th token or a later one, as the
+    loop counts it (:class:`~batchkit.SamplingParams`). Each push
     decodes a short window of the latest tokens, not the whole output (see
     :class:`~batchkit.continuous.sampling.DecodedText`), as the loop's own stop check does.
 
@@ -610,10 +618,13 @@ class IncrementalDetokenizer:
         ids: Sequence[int] | None = None,
         *,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.decode = decode
         self.stop = tuple(stop)
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self._floor = 0  # with min_tokens: the characters of the first min_tokens - 1 tokens' text
         # The tokens so far: this object's own list, or ``ids``, a caller's sequence that grows
         # by one token before each advance() (read, never copied).
         self.ids: Sequence[int] = [] if ids is None else ids
@@ -643,7 +654,10 @@ class IncrementalDetokenizer:
             # the same decoded text, so a token that completes one while it begins a multi-byte
             # character (byte-level BPE: "f" + the first byte of "é") ends the request here.
             text = self._decoded.text + pending
-            hit = find_stop(text, self.stop, max(0, self.sent - max(len(s) for s in self.stop)))
+            if len(self.ids) == self.min_tokens - 1:
+                self._floor = len(text)
+            start = max(0, self.sent - max(len(s) for s in self.stop))
+            hit = find_stop(text, self.stop, start, self._floor) if len(self.ids) >= self.min_tokens else -1
             if hit >= 0:
                 if self.include_stop:  # the first stop string (in the order given) found there
                     hit += len(next(s for s in self.stop if text.startswith(s, hit)))
