@@ -212,6 +212,21 @@ def test_a_repeated_custom_id_is_refused_before_any_work(
     assert not (in_tmp / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("bad", [1, 1.0, ["a"]])
+def test_a_custom_id_that_is_not_a_string_is_refused_before_any_work(
+    bad: Any, model_dir: Path, in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OpenAI's custom_id is a string: an integer (which "1" would not match) is refused in one
+    line naming the line (status 2), before the model loads or any file is written."""
+    line = json.loads(_chat("x", "w6"))
+    Path("batch.jsonl").write_text(_chat("a", "w5") + json.dumps({**line, "custom_id": bad}) + "\n")
+    assert _run(model_dir) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"argument --input: line 2: custom_id must be a string, as OpenAI's, got {bad!r}" in err
+    assert not (in_tmp / "out.jsonl").exists()
+
+
 def test_a_resumed_job_answers_each_custom_id_exactly_once(model_dir: Path, in_tmp: Path) -> None:
     """Interrupted after its first commit, the job leaves some answers; the rerun keeps them as
     they were (not redone: the same batch_req ids) and answers the rest, each custom_id once."""

@@ -826,6 +826,9 @@ def test_cli_exit_status_says_whether_anything_failed(
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--temperature", "0"], "--temperature"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--max-num-seqs", "16"], "--max-num-seqs"),
         (["jobfns:double", "--input", "in.jsonl", "--output", "o.jsonl", "--num-blocks", "1024"], "--num-blocks"),
+        # CSV is neither read (every line a malformed record) nor written (JSONL under a .csv name)
+        (["jobfns:double", "--input", "in.csv", "--output", "o.jsonl"], "argument --input: 'in.csv' is CSV"),
+        (["jobfns:double", "--input", "in.jsonl", "--output", "o.csv"], "argument --output: .*not 'o.csv'"),
     ],
     ids=[
         "no-input",
@@ -841,6 +844,8 @@ def test_cli_exit_status_says_whether_anything_failed(
         "default-temperature-without-model",
         "default-max-num-seqs-without-model",
         "default-num-blocks-without-model",
+        "csv-input",
+        "csv-output",
     ],
 )
 def test_cli_usage_errors_exit_2_with_one_line(
@@ -853,6 +858,7 @@ def test_cli_usage_errors_exit_2_with_one_line(
     (tmp_path / "jobfns.py").write_text("def double(rs):\n    return [r['x'] * 2 for r in rs]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    (tmp_path / "in.csv").write_text("id,x\n1,1\n")
     (tmp_path / "taken.jsonl").write_text("{}\n")
     assert _cli(argv) == 2
     err = capsys.readouterr().err.strip()

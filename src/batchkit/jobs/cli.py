@@ -407,9 +407,24 @@ def _take_defaults(args: argparse.Namespace) -> None:
     args.given = given
 
 
+# Tabular text formats a job does not read or write: named so, not read as JSONL line by line
+# (every line a malformed record) or written as JSONL under their name.
+_TABLES = (".csv", ".tsv")
+
+
 def _check_parquet_files(src: Path, out: Path) -> None:
     """A ``.parquet`` input is read as Parquet, and a ``.parquet`` output written as Parquet: say
-    now if the input is not one, or pyarrow is missing for either."""
+    now if the input is not one, or pyarrow is missing for either. A ``.csv`` or ``.tsv`` file is
+    refused either way."""
+    if src.suffix.lower() in _TABLES:
+        raise _Usage(
+            f"argument --input: {src.name!r} is {src.suffix[1:].upper()}; batchkit run reads JSONL (one JSON object "
+            "a line) or Parquet: convert it first (pandas: read_csv(...).to_json(path, orient='records', lines=True))"
+        )
+    if out.suffix.lower() in _TABLES:
+        raise _Usage(
+            f"argument --output: batchkit run writes JSONL or Parquet: name it .jsonl or .parquet, not {out.name!r}"
+        )
     if is_parquet(src):
         try:
             open_parquet(src)

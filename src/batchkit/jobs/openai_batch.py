@@ -59,21 +59,23 @@ ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 def check_custom_ids(path: str | os.PathLike[str]) -> None:
-    """Refuse an input whose ``custom_id`` repeats, as OpenAI refuses such a file: a job keys
-    its answers by it. Lines that are not JSON objects or have no ``custom_id`` are left for
-    the job (they become dead letters).
+    """Refuse an input whose ``custom_id`` repeats or is not a string, as OpenAI refuses such a
+    file: a job keys its answers by it (an integer 1 and a string "1" would be two ids). Lines
+    that are not JSON objects or have no ``custom_id`` are left for the job (they become dead
+    letters).
 
     Raises:
-        ValueError: naming the first repeated ``custom_id`` and both of its lines.
+        ValueError: naming the first repeated ``custom_id`` and both of its lines, or the first
+            line whose ``custom_id`` is not a string.
     """
     first: dict[Any, int] = {}
     for n, content in iter_lines(path):
         rec = parse_line(content)
-        if not isinstance(rec, dict):
+        if not isinstance(rec, dict) or rec.get(ID_FIELD) is None:
             continue
-        key = rec.get(ID_FIELD)
-        if not isinstance(key, str | int) or isinstance(key, bool):
-            continue
+        key = rec[ID_FIELD]
+        if not isinstance(key, str):
+            raise ValueError(f"line {n}: custom_id must be a string, as OpenAI's, got {key!r}")
         seen = first.setdefault(key, n)
         if seen != n:
             raise ValueError(
