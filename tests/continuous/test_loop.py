@@ -768,6 +768,25 @@ def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
         make_loop(max_waiting=0)
 
 
+def test_max_waiting_counts_the_requests_beyond_the_free_seats() -> None:
+    """A burst at an idle loop: its 3 free seats take 3 of the waiting requests at the next step,
+    so 3 + max_waiting (2) are let in and the 6th is refused; all that were let in complete."""
+    from batchkit import QueueFull
+
+    loop = make_loop(max_num_seqs=3, max_waiting=2, engine="caller")  # nothing runs until run_engine()
+    assert loop.free_seats() == 3
+    futures = [loop.submit([1], max_new_tokens=2) for _ in range(5)]
+    with pytest.raises(QueueFull, match="max_waiting=2"):
+        loop.submit([1], max_new_tokens=2)
+    engine = threading.Thread(target=loop.run_engine)
+    engine.start()
+    try:
+        assert [f.result(WAIT) for f in futures] == [[2, 3]] * 5
+    finally:
+        loop.close(WAIT)
+        engine.join(WAIT)
+
+
 def test_tenant_quotas_hold_a_tenant_to_its_share_of_the_cache() -> None:
     """ContinuousDecodeLoop(tenant_quotas=...): a tenant at its quota waits while another tenant
     is served; a request that can never fit its tenant's quota is refused with KVCacheExhausted."""

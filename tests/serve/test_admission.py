@@ -117,12 +117,23 @@ class TestWaitingRoom:
         """2 waiting in the loop: 2 more samples fit; 3 are refused, and hold no place."""
         room = WaitingRoom(4)
         with pytest.raises(
-            QueueFull, match=r"3 samples would join the 2 already waiting for admission, past max_waiting=4"
+            QueueFull,
+            match=r"3 samples would join the 2 already waiting for admission, past the 0 free seats and max_waiting=4",
         ):
             room.take(1, 3, num_waiting=2)
         assert room.num_held == 0
         places = room.take(2, 1, num_waiting=2)
         assert ([p.num_samples for p in places], room.num_held) == ([1, 1], 2)
+
+    def test_free_seats_take_waiting_samples_first(self) -> None:
+        """A burst at an idle server: 3 free seats and max_waiting 4 let in 7 samples (held here
+        or queued in the loop) at once, not 4; the 8th is refused. A group of 5 fits whole."""
+        room = WaitingRoom(4)
+        room.take(5, 1, num_waiting=0, free_seats=3)
+        room.take(1, 1, num_waiting=1, free_seats=3)  # a request of another server's queued in the loop
+        with pytest.raises(QueueFull, match="1 samples would join the 7 already waiting"):
+            room.take(1, 1, num_waiting=1, free_seats=3)
+        assert room.num_held == 6
 
     def test_places_are_held_until_released_so_two_requests_cannot_take_the_last_ones(self) -> None:
         """Two requests checked before the loop has queued either: the second finds the first's

@@ -244,8 +244,11 @@ class ContinuousDecodeLoop:
         detokenize: ``detokenize(token_ids) -> str``, for stop strings (a request with ``stop=``
             strings and no hook is refused with ValueError).
         max_waiting: most requests waiting to be admitted (submitted, not yet running, or
-            preempted); a request beyond it is refused at once with :class:`QueueFull`, so that
-            a server can answer "busy" instead of queueing without bound. None: unbounded.
+            preempted) beyond the seats free now (``max_num_seqs`` less the running requests:
+            the next step admits those, so a burst at an idle server fills the seats, then
+            ``max_waiting`` more); a request beyond it is refused at once with
+            :class:`QueueFull`, so that a server can answer "busy" instead of queueing without
+            bound. None: unbounded.
         engine: ``"thread"`` (default): the loop starts its own engine thread on the first
             request. ``"caller"``: no thread is started; a thread of yours (typically the main
             thread, see :meth:`run_engine`) runs the engine, and requests wait until it does.
@@ -426,7 +429,8 @@ class ContinuousDecodeLoop:
                 raise BatcherClosed("the decode loop is closed")
             if self.max_waiting is not None:
                 waiting = self._num_waiting()
-                if waiting + len(params) > self.max_waiting:
+                # The free seats take waiting requests first (this one's samples included).
+                if waiting + len(params) - self.free_seats() > self.max_waiting:
                     these = "" if len(params) == 1 else f" for these {len(params)} samples"
                     raise QueueFull(
                         f"{waiting} requests are already waiting (max_waiting={self.max_waiting}): no room{these}; "
@@ -1104,6 +1108,12 @@ class ContinuousDecodeLoop:
         """Requests waiting for admission now: submitted or preempted, not running."""
         with self._cond:
             return self._num_waiting()
+
+    def free_seats(self) -> int:
+        """Seats free now: ``max_num_seqs`` less the running requests. The next step admits
+        waiting requests into them (KV blocks allowing): ``max_waiting`` bounds the requests
+        waiting beyond them."""
+        return max(0, self.scheduler.max_num_seqs - len(self.scheduler.running))
 
     def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
         """Time-per-output-token samples (seconds) after the first ``since``, and the next count."""

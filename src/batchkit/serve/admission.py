@@ -180,10 +180,12 @@ class WaitingRoom:
             code="invalid_value",
         )
 
-    def take(self, num_prompts: int, n: int, num_waiting: int) -> list[Reservation]:
+    def take(self, num_prompts: int, n: int, num_waiting: int, free_seats: int = 0) -> list[Reservation]:
         """Places for ``num_prompts`` prompts of ``n`` samples each beside the ``num_waiting``
         requests the loop holds now; one reservation per prompt, to release when the loop has
-        queued its samples (their first read) or when they are dropped unread.
+        queued its samples (their first read) or when they are dropped unread. ``free_seats``
+        (the loop's seats free now) take as many waiting samples first: ``max_waiting`` bounds
+        those beyond them, so a burst at an idle server fills its seats, then ``max_waiting``.
 
         Raises:
             QueueFull: the queue has no room for every sample now (nothing is held then).
@@ -191,10 +193,11 @@ class WaitingRoom:
         num_samples = num_prompts * n
         if self.max_waiting is not None:
             waiting = num_waiting + self.num_held
-            if waiting + num_samples > self.max_waiting:
+            if waiting + num_samples - free_seats > self.max_waiting:
                 raise QueueFull(
                     f"this request's {num_samples} samples would join the {waiting} already waiting for "
-                    f"admission, past max_waiting={self.max_waiting}; retry later"
+                    f"admission, past the {free_seats} free seats and max_waiting={self.max_waiting} more; "
+                    "retry later"
                 )
         self.num_held += num_samples
         return [Reservation(self, n) for _ in range(num_prompts)]

@@ -397,7 +397,7 @@ class EngineBridge:
         rid = new_id("chatcmpl" if route == "chat" else "cmpl")
         n = req.n
         try:
-            places = self.waiting_room.take(len(prompts), n, loop.queue_depth())
+            places = self.waiting_room.take(len(prompts), n, loop.queue_depth(), loop.free_seats())
         except QueueFull as exc:
             raise self._queue_full(exc) from None
         gens: list[Generation] = []
