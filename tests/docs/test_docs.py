@@ -393,7 +393,7 @@ def actual_params(owner: Any, name: str, obj: Any) -> list[tuple[str, str, Any]]
 
 def same_default(documented: str, actual: Any) -> bool:
     if documented == "...":
-        return type(actual) is object  # a private "not given" sentinel
+        return type(actual) is object or type(actual).__name__.startswith("_")  # a private "not given" sentinel
     try:
         value = ast.literal_eval(documented)
     except ValueError:

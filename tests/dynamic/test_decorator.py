@@ -772,3 +772,40 @@ class TestOnAMethod:
 
         with pytest.raises(TypeError, match="classmethod"):
             Bad.names(1)
+
+
+class TestCallSignature:
+    """help() and inspect show what callers pass: one item (its type read from the batch
+    function's list), the submit options, and one result."""
+
+    def test_a_function_method_and_async_function_show_the_item_and_result_types(self) -> None:
+        @batched(max_batch=2, max_wait_ms=1)
+        def embed(texts: list[str]) -> list[list[float]]:
+            return [[1.0] for _ in texts]
+
+        @batched(max_batch=2, max_wait_ms=1)
+        async def score(xs: list[int]) -> list[float]:
+            return [1.0 for _ in xs]
+
+        m = Model()
+        try:
+            # This module's annotations are strings (from __future__ import annotations): read too.
+            for fn, item, result in ((embed, "str", "list[float]"), (score, "int", "float"), (m.run, "int", "int")):
+                sig = inspect.signature(fn)
+                assert list(sig.parameters) == ["item", "priority", "deadline_ms", "fallback", "timeout"]
+                assert sig.parameters["item"].kind is inspect.Parameter.POSITIONAL_ONLY
+                assert (sig.parameters["item"].annotation, sig.return_annotation) == (item, result)
+            assert str(inspect.signature(embed)).startswith("(item: 'str', /, *, priority: int = 0")
+        finally:
+            embed.close()
+            score.close()
+            m.run.close()
+
+    def test_a_batch_function_without_list_annotations_shows_a_bare_item(self) -> None:
+        f: BatchedFunction[int, int] = batched(max_batch=2, max_wait_ms=1)(lambda xs: xs)
+        try:
+            sig = inspect.signature(f)
+            assert sig.parameters["item"].annotation is inspect.Parameter.empty
+            assert sig.return_annotation is inspect.Signature.empty
+        finally:
+            f.close()

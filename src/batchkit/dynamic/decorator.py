@@ -23,7 +23,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import inspect
+import re
 import threading
+import typing
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, overload
@@ -35,6 +38,7 @@ from .._errors import BatcherClosed, QueueFull
 from ._progress import progress_bar
 from .async_batcher import AsyncBatcher, enter, withdraw
 from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, check_batcher_options, is_async_callable
+from .ledger import NO_FALLBACK
 
 __all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched", "progress_bar"]
 
@@ -62,6 +66,8 @@ class _BatchedBase(Generic[T, R]):
         self._batcher: DynamicBatcher[T, R] | None = None
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        # What callers pass (one item), not the batch function's list: help() and inspect show it.
+        self.__signature__ = _call_signature(fn)
         # Where an instance keeps its bound copy: keyed by the qualified name, so that a subclass's
         # override and the base method it overrides (``super().f``) each get their own batcher.
         self._attr = f"__batchkit_{getattr(fn, '__qualname__', None) or getattr(fn, '__name__', 'fn')}"
@@ -222,6 +228,45 @@ class _BatchedBase(Generic[T, R]):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {getattr(self, '__qualname__', '?')} batcher={self._batcher!r}>"
+
+
+def _element(annotation: Any) -> Any:
+    """``X`` of an annotation ``list[X]`` / ``Sequence[X]`` (a type or its string); else empty."""
+    if isinstance(annotation, str):
+        match = re.fullmatch(
+            r"\s*(?:list|List|Sequence|typing\.Sequence|collections\.abc\.Sequence)\[(.+)\]\s*", annotation
+        )
+        return match.group(1) if match else inspect.Parameter.empty
+    args = typing.get_args(annotation)
+    return args[0] if len(args) == 1 else inspect.Parameter.empty
+
+
+def _call_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """``(item, /, *, priority=0, deadline_ms=None, fallback=..., timeout=None)`` with the item and result types
+    read from ``fn``'s batch signature (``list[X]`` of items -> ``item: X``), where it has them."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+        returns = inspect.signature(fn).return_annotation
+    except (TypeError, ValueError):  # a callable inspect cannot read
+        params, returns = [], inspect.Signature.empty
+    batch = params[-1].annotation if params else inspect.Parameter.empty
+    result = inspect.Signature.empty
+    if returns is not inspect.Signature.empty:
+        inner = returns
+        if isinstance(inner, str) and (m := re.fullmatch(r"\s*(?:Coroutine|Awaitable)\[.*,\s*(.+)\]\s*", inner)):
+            inner = m.group(1)
+        result = _element(inner)
+    P = inspect.Parameter
+    return inspect.Signature(
+        [
+            P("item", P.POSITIONAL_ONLY, annotation=_element(batch)),
+            P("priority", P.KEYWORD_ONLY, default=0, annotation=int),
+            P("deadline_ms", P.KEYWORD_ONLY, default=None, annotation=float | None),
+            P("fallback", P.KEYWORD_ONLY, default=NO_FALLBACK, annotation=Any),
+            P("timeout", P.KEYWORD_ONLY, default=None, annotation=float | None),
+        ],
+        return_annotation=result,
+    )
 
 
 def _method_of_instance(method: _BatchedBase[T, R], instance: object) -> _BatchedBase[T, R]:

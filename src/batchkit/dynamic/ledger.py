@@ -36,7 +36,15 @@ __all__ = [
     "Verdict",
 ]
 
-NO_FALLBACK: Any = object()
+
+class _NoFallback:
+    __slots__ = ()
+
+    def __repr__(self) -> str:  # as signatures (help(), inspect) show the default
+        return "<no fallback>"
+
+
+NO_FALLBACK: Any = _NoFallback()
 """The ``fallback`` of a request that has none."""
 
 
