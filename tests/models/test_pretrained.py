@@ -406,4 +406,5 @@ def test_token_bytes_spell_the_text_where_tokens_split_characters() -> None:
     ids = lm.tokenizer.encode(text, add_special_tokens=False)
     assert any(lm.decode([t]) == "\ufffd" for t in ids)  # some token holds part of a character
     assert b"".join(lm.token_bytes(t) for t in ids) == text.encode()
-    assert lm.token_bytes(lm.tokenizer.convert_tokens_to_ids("<|im_start|>")) == b""  # special: its text, none
+    # A special token: its name's bytes, as the server spells it in logprobs (its text alone is '').
+    assert lm.token_bytes(lm.tokenizer.convert_tokens_to_ids("<|im_start|>")) == b"<|im_start|>"
