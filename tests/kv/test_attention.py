@@ -53,6 +53,19 @@ def test_planned_attention_equals_the_reference(q_lens: list[int], ctx: list[int
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
+def test_decodes_read_their_own_kv_head_in_every_grouping(heads: int, kv_heads: int) -> None:
+    """Decodes run as one SDPA call per (sequence, KV head) over that head's query heads: for
+    every grouping of query heads over KV heads, alone and beside a prefill chunk, each query
+    head reads its own KV head (the reference, to float64 rounding)."""
+    for q_lens, ctx in (([1, 1, 1, 1], [3, 40, 17, 1]), ([1, 5, 1], [22, 5, 9])):
+        q, k, v, tables, seq_lens, query_lens = _case(11, q_lens, ctx, heads=heads, kv_heads=kv_heads)
+        plan = plan_attention(tables, seq_lens, query_lens, block_size=4)
+        got = planned_attention(q, k, v, plan)
+        want = paged_attention(q, k, v, tables, seq_lens, query_lens)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_one_plan_serves_every_layer() -> None:
     """A plan depends only on tables and lengths: reused with another layer's K/V and query it
     still equals the reference."""
