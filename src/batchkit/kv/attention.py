@@ -5,9 +5,9 @@ and the layer's K/V differ. :func:`plan_attention` turns a step's block tables a
 index tensors and masks that attention needs (one host round trip per step), and
 :func:`planned_attention` runs one layer with them: the decodes (one new token each) in one
 batched ``scaled_dot_product_attention`` over their pages, a KV head's query heads as that head's
-queries (or, for bfloat16 pages on a CPU without AMX, two batched matmuls), the prefill chunks in another, each padded to its longest
-member. :func:`batchkit.kv.ops.paged_attention` stays the plain reference;
-the two agree (tests hold them to it).
+queries (or, for bfloat16 pages on a CPU without AMX, two batched matmuls), the prefill chunks in
+another, each padded to its longest member. :func:`batchkit.kv.ops.paged_attention` stays the
+plain reference; the two agree (tests hold them to it).
 """
 
 from __future__ import annotations
