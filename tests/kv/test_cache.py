@@ -214,3 +214,21 @@ def test_key_and_value_refuse_a_layer_outside_the_cache(layer: int) -> None:
     with pytest.raises(IndexError, match="layer"):
         cache.value(layer)
     assert cache.key(1).shape == (4, 2, 1, 2)
+
+
+def test_a_cache_larger_than_the_machine_is_refused_with_its_size() -> None:
+    """Far more blocks than memory holds: a MemoryError naming the bytes, before any allocation."""
+    with pytest.raises(
+        MemoryError, match=r"a KV cache of 2,000,000,000 blocks x 16 tokens .* needs [\d,.]+ GiB; cpu has"
+    ):
+        PagedKVCache(num_layers=30, num_blocks=2_000_000_000, block_size=16, num_kv_heads=3, head_dim=64)
+
+
+def test_a_failed_allocation_is_a_memory_error_with_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch, "zeros", refuse)
+    with pytest.raises(MemoryError, match=r"needs 0\.2 MiB; allocating it failed: DefaultCPUAllocator") as info:
+        PagedKVCache(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=4096)
+    assert isinstance(info.value.__cause__, RuntimeError)

@@ -13,6 +13,8 @@ CUDA tensors when they compile and load there (checked once, on first use), the 
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -39,6 +41,35 @@ def choose_backend(backend: Backend, device_type: str, cuda_available: Callable[
     return "cuda" if cuda_available() else "torch"
 
 
+def _gib(nbytes: int) -> str:
+    if nbytes < 2**30:
+        return f"{nbytes / 2**20:,.1f} MiB"
+    return f"{nbytes / 2**30:,.1f} GiB"
+
+
+def _too_large(shape: tuple[int, ...], dtype: Any, nbytes: int, why: str) -> str:
+    layers, _, blocks, block_size, heads, head_dim = shape
+    return (
+        f"a KV cache of {blocks:,} blocks x {block_size} tokens ({layers} layers, K and V, {heads} KV heads x "
+        f"{head_dim}, {str(dtype).removeprefix('torch.')}) needs {_gib(nbytes)}; {why}: use fewer blocks "
+        "or smaller ones"
+    )
+
+
+def _device_memory(device: Any) -> int | None:
+    """The memory of ``device`` in bytes (the machine's for the CPU), or None where unknown."""
+    import torch
+
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+            return None
+    return None
+
+
 def _is_integer(index: Tensor) -> bool:
     """Whether an index tensor holds integers (bool and floating dtypes do not)."""
     return not (index.dtype.is_floating_point or index.dtype.is_complex) and str(index.dtype) != "torch.bool"
@@ -57,6 +88,8 @@ class PagedKVCache:
 
     Raises:
         ValueError: non-positive sizes or an unknown backend.
+        MemoryError: the tensor would not fit: larger than the device's memory (the machine's
+            for the CPU), or its allocation failed. The message gives the bytes it needs.
     """
 
     def __init__(
@@ -105,9 +138,15 @@ class PagedKVCache:
         self.backend: Backend = backend
         self._resolved: str | None = None  # the backend "auto" chose, decided on first use
         self._checked: Tensor | None = None  # the last int64 slot_mapping a CPU scatter checked
-        self.kv = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        memory = _device_memory(device)
+        if memory is not None and nbytes > memory:
+            raise MemoryError(_too_large(shape, dtype, nbytes, f"{device} has {_gib(memory)} in all"))
+        try:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's refusal
+            raise MemoryError(_too_large(shape, dtype, nbytes, f"allocating it failed: {exc}")) from exc
 
     # ------------------------------------------------------------------ views
 
