@@ -168,3 +168,10 @@ def test_model_without_a_tokenizer_takes_one_from_tokenizer(
     assert sorted(json.loads(line)["id"] for line in Path("out.jsonl").read_text().splitlines()) == [1, 2]
     assert main(["run", "--tokenizer", "tok", "--input", "in.jsonl", "--output", "o2.jsonl", "x:y"]) == 2
     assert "argument --tokenizer: goes with --model" in capsys.readouterr().err
+    Path("empty").mkdir()
+    args = ["run", "--model", "empty", "--tokenizer", "tok", "--input", "in.jsonl", "--output", "o3.jsonl"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "argument --model: empty holds no model: a Hugging Face directory needs a config.json" in err
+    assert not Path("o3.jsonl").exists()

@@ -18,6 +18,7 @@ from batchkit.models.pretrained import (  # noqa: E402 - after the importorskips
     PretrainedLM,
     load_encoder,
     load_pretrained,
+    model_source_problem,
     resolve_source,
 )
 
@@ -127,6 +128,25 @@ def test_a_directory_without_config_or_gguf_is_refused(tmp_path: Path) -> None:
     """An empty directory is not a model."""
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_pretrained(tmp_path)
+
+
+def test_a_source_holds_a_model_when_it_has_a_config_or_a_gguf(tmp_path: Path) -> None:
+    """What the CLIs check before loading: an empty directory or a stray file holds no model."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    stray = tmp_path / "weights.bin"
+    stray.write_bytes(b"")
+    for where, what in ((empty, "directory"), (stray, "file")):
+        assert model_source_problem(where) == (
+            f"{where} holds no model: a Hugging Face directory needs a config.json, a model file is a .gguf "
+            f"(this {what} is neither)"
+        )
+    hf, with_gguf = tmp_path / "hf", tmp_path / "g"
+    hf.mkdir()
+    with_gguf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (with_gguf / "m.gguf").write_bytes(b"")
+    assert [model_source_problem(p) for p in (hf, with_gguf, with_gguf / "m.gguf")] == [None, None, None]
 
 
 def _counting_conversions(monkeypatch: pytest.MonkeyPatch, hf_dir: Path) -> list[Path]:

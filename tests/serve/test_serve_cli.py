@@ -71,6 +71,20 @@ class TestTokenizerOption:
         assert main(["serve", "--embedding-model", "x", "--tokenizer", str(tmp_path)]) == 2
         assert "argument --tokenizer: goes with --model" in capsys.readouterr().err
 
+    def test_a_model_directory_without_a_model_is_a_usage_error_with_a_tokenizer_too(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """An empty --model directory stops at once (status 2, one line) whether or not
+        --tokenizer names a good tokenizer, not after the port opened and the load failed."""
+        (tmp_path / "model").mkdir()
+        (tmp_path / "tok").mkdir()
+        (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+        for extra in ([], ["--tokenizer", str(tmp_path / "tok")]):
+            assert main(["serve", "--model", str(tmp_path / "model"), "--port", "0", *extra]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1, err
+            assert f"argument --model: {tmp_path / 'model'} holds no model: " in err
+
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 class TestDeviceOption:

@@ -293,7 +293,7 @@ def _model_name(args: argparse.Namespace) -> str | None:
 def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
     """``--model``: load the model and wrap a decode loop over it as the job's function."""
     try:
-        from ..models.pretrained import has_tokenizer, load_pretrained, resolve_source
+        from ..models.pretrained import has_tokenizer, load_pretrained, model_source_problem, resolve_source
     except ModuleNotFoundError as exc:
         raise _Usage(f"argument --model needs {exc.name}: pip install 'batchkit[models]'") from None
     tokenizer_option, tokenizer_source = (
@@ -304,6 +304,9 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
             where = resolve_source(source)
         except FileNotFoundError as exc:
             raise _Usage(f"argument {option}: {exc}") from None
+        problem = model_source_problem(where) if option == "--model" else None
+        if problem:
+            raise _Usage(f"argument --model: {problem}")
     if not has_tokenizer(where):  # the tokenizer's source, resolved last
         raise _Usage(
             f"argument {tokenizer_option}: {where} has no tokenizer files: pass --tokenizer a source that has one"

@@ -332,6 +332,20 @@ def _build_model(config: Any, folder: Path, dtype: torch.dtype, device: Any) -> 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
+def model_source_problem(where: Path) -> str | None:
+    """Why a resolved source (see :func:`resolve_source`) holds no model to load, or None: a
+    ``.gguf`` file, or a directory with a ``config.json`` or a ``.gguf`` file in it, may hold one."""
+    if where.is_file() and where.suffix == ".gguf":
+        return None
+    if where.is_dir() and ((where / "config.json").exists() or any(where.glob("*.gguf"))):
+        return None
+    what = "directory" if where.is_dir() else "file"
+    return (
+        f"{where} holds no model: a Hugging Face directory needs a config.json, a model file is a .gguf "
+        f"(this {what} is neither)"
+    )
+
+
 def has_tokenizer(where: Path) -> bool:
     """Whether a resolved source (see :func:`resolve_source`) carries a tokenizer: a ``.gguf``
     file always does, a directory when it holds tokenizer files."""

@@ -167,7 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
         import uvicorn  # noqa: F401
 
-        from ..models.pretrained import has_tokenizer, resolve_source
+        from ..models.pretrained import has_tokenizer, model_source_problem, resolve_source
         from .app import create_app  # noqa: F401
     except ModuleNotFoundError as exc:
         print(f"{prog}: needs {exc.name}: pip install 'batchkit[serve,models]'", file=sys.stderr)
@@ -202,6 +202,10 @@ def run_serve(args: argparse.Namespace) -> int:
             )
             return 2
     if args.model:
+        problem = model_source_problem(resolved["--model"])
+        if problem:
+            print(f"{prog}: error: argument --model: {problem}", file=sys.stderr)
+            return 2
         option = "--tokenizer" if args.tokenizer else "--model"
         if not has_tokenizer(resolved[option]):
             print(
