@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 import batchkit
-from batchkit.jobs import JobProgress, JobStateError, JobStore, add_run_parser, generate_fn, run, run_cli
+from batchkit.jobs import JobProgress, JobReport, JobStateError, JobStore, add_run_parser, generate_fn, run, run_cli
 from batchkit.testing import MockClock
 
 WAIT = 10.0  # seconds: the bound on every wait in these tests
@@ -291,6 +291,19 @@ def test_duplicate_ids_keep_their_first_occurrence(tmp_path: Path) -> None:
     assert report.duplicates == 1
 
 
+def _odd_only_until_5_failed(src: Path, out: Path) -> JobReport:
+    """A job whose function fails every even record, stopped once more than 5 failed."""
+    return run(
+        lambda rs: [r["x"] if r["x"] % 2 else ValueError("odd only") for r in rs],
+        src,
+        out,
+        max_batch=4,
+        max_wait_ms=0,
+        retries=0,
+        max_failures=5,
+    )
+
+
 class TestABrokenFunctionStopsTheJobEarly:
     """fail_fast and max_failures: a job whose records all fail stops early, resumably."""
 
@@ -339,18 +352,22 @@ class TestABrokenFunctionStopsTheJobEarly:
     def test_max_failures_stops_once_more_records_failed(self, tmp_path: Path) -> None:
         """max_failures=N: the job stops once more than N records failed, whatever succeeded."""
         src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(1000)])
-        report = run(
-            lambda rs: [r["x"] if r["x"] % 2 else ValueError("odd only") for r in rs],
-            src,
-            tmp_path / "out.jsonl",
-            max_batch=4,
-            max_wait_ms=0,
-            retries=0,
-            max_failures=5,
-        )
+        report = _odd_only_until_5_failed(src, tmp_path / "out.jsonl")
         assert report.stopped == "more than 5 records failed (max_failures=5)"
         assert 6 <= report.failed < 100
         assert report.exit_code == 1
+
+    def test_a_stopped_parquet_job_reports_its_journal_as_its_output(self, tmp_path: Path) -> None:
+        """A stopped job writes no Parquet file: its report names the JSONL journal that holds
+        the results committed so far, not a .parquet that does not exist."""
+        pytest.importorskip("pyarrow")
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(1000)])
+        report = _odd_only_until_5_failed(src, tmp_path / "out.parquet")
+        assert report.stopped is not None
+        assert not (tmp_path / "out.parquet").exists()
+        assert report.output == str(tmp_path / "out.parquet.jsonl")
+        assert f"output: {tmp_path / 'out.parquet.jsonl'}" in report.summary()
+        assert len(read_jsonl(tmp_path / "out.parquet.jsonl")) == report.succeeded
 
     def test_cli_a_stopped_job_exits_1_with_the_reason_in_one_line(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

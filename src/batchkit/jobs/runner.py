@@ -57,6 +57,8 @@ class JobReport:
     ``items = succeeded + failed``; ``skipped`` were done by an earlier run; ``duplicates`` repeat an
     id seen earlier in the input (the first occurrence is the one processed). ``stopped`` says why
     the run stopped before the end of its input (``max_failures``, ``fail_fast``), or is None.
+    ``output`` is the file that holds the results: for a ``.parquet`` sink the Parquet file, or
+    its JSONL journal (``<sink>.jsonl``) when the run stopped before writing it.
     """
 
     output: str
@@ -841,7 +843,8 @@ def run(
         export_parquet(store.output, parquet_out, key_field=store.key_field)
     wall = clock.now() - t0
     return JobReport(
-        output=str(parquet_out.resolve() if parquet_out is not None else store.output),
+        # A stopped job's Parquet is not written yet: its results so far are in the journal.
+        output=str(parquet_out.resolve() if parquet_out is not None and job.stopped is None else store.output),
         dead_letter=str(store.dead_letter),
         succeeded=job.succeeded,
         failed=job.failed,
