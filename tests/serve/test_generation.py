@@ -7,6 +7,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
+import pytest
+
+pytest.importorskip("prometheus_client")  # batchkit.serve.metrics: the serve extra
+
 from prometheus_client import CollectorRegistry
 
 from batchkit.continuous.logprobs import TokenLogprobs
