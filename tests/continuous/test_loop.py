@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import random
+import re
 import threading
 from collections.abc import AsyncGenerator, Hashable, Iterator, Sequence
 from typing import Any, cast
@@ -760,7 +761,10 @@ def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
     loop, first, release = busy_loop(max_waiting=2)
     with loop:
         queued = [loop.submit([1], max_new_tokens=2) for _ in range(2)]
-        with pytest.raises(QueueFull, match="max_waiting=2"):
+        with pytest.raises(
+            QueueFull,
+            match=r"^2 requests are already waiting, 2 of them beyond the 0 free decode seats \(max_waiting=2",
+        ):
             loop.submit([1], max_new_tokens=2)
         release.set()
         assert [f.result(WAIT) for f in [first, *queued]] == [[2, 3]] * 3
@@ -770,13 +774,18 @@ def test_max_waiting_refuses_requests_beyond_it_with_queue_full() -> None:
 
 def test_max_waiting_counts_the_requests_beyond_the_free_seats() -> None:
     """A burst at an idle loop: its 3 free seats take 3 of the waiting requests at the next step,
-    so 3 + max_waiting (2) are let in and the 6th is refused; all that were let in complete."""
+    so 3 + max_waiting (2) are let in and the 6th is refused, its message counting the waiting
+    requests beyond the free seats; all that were let in complete."""
     from batchkit import QueueFull
 
     loop = make_loop(max_num_seqs=3, max_waiting=2, engine="caller")  # nothing runs until run_engine()
     assert loop.free_seats() == 3
     futures = [loop.submit([1], max_new_tokens=2) for _ in range(5)]
-    with pytest.raises(QueueFull, match="max_waiting=2"):
+    refused = (
+        "5 requests are already waiting, 2 of them beyond the 3 free decode seats (max_waiting=2 bounds those "
+        "beyond the seats): no room for this request; retry later, raise max_waiting, or add capacity"
+    )
+    with pytest.raises(QueueFull, match=f"^{re.escape(refused)}$"):
         loop.submit([1], max_new_tokens=2)
     engine = threading.Thread(target=loop.run_engine)
     engine.start()
@@ -1385,7 +1394,11 @@ class TestGenerateN:
         with loop:
             waiting = loop.submit([1], max_new_tokens=1)
             refused = loop.generate_n([9], 3, max_new_tokens=2)
-            with pytest.raises(QueueFull, match="no room for these 3 samples"):
+            with pytest.raises(
+                QueueFull,
+                match=r"^1 request is already waiting, 1 of them beyond the 0 free decode seats \(max_waiting=3 .*"
+                "no room for these 3 samples",
+            ):
                 await refused[0].__anext__()
             assert loop.queue_depth() == 1
             fits = loop.generate_n([9], 2, max_new_tokens=2)

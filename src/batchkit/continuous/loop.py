@@ -153,6 +153,19 @@ def _logit_bias_past(params: SamplingParams, vocab_size: int) -> ValueError | No
     return None
 
 
+def _no_room(waiting: int, seats: int, num_samples: int, max_waiting: int) -> str:
+    """QueueFull's message: ``num_samples`` more would leave more than ``max_waiting`` requests
+    waiting beyond the ``seats`` free now (the next step admits that many waiting requests)."""
+    are = "request is" if waiting == 1 else "requests are"
+    free = "seat" if seats == 1 else "seats"
+    these = "this request" if num_samples == 1 else f"these {num_samples} samples"
+    return (
+        f"{waiting} {are} already waiting, {max(0, waiting - seats)} of them beyond the {seats} free decode {free} "
+        f"(max_waiting={max_waiting} bounds those beyond the seats): no room for {these}; retry later, raise "
+        "max_waiting, or add capacity"
+    )
+
+
 _UNADJUSTED = SamplingParams()  # what a row whose request fails samples with (its token is dropped)
 
 
@@ -428,14 +441,10 @@ class ContinuousDecodeLoop:
             if self._closing:
                 raise BatcherClosed("the decode loop is closed")
             if self.max_waiting is not None:
-                waiting = self._num_waiting()
+                waiting, seats = self._num_waiting(), self.free_seats()
                 # The free seats take waiting requests first (this one's samples included).
-                if waiting + len(params) - self.free_seats() > self.max_waiting:
-                    these = "" if len(params) == 1 else f" for these {len(params)} samples"
-                    raise QueueFull(
-                        f"{waiting} requests are already waiting (max_waiting={self.max_waiting}): no room{these}; "
-                        "retry later, raise max_waiting, or add capacity"
-                    )
+                if waiting + len(params) - seats > self.max_waiting:
+                    raise QueueFull(_no_room(waiting, seats, len(params), self.max_waiting))
             deadline = None if deadline_s is None else self.clock.now() + deadline_s
             for p, stream in zip(params, streams, strict=True):
                 self._next_id += 1
