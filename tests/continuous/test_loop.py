@@ -136,6 +136,34 @@ def test_step_batch_follows_the_contract() -> None:
     )
 
 
+def test_step_batch_fields_are_typed_as_the_contract_says() -> None:
+    """Every tensor a step gets is on the cache's device, int64 but for the int32 block tables;
+    sample_rows is None, or an int64 tensor when a request asks for its prompt's logprobs;
+    seq_ids and sampling are tuples."""
+    step = EchoStep()
+    loop = make_loop(step)
+    loop.scheduler.add(Request("a", [1, 2, 3], SamplingParams(max_new_tokens=2)))
+    loop.step_once()
+    loop.scheduler.add(Request("b", [4, 5], SamplingParams(max_new_tokens=1, prompt_logprobs=1)))
+    loop.step_once()
+    plain, with_prompt_logits = step.batches
+    assert plain.sample_rows is None
+    assert isinstance(with_prompt_logits.sample_rows, torch.Tensor)
+    int64 = ("input_ids", "positions", "query_start", "query_lens", "seq_lens", "slot_mapping", "sample_indices")
+    for batch in step.batches:
+        for name in int64:
+            value = getattr(batch, name)
+            assert (type(value), value.dtype, value.device) == (torch.Tensor, torch.int64, loop.kv.device), name
+        tables = batch.block_tables
+        assert (type(tables), tables.dtype, tables.device) == (torch.Tensor, torch.int32, loop.kv.device)
+        assert type(batch.seq_ids) is tuple
+        assert type(batch.sampling) is tuple
+        assert all(type(s) is bool for s in batch.sampling)
+    rows = with_prompt_logits.sample_rows
+    assert (rows.dtype, rows.device) == (torch.int64, loop.kv.device)
+    assert with_prompt_logits.seq_ids == ("a", "b")
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

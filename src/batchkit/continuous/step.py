@@ -41,7 +41,8 @@ Tensor = Any
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One step's work for the user's step function (all tensors on the cache's device)."""
+    """One step's work for the user's step function: torch tensors on the KV cache's device
+    (int64, but ``block_tables`` int32), and ``seq_ids`` / ``sampling`` as tuples."""
 
     input_ids: Tensor  # [num_tokens] int64
     positions: Tensor  # [num_tokens] int64
@@ -50,7 +51,7 @@ class StepBatch:
     seq_lens: Tensor  # [num_seqs] int64, context length after this step
     slot_mapping: Tensor  # [num_tokens] int64
     block_tables: Tensor  # [num_seqs, max_blocks] int32, padded with block 0
-    sample_indices: Tensor  # [num_sampling] int64, rows of the flattened tokens to sample at
+    sample_indices: Tensor  # [num_rows] int64, rows of the flattened tokens whose logits are wanted
     seq_ids: tuple[Hashable, ...]  # the scheduled sequences, in order
     sampling: tuple[bool, ...]  # whether each scheduled sequence samples this step
     sample_rows: Tensor | None = None  # [num_sampling] int64 rows of the logits that sample; None: all
