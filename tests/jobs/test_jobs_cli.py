@@ -175,3 +175,114 @@ def test_model_without_a_tokenizer_takes_one_from_tokenizer(
     assert err.count("\n") == 1
     assert "argument --model: empty holds no model: a Hugging Face directory needs a config.json" in err
     assert not Path("o3.jsonl").exists()
+
+
+# Each option of the batcher a job builds around a plain batch function, given at its default value.
+_BATCHER_OPTIONS = [
+    ["--max-batch", "32"],
+    ["--max-wait-ms", "20"],
+    ["--concurrency", "1"],
+    ["--batch-timeout-s", "5"],
+]
+
+_SELF_BATCHING = """\
+import batchkit
+
+@batchkit.batched(max_batch=5, max_wait_ms=1)
+def decorated(rs):
+    return [r["x"] for r in rs]
+
+def _plain(rs):
+    return [r["x"] for r in rs]
+
+batcher = batchkit.DynamicBatcher(_plain, max_batch_size=5, max_wait_ms=1)
+"""
+
+
+@pytest.mark.parametrize("option", _BATCHER_OPTIONS, ids=lambda o: o[0])
+def test_batcher_options_with_model_are_usage_errors(
+    option: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model decodes continuously (--max-num-seqs at once) and would ignore the batch size, wait,
+    concurrency and call timeout: each is refused, before the model loads, given at its default
+    value too, with one line naming the option and --max-num-seqs."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    argv = ["run", "--model", "no-such-model", "--input", "in.jsonl", "--output", "out.jsonl", *option]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"batchkit run: error: argument {option[0]}: "), err
+    assert "--max-num-seqs" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("option", _BATCHER_OPTIONS, ids=lambda o: o[0])
+@pytest.mark.parametrize(("target", "kind"), [("decorated", "a @batched function"), ("batcher", "a DynamicBatcher")])
+def test_batcher_options_with_a_target_that_batches_itself_are_usage_errors(
+    option: list[str],
+    target: str,
+    kind: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A @batched function or a DynamicBatcher runs with its own batch size, wait, concurrency and
+    call timeout: each option that would be ignored is refused, given at its default value too,
+    with one line naming the option and where to set it instead."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "selfbatching.py").write_text(_SELF_BATCHING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "x": 2}\n')
+    argv = ["run", f"selfbatching:{target}", "--input", "in.jsonl", "--output", "out.jsonl", *option]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"batchkit run: error: argument {option[0]}: selfbatching:{target} is {kind}"), err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_plain_batch_function_runs_with_every_batcher_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The batcher options size the batcher a job builds around a plain batch function: there
+    they are all taken."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "selfbatching.py").write_text(_SELF_BATCHING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "x": 2}\n')
+    argv = ["run", "selfbatching:_plain", "--input", "in.jsonl", "--output", "out.jsonl", "--no-progress"]
+    assert main([*argv, *(arg for option in _BATCHER_OPTIONS for arg in option)]) == 0
+    assert json.loads((tmp_path / "out.jsonl").read_text()) == {"id": 1, "output": 2}
+
+
+_GENERATE_FN = """\
+import batchkit
+from batchkit.jobs import generate_fn
+from batchkit.models import LlamaConfig, LlamaModel
+
+model = LlamaModel(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+loop = batchkit.ContinuousDecodeLoop(model, model.make_cache(num_blocks=4, block_size=16), max_num_seqs=2)
+job = generate_fn(loop, encode=lambda text: [1, 2], decode=lambda ids: "", max_new_tokens=2)
+"""
+
+
+def test_batcher_options_with_a_generate_fn_target_are_usage_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """generate_fn(...) around a decode loop batches continuously, its loop's max_num_seqs at once:
+    --max-batch (given at its default value too) is refused with one line saying so."""
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "genjob.py").write_text(_GENERATE_FN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    try:
+        assert main(["run", "genjob:job", "--input", "in.jsonl", "--output", "out.jsonl", "--max-batch", "32"]) == 2
+    finally:
+        sys.modules["genjob"].loop.close()
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "batchkit run: error: argument --max-batch: genjob:job is a decode loop (generate_fn), which batches "
+        "continuously, max_num_seqs at once: drop --max-batch"
+    )

@@ -23,6 +23,9 @@ from typing import Any
 from .._argtypes import float_in as _float_in
 from .._argtypes import import_from_cwd, one_line
 from .._argtypes import int_in as _int_in
+from ..dynamic.batcher import DynamicBatcher
+from ..dynamic.decorator import AsyncBatchedFunction, BatchedFunction
+from .generate import LoopFunction
 from .parquet import is_parquet, open_parquet, require_pyarrow
 from .runner import RESERVED_FIELDS, run
 from .store import JobStateError, dead_letter_path_for
@@ -87,22 +90,28 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         help="the field that identifies a record (a string or an integer; default: id)",
     )
     ids.add_argument("--line-ids", action="store_true", help="use line numbers as ids instead of a field")
+    # The batcher a job builds around a plain batch function; a target that batches itself, and
+    # --model, refuse these (given at their default value too: parsed as None, see _take_defaults).
     p.add_argument(
-        "--max-batch", metavar="N", type=_int_in(1, MAX_BATCH), default=32, help=f"records per call, 1..{MAX_BATCH:,}"
+        "--max-batch",
+        metavar="N",
+        type=_int_in(1, MAX_BATCH),
+        default=None,
+        help=f"records per call, 1..{MAX_BATCH:,}; default: {_DEFAULTS['max_batch']}",
     )
     p.add_argument(
         "--max-wait-ms",
         metavar="MS",
         type=_float_in(0, MAX_WAIT_MS),
-        default=20.0,
-        help=f"longest a record waits for a full batch, in [0, {MAX_WAIT_MS:g}]",
+        default=None,
+        help=f"longest a record waits for a full batch, in [0, {MAX_WAIT_MS:g}]; default: {_DEFAULTS['max_wait_ms']:g}",
     )
     p.add_argument(
         "--concurrency",
         metavar="C",
         type=_int_in(1, MAX_CONCURRENCY),
-        default=1,
-        help=f"batches running at once, 1..{MAX_CONCURRENCY:,}",
+        default=None,
+        help=f"batches running at once, 1..{MAX_CONCURRENCY:,}; default: {_DEFAULTS['concurrency']}",
     )
     p.add_argument(
         "--max-in-flight",
@@ -384,9 +393,48 @@ def _generation_options(args: argparse.Namespace) -> list[tuple[str, bool]]:
     return [("--chat", args.chat), *((name, name in args.given) for name in names)]
 
 
+# The options of the batcher a job builds around a plain batch function, each with the setting
+# that does its work on a @batched function.
+_BATCHER_SETTINGS = {
+    "--max-batch": "max_batch",
+    "--max-wait-ms": "max_wait_ms",
+    "--concurrency": "max_concurrent_batches",
+    "--batch-timeout-s": "batch_timeout_s",
+}
+
+
+def _check_batcher_options(args: argparse.Namespace, fn: Any = None) -> None:
+    """Refuse the options of the batcher a job builds around a plain batch function (given at
+    their default value too) where it builds none: with --model (``fn`` None: checked before the
+    model loads), or a target that batches itself (``runner._make_target`` says which do)."""
+    given = [option for option in _BATCHER_SETTINGS if option in args.given]
+    if not given:
+        return
+    option, setting = given[0], _BATCHER_SETTINGS[given[0]]
+    if args.model is not None:
+        why, fix = "--model decodes continuously, --max-num-seqs sequences at once", f"drop {option}"
+    elif isinstance(fn, LoopFunction):
+        why = f"{args.target} is a decode loop (generate_fn), which batches continuously, max_num_seqs at once"
+        fix = f"drop {option}"
+    elif isinstance(fn, (BatchedFunction, AsyncBatchedFunction)):
+        why = f"{args.target} is a @batched function, batched by its own {setting}"
+        fix = f"set that where it is decorated, or drop {option}"
+    elif isinstance(fn, DynamicBatcher):
+        setting = "max_batch_size" if setting == "max_batch" else setting
+        why = f"{args.target} is a DynamicBatcher, batched by its own {setting}"
+        fix = f"set that where it is built, or drop {option}"
+    else:
+        return
+    raise _Usage(f"argument {option}: {why}: {fix}")
+
+
 # The defaults of the options whose presence is checked (parsed as None, so that given is told
 # from a default value): set by _take_defaults once the presence is noted.
 _DEFAULTS = {
+    "max_batch": 32,
+    "max_wait_ms": 20.0,
+    "concurrency": 1,
+    "batch_timeout_s": None,  # no limit
     "id_field": "id",
     "prompt_field": "prompt",
     "max_new_tokens": 256,
@@ -524,11 +572,13 @@ def _run_cli(args: argparse.Namespace) -> int:
         if args.model is not None:
             if args.target is not None:
                 raise _Usage("give MODULE:FUNCTION or --model, not both")
+            _check_batcher_options(args)
             fn, loop = _model_target(args)
         elif args.target is None:
             raise _Usage("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
         else:
             fn = _load_target(args.target)
+            _check_batcher_options(args, fn)
         _check_distinct(src, out, dead)
         _check_parquet_files(src, out)
         progress = args.progress if args.progress is not None else sys.stderr.isatty()
