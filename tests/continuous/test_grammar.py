@@ -68,6 +68,14 @@ def lm() -> Any:
 @pytest.fixture(scope="module")
 def random_loop(lm: Any) -> Any:
     """A random-weight tiny Llama with SmolLM2's vocabulary, its loop stepped by the test."""
+    model = _random_model(lm)
+    from batchkit import ContinuousDecodeLoop
+
+    return ContinuousDecodeLoop(model, model.make_cache(64, 16), max_num_seqs=8)
+
+
+def _random_model(lm: Any) -> LlamaModel:
+    """A random-weight tiny Llama with SmolLM2's vocabulary."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=lm.model.config.vocab_size,
@@ -77,10 +85,7 @@ def random_loop(lm: Any) -> Any:
         num_attention_heads=2,
         num_key_value_heads=1,
     )
-    model = LlamaModel(cfg)
-    from batchkit import ContinuousDecodeLoop
-
-    return ContinuousDecodeLoop(model, model.make_cache(64, 16), max_num_seqs=8)
+    return LlamaModel(cfg)
 
 
 def _grammar(lm: Any, schema: dict[str, Any] | None) -> Grammar:
@@ -279,3 +284,57 @@ class TestLoopUnderAGrammar:
             assert loop.statistics().scheduler.preemptions > 0
         for text in texts:
             _valid(json.loads(text), SHORT_PERSON)
+
+
+class TestMatchersOfEndedRequests:
+    """A request's matcher is forgotten once the request ends, however it ends."""
+
+    @staticmethod
+    def _started(lm: Any, step: Any, num_requests: int = 3) -> Any:
+        """A loop over ``step`` whose ``num_requests`` constrained requests have each sampled
+        their first token (so each has a matcher)."""
+        from batchkit import ContinuousDecodeLoop
+
+        g = _grammar(lm, BOUNDED)
+        loop = ContinuousDecodeLoop(step, step.make_cache(64, 16), max_num_seqs=8)
+        for i in range(num_requests):
+            loop.scheduler.add(Request(i, [1, 2, 3], SamplingParams(max_new_tokens=64, grammar=g)))
+        loop.step_once()
+        assert len(loop._grammars) == num_requests
+        return loop
+
+    def test_aborted_requests_hold_no_matcher(self, lm: Any) -> None:
+        loop = self._started(lm, _random_model(lm))
+        for i in range(3):
+            loop.abort(i)
+        _, events = loop.step_once()
+        assert sorted((ev.request_id, ev.finish_reason) for ev in events) == [(i, "abort") for i in range(3)]
+        assert len(loop._grammars) == 0
+
+    @pytest.mark.parametrize("fault", ["nan_logits", "raising_step"])
+    def test_failed_requests_hold_no_matcher(self, lm: Any, fault: str) -> None:
+        """A step that fails its requests, by NaN logits (each row fails its own request) or by
+        raising (every request of the step fails), leaves no matcher behind."""
+        model = _random_model(lm)
+
+        class Faulty:
+            """The model, until ``fail`` is set."""
+
+            config = model.config
+            make_cache = model.make_cache
+            fail = False
+
+            def __call__(self, batch: Any, kv: Any) -> Any:
+                logits = model(batch, kv)
+                if not self.fail:
+                    return logits
+                if fault == "raising_step":
+                    raise RuntimeError("the step failed")
+                return torch.full_like(logits, float("nan"))
+
+        step = Faulty()
+        loop = self._started(lm, step)
+        step.fail = True
+        _, events = loop.step_once()
+        assert sorted((ev.request_id, ev.finish_reason) for ev in events) == [(i, "error") for i in range(3)]
+        assert len(loop._grammars) == 0

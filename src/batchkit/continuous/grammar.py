@@ -238,9 +238,7 @@ class GrammarMatchers:
                 refused.append(i)
         return refused
 
-    def discard_finished(self) -> None:
-        """Forget the matchers of requests that have ended."""
-        from .scheduler import RequestStatus
-
-        for req in [r for r in self._matchers if r.status is RequestStatus.FINISHED]:
+    def discard_ended(self) -> None:
+        """Forget the matchers of requests that have ended (finished, failed or aborted)."""
+        for req in [r for r in self._matchers if r.ended]:
             del self._matchers[req]

@@ -870,6 +870,8 @@ class ContinuousDecodeLoop:
                 for req in step.requests:
                     if self.scheduler.abort(req.request_id):
                         events.append(TokenEvent(req.request_id, None, True, "error", exc))
+        if self._grammars:  # after every way this step ends requests: finished, failed, aborted
+            self._grammars.discard_ended()
         return step, events
 
     def _run_step(self, step: ScheduledStep) -> list[TokenEvent]:
@@ -907,8 +909,6 @@ class ContinuousDecodeLoop:
         done = self.clock.now()
         self._record_step(t0, done, len(tokens))
         events = self.scheduler.update(step, tokens, token_lps, done)
-        if self._grammars:
-            self._grammars.discard_finished()
         return self._fail_bad_rows(events, broken, errors) if broken else events
 
     @staticmethod

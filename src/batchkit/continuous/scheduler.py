@@ -188,6 +188,12 @@ class Request:
         self.displaced_by: Request | None = None
 
     @property
+    def ended(self) -> bool:
+        """Whether the request is in a final status (finished, failed or aborted): no
+        :data:`TRANSITIONS` entry leads out of it."""
+        return not TRANSITIONS[self.status]
+
+    @property
     def needs_prompt_logits(self) -> bool:
         """Whether this request still wants logits at prompt positions (``prompt_logprobs``)."""
         return self.params.prompt_logprobs is not None and self.prompt_logprobs_done < self.prompt_len - 1
