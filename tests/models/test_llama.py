@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
+
+from _support import drain
 
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -84,6 +87,7 @@ def test_a_layer_runs_four_matmuls_qkv_and_gate_up_each_stacked() -> None:
     for prepack in (False, True):
         model.prepack_weights = prepack
         with torch.inference_mode():
+            model(batch, kv)  # the first step with prepack_weights prepacks each weight, tried on one row
             counts = _op_counts(lambda: model(batch, kv))
         matmuls = counts.get("aten::mm", 0) + counts.get("aten::addmm", 0)
         matmuls += counts.get("mkldnn::_linear_pointwise", 0)
@@ -92,7 +96,8 @@ def test_a_layer_runs_four_matmuls_qkv_and_gate_up_each_stacked() -> None:
 
 def test_on_a_cpu_the_linear_layers_run_on_weights_reordered_once_for_onednn() -> None:
     """With prepack_weights (the default) every linear layer of a CPU step goes through oneDNN on
-    a copy of its weight reordered at first use; logits match the plain matmuls to rounding."""
+    a copy of its weight reordered at first use (and tried there on one row); logits match the
+    plain matmuls to rounding."""
     import torch
 
     model, batch, kv = _decode_step(layers=2)
@@ -102,10 +107,12 @@ def test_on_a_cpu_the_linear_layers_run_on_weights_reordered_once_for_onednn() -
         model.prepack_weights = False
         plain = model(batch, kv)
         model.prepack_weights = True
+        first = model(batch, kv)
         counts = _op_counts(lambda: model(batch, kv))
         packed = model(batch, kv)
     assert counts.get("mkldnn::_linear_pointwise") == 2 * 4 + 1, counts
     assert counts.get("aten::mm", 0) == 0, counts
+    torch.testing.assert_close(first, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
 
 
@@ -125,6 +132,41 @@ def test_a_reordered_weight_follows_the_weights_loaded_after_it() -> None:
     with torch.inference_mode():
         other.prepack_weights = False
         torch.testing.assert_close(model(batch, kv), other(batch, kv), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("missing", ["_reorder_linear_weight", "_linear_pointwise"])
+def test_a_torch_without_the_onednn_linear_ops_decodes_as_f_linear_does(
+    missing: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch.ops.mkldnn's linear ops are private: in a build that lacks either, prepack_weights
+    falls back to F.linear at prepack time (saying why at debug level), and the loop decodes the
+    tokens that F.linear gives."""
+    import types
+
+    import torch
+
+    from batchkit.continuous import ContinuousDecodeLoop, SamplingParams
+    from batchkit.models import LlamaModel
+
+    def greedy(model: LlamaModel) -> list[list[int]]:
+        loop = ContinuousDecodeLoop(model, model.make_cache(num_blocks=16, block_size=4), max_num_seqs=3)
+        return drain(loop, [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 3, [[1, 2, 3 + i] for i in range(3)])
+
+    torch.manual_seed(0)
+    plain = LlamaModel(LlamaConfig(**{**SMALL, "num_hidden_layers": 2}))
+    plain.prepack_weights = False
+    expected = greedy(plain)
+    without = LlamaModel(plain.config)
+    without.load_hf_state_dict(plain.state_dict())
+    present = ("_reorder_linear_weight", "_linear_pointwise")
+    ops = types.SimpleNamespace(**{name: getattr(torch.ops.mkldnn, name) for name in present if name != missing})
+    monkeypatch.setattr(torch.ops, "mkldnn", ops)
+    with caplog.at_level(logging.DEBUG, logger="batchkit.models.llama"):
+        assert greedy(without) == expected
+    assert (
+        f"runs on F.linear, not oneDNN: AttributeError(\"'types.SimpleNamespace' object has no attribute '{missing}'"
+        in (caplog.text)
+    )
 
 
 def test_the_state_dict_keeps_hugging_face_names_and_a_missing_part_is_named() -> None:

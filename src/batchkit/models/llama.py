@@ -8,9 +8,10 @@ it is written for clarity on a CPU, not for speed on a GPU.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -20,6 +21,8 @@ from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
 
 __all__ = ["LlamaConfig", "LlamaModel"]
+
+logger = logging.getLogger(__name__)
 
 _LinearFn = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
 
@@ -227,15 +230,34 @@ def _plain_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return nn.functional.linear(x, layer.weight)
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` reordered for oneDNN's linear, or None where oneDNN cannot run it."""
+class _Prepacked(NamedTuple):
+    """A linear layer's weight reordered for oneDNN, and the oneDNN linear that runs on it."""
+
+    weight: torch.Tensor
+    linear: Callable[..., torch.Tensor]  # torch.ops.mkldnn._linear_pointwise
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.weight, None, "none", [], "")
+
+
+def _prepack(weight: torch.Tensor) -> _Prepacked | None:
+    """``weight`` prepacked for oneDNN's linear, or None where oneDNN cannot run it (the plain
+    matmul then serves).
+
+    The oneDNN ops are torch's private ones: a build may lack them, or refuse a weight (bfloat16
+    on a CPU without AVX512). Both are found here, once per weight, by reordering it and running
+    the result on one row, so that no step meets the failure.
+    """
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return None
     try:
-        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except RuntimeError:  # e.g. bfloat16 on a CPU without AVX512 (oneDNN refuses it)
+        ops = torch.ops.mkldnn
+        prepacked = _Prepacked(ops._reorder_linear_weight(weight.detach(), None), ops._linear_pointwise)
+        prepacked(weight.new_zeros(1, weight.shape[1]))
+    except Exception as exc:  # noqa: BLE001 - whatever the reason (an op missing or refusing), F.linear serves
+        logger.debug("a %s linear weight %s runs on F.linear, not oneDNN: %r", weight.dtype, tuple(weight.shape), exc)
         return None
-    return packed
+    return prepacked
 
 
 def _rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -252,7 +274,8 @@ class LlamaModel(nn.Module):
     copy of its weight reordered once for oneDNN, the first time it is used and again after the
     weight changes: decode steps of SmolLM2-135M of 16-48 rows ran 1.1-1.2x faster (see
     docs/benchmarks.md), for twice the weights' memory. Set it to False to keep only the
-    weights (the reordered copies are then dropped at the next step).
+    weights (the reordered copies are then dropped at the next step). A layer whose weight
+    oneDNN refuses, or a torch build without those (private) ops, runs on ``F.linear``.
 
     >>> model = LlamaModel(LlamaConfig(), dtype=torch.float32)
     >>> kv = model.make_cache(num_blocks=256, block_size=16)
@@ -277,7 +300,7 @@ class LlamaModel(nn.Module):
         self.to(device=device, dtype=dtype)
         self.inv_freq = inv_freq.to(device)
         # Each linear layer's oneDNN copy of its weight, and which weight it was made from.
-        self._packed: dict[int, tuple[tuple[int, int, torch.dtype], torch.Tensor | None]] = {}
+        self._packed: dict[int, tuple[tuple[int, int, torch.dtype], _Prepacked | None]] = {}
         self.eval()
         self.requires_grad_(False)
 
@@ -385,10 +408,9 @@ class LlamaModel(nn.Module):
         key = (w.data_ptr(), w._version, w.dtype)
         entry = self._packed.get(id(layer))
         if entry is None or entry[0] != key:
-            entry = (key, _reorder(w))
+            entry = (key, _prepack(w))
             self._packed[id(layer)] = entry
-        packed = entry[1]
-        if packed is None:  # a dtype or build oneDNN does not run: the plain matmul
+        prepacked = entry[1]
+        if prepacked is None:  # a dtype or build oneDNN does not run: the plain matmul
             return nn.functional.linear(x, w)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return out
+        return prepacked(x)
