@@ -8,6 +8,7 @@ usage error), the one line on stderr that names the argument and the fix, and th
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -350,3 +351,12 @@ def test_one_by_one_baseline_serves_in_arrival_order() -> None:
         release.set()
         server.close(timeout=10)
     assert seen == [0, 3, 1, 2]
+
+
+def test_version_prints_the_installed_distributions_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`batchkit --version` prints `batchkit X.Y.Z` (the installed distribution's version) and
+    exits 0; it needs no sub-command."""
+    from batchkit.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"batchkit {importlib.metadata.version('batchkit')}\n"

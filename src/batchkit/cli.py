@@ -10,6 +10,7 @@ prints one line on stderr that names the argument and the fix, and exits with st
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 import traceback
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import __version__
 from ._argtypes import float_in as _float_in
 from ._argtypes import import_from_cwd, one_line
 from ._argtypes import int_in as _int_in
@@ -407,6 +409,15 @@ def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
 # ---------------------------------------------------------------------- the parser
 
 
+def _installed_version() -> str:
+    """The installed distribution's version; the package's own where none is installed (a
+    source tree on ``sys.path``)."""
+    try:
+        return importlib.metadata.version("batchkit")
+    except importlib.metadata.PackageNotFoundError:
+        return __version__
+
+
 def _build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument(
@@ -419,6 +430,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "2 a usage error (one line naming the argument and the fix), 130 interrupted (Ctrl-C), "
         "143 terminated by SIGTERM (batchkit run; rerun it to resume)",
         formatter_class=_HelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"batchkit {_installed_version()}", help="print the version and exit"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench,run,serve}")
 
