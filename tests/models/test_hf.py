@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,17 @@ def test_an_encoder_decoder_is_refused_naming_it() -> None:
         HFStepModel(transformers.T5ForConditionalGeneration(config))
 
 
+def test_modeling_code_that_bypasses_the_attention_interface_is_refused_naming_the_model_type() -> None:
+    """Falcon's transformers code calls its own attention: refused at wrapping, the model type
+    named once, quoted (not 'falcon''s)."""
+    refused = (
+        "the transformers modeling code of 'falcon' does not call the attention interface, so batchkit cannot "
+        "plug its paged attention in"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+        HFStepModel(tiny_lm("falcon"))
+
+
 def test_a_layer_that_is_not_attention_is_refused_naming_its_type() -> None:
     """A layer type other than full or sliding attention (linear attention, convolutions) has no
     K/V in pages: refused with its name."""
@@ -215,7 +227,9 @@ def test_modeling_code_with_its_own_attention_table_is_refused_at_load(tmp_path:
     )
     transformers.GPTNeoForCausalLM(config).save_pretrained(tmp_path)
     _word_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"'gpt_neo'.* does not call the attention interface"):
+    with pytest.raises(
+        ValueError, match=r"^the transformers modeling code of 'gpt_neo' does not call the attention interface"
+    ):
         load_pretrained(tmp_path)
 
 

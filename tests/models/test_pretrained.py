@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
-from _support import installed
+from _support import installed, tiny_lm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from batchkit.models.hf import HFStepModel  # noqa: E402 - after the importorskips
 from batchkit.models.pretrained import (  # noqa: E402 - after the importorskips
     PretrainedLM,
+    SentenceEncoder,
     load_encoder,
     load_pretrained,
     model_source_problem,
@@ -65,6 +68,36 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(folder)
     _tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Qwen2 saved as a Hugging Face directory: transformers loads its weights."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_lm("qwen2").save_pretrained(folder)
+    _tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight BERT saved as a Hugging Face directory (an encoder, mean pooling)."""
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    transformers.BertModel(config).save_pretrained(folder)
+    _tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def tf_logging() -> Iterator[Any]:
+    """transformers' logging module; its progress-bar setting is put back after the test."""
+    module = transformers.utils.logging
+    was = module.is_progress_bar_enabled()
+    yield module
+    (module.enable_progress_bar if was else module.disable_progress_bar)()
 
 
 def _greedy(loop: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -122,6 +155,34 @@ def test_a_hf_directory_decodes_like_transformers(tiny_llama_dir: Path) -> None:
     finally:
         loop.close()
     assert got == [_hf_greedy(hf, p, 10, stop_at_eos=False) for p in prompts]
+
+
+class TestWeightLoadingIsQuiet:
+    """transformers' "Loading weights" progress bar would land between the lines of batchkit
+    serve, run and demo: it is off while batchkit loads weights, then as the user had it."""
+
+    def test_a_causal_lm_loads_without_a_progress_bar(
+        self, tiny_qwen2_dir: Path, tf_logging: Any, capfd: pytest.CaptureFixture[str]
+    ) -> None:
+        tf_logging.enable_progress_bar()
+        lm = load_pretrained(tiny_qwen2_dir)
+        assert isinstance(lm.model, HFStepModel)  # its weights loaded by transformers
+        assert "Loading weights" not in capfd.readouterr().err
+
+    def test_an_encoder_loads_without_a_progress_bar(
+        self, tiny_bert_dir: Path, tf_logging: Any, capfd: pytest.CaptureFixture[str]
+    ) -> None:
+        tf_logging.enable_progress_bar()
+        SentenceEncoder(tiny_bert_dir, name="tiny-bert")
+        assert "Loading weights" not in capfd.readouterr().err
+
+    @pytest.mark.parametrize("enabled", [True, False])
+    def test_the_progress_bar_setting_is_the_users_again_after_a_load(
+        self, tiny_qwen2_dir: Path, tf_logging: Any, enabled: bool
+    ) -> None:
+        (tf_logging.enable_progress_bar if enabled else tf_logging.disable_progress_bar)()
+        load_pretrained(tiny_qwen2_dir)
+        assert tf_logging.is_progress_bar_enabled() is enabled
 
 
 def test_a_directory_without_config_or_gguf_is_refused(tmp_path: Path) -> None:

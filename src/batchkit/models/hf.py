@@ -36,6 +36,7 @@ from ..kv.planner import layer_windows
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HFStepModel",
+    "bypasses_attention_interface",
     "check_config",
     "check_supported",
     "paged_attention_forward",
@@ -200,6 +201,15 @@ def check_config(config: Any) -> None:
     layer_windows(config)
 
 
+def bypasses_attention_interface(model_type: str) -> ValueError:
+    """The error for a model whose modeling code does not call transformers' attention
+    interface (batchkit's paged attention plugs in there)."""
+    return ValueError(
+        f"the transformers modeling code of {model_type!r} does not call the attention interface, so batchkit "
+        "cannot plug its paged attention in"
+    )
+
+
 def check_supported(hf_model: Any) -> None:
     """Refuse, with one line naming the feature, a model the paged attention would run wrong.
 
@@ -211,10 +221,7 @@ def check_supported(hf_model: Any) -> None:
     check_config(config)
     kind = getattr(config, "model_type", "?")
     if not getattr(hf_model, "is_backend_compatible", lambda: False)():
-        raise ValueError(
-            f"{kind!r}'s transformers modeling code does not call the attention interface, so batchkit cannot "
-            "plug its paged attention in"
-        )
+        raise bypasses_attention_interface(kind)
     if any(hasattr(m, "sinks") for m in hf_model.modules()):
         raise ValueError(f"{kind!r} uses attention sinks, which batchkit's paged attention does not implement")
 

@@ -32,7 +32,8 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ import torch
 from .. import _cpu
 from ..continuous.loop import ContinuousDecodeLoop
 from ..continuous.step import in_fresh_thread
-from .hf import ATTN_IMPLEMENTATION, HFStepModel, check_config, register_attention
+from .hf import ATTN_IMPLEMENTATION, HFStepModel, bypasses_attention_interface, check_config, register_attention
 from .llama import LlamaConfig, LlamaModel
 
 __all__ = ["PretrainedLM", "SentenceEncoder", "fast_dtype", "load_encoder", "load_pretrained", "resolve_source"]
@@ -76,6 +77,22 @@ def _transformers() -> Any:
     except ImportError as exc:
         raise ModuleNotFoundError(f"loading pretrained models needs transformers: {_INSTALL_HINT}") from exc
     return transformers
+
+
+@contextmanager
+def _quiet_weight_loading() -> Iterator[None]:
+    """transformers' progress bars off while it loads weights for batchkit (its "Loading
+    weights" bar would land between the lines ``batchkit serve`` and ``batchkit run`` print),
+    then as they were: the setting is the user's."""
+    tf_logging = _transformers().utils.logging
+    if not tf_logging.is_progress_bar_enabled():
+        yield
+        return
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tf_logging.enable_progress_bar()
 
 
 # ---------------------------------------------------------------------------------------- sources
@@ -147,7 +164,8 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     logger.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf, target)
     folder, name = str(gguf.parent), gguf.name
     tokenizer = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    with _quiet_weight_loading():
+        hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -311,19 +329,16 @@ def _build_model(config: Any, folder: Path, dtype: torch.dtype, device: Any) -> 
         return model
     register_attention()
     try:
-        hf = _transformers().AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
-        )
+        with _quiet_weight_loading():
+            hf = _transformers().AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+            )
     except KeyError as exc:
         if exc.args != (ATTN_IMPLEMENTATION,):
             raise
         # Modeling code that picks its attention from a table of its own (GPT-Neo's) has no entry
         # for an implementation registered through the attention interface.
-        kind = getattr(config, "model_type", "?")
-        raise ValueError(
-            f"{kind!r}'s transformers modeling code does not call the attention interface, so batchkit cannot "
-            "plug its paged attention in"
-        ) from None
+        raise bypasses_attention_interface(getattr(config, "model_type", "?")) from None
     return HFStepModel(hf.to(device))
 
 
@@ -487,7 +502,8 @@ class SentenceEncoder:
         self.name = name
         self.path = folder
         self.tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        self.model = tf.AutoModel.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
+        with _quiet_weight_loading():
+            self.model = tf.AutoModel.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
         self.model.eval()
         self.device = device
         modules = _read_json(folder / "modules.json", [])
