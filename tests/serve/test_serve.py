@@ -554,6 +554,28 @@ def test_an_unknown_role_and_an_empty_embedding_input_are_refused_as_openai_does
 
 
 @needs_models
+def test_message_fields_the_model_would_not_be_shown_are_refused_by_the_openai_client(client: Any) -> None:
+    """An assistant turn's tool_calls (then the tool's answer) and a user's name are 400
+    unsupported_parameter naming the field (they were dropped: the model was shown an empty
+    assistant turn, then the tool's text)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 6, "b": 7}'}}
+    for messages, param in (
+        (
+            [
+                {"role": "user", "content": "What is 6 plus 7?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "13", "tool_call_id": "call_1"},
+            ],
+            "messages[1].tool_calls",
+        ),
+        ([{"role": "user", "content": "Hi", "name": "Ada"}], "messages[0].name"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=CHAT, messages=messages, max_tokens=1)
+        assert (err.value.code, err.value.param) == ("unsupported_parameter", param)
+
+
+@needs_models
 @pytest.mark.parametrize("value", ["high", "1_000", "1.0", ""])
 def test_a_bad_priority_header_is_refused(live: LiveServer, value: str) -> None:
     """X-Batchkit-Priority must be an integer in ASCII digits ("1_000" passed as 1000: Python's

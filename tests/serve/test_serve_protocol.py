@@ -83,7 +83,7 @@ def test_stream_options_need_stream_and_include_usage_a_boolean() -> None:
     assert not parse_chat({"model": "m", "messages": HI, "stream_options": None}).include_usage
 
 
-@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+@pytest.mark.parametrize("role", ["system", "developer", "user"])
 def test_a_message_without_content_is_refused_unless_it_is_the_assistants(role: str) -> None:
     """A user message with no content was taken as an empty one."""
     err = _refusal({"model": "m", "messages": [{"role": role}]})
@@ -93,6 +93,53 @@ def test_a_message_without_content_is_refused_unless_it_is_the_assistants(role: 
     chat = parse_chat({"model": "m", "messages": [*HI, {"role": "assistant", "content": None}]})
     assert chat.messages is not None
     assert chat.messages[-1] == {"role": "assistant", "content": ""}
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 6, "b": 7}'}}
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "tool_calls"),
+        ({"role": "assistant", "content": None, "function_call": CALL["function"]}, "function_call"),
+        ({"role": "assistant", "content": None, "refusal": "I can't help with that."}, "refusal"),
+        ({"role": "assistant", "content": None, "audio": {"id": "audio_1"}}, "audio"),
+        ({"role": "user", "content": "Hi", "name": "Ada"}, "name"),
+        ({"role": "system", "content": "Be brief.", "name": "rules"}, "name"),
+        ({"role": "user", "content": "13", "tool_call_id": "call_1"}, "tool_call_id"),
+    ],
+)
+def test_a_message_field_the_chat_template_is_not_given_is_refused_naming_it(
+    message: dict[str, Any], field: str
+) -> None:
+    """The template is given each message's role and content: an assistant's tool_calls, a
+    user's name... were dropped, and the model answered a conversation it was not shown."""
+    err = _refusal({"model": "m", "messages": [*HI, message]})
+    assert (err.param, err.code) == (f"messages[1].{field}", "unsupported_parameter")
+    assert f"'messages[1].{field}' is not supported by this server; " in err.message
+
+
+def test_a_tool_message_is_refused_naming_its_role() -> None:
+    """A tool message answers a tool call, which this server never makes: refused (its text
+    was shown to the model as a turn of its own, its tool_call_id dropped)."""
+    err = _refusal({"model": "m", "messages": [*HI, {"role": "tool", "content": "13", "tool_call_id": "call_1"}]})
+    assert (err.param, err.code) == ("messages[1].role", "unsupported_parameter")
+    assert "send what a call did as text" in err.message
+
+
+def test_the_neutral_values_of_message_fields_are_accepted() -> None:
+    """A response's message sent back as it came (refusal null, no tool calls) is taken as its
+    role and content."""
+    answer: dict[str, Any] = {
+        "role": "assistant",
+        "content": "Hello!",
+        "refusal": None,
+        "tool_calls": [],
+        "function_call": None,
+    }
+    chat = parse_chat({"model": "m", "messages": [*HI, answer, {"role": "user", "content": "Bye", "name": None}]})
+    assert chat.messages == [*HI, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
 
 
 def test_max_tokens_is_checked_even_when_max_completion_tokens_wins() -> None:

@@ -58,7 +58,20 @@ MAX_N = 128  # choices per prompt (n), as OpenAI's limit
 # As Hugging Face's TGI and TEI servers (--payload-limit): room for a long-context prompt or a
 # full embedding request of short texts, and a bound on what one request makes the process hold.
 MAX_REQUEST_BYTES = 2_000_000
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
+# OpenAI's message roles but "tool": a tool message answers a tool call, which this server refuses.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+_NO_TOOL_CALLS = "it makes no tool calls: send what a call did as text in a message's 'content'"
+# The message fields OpenAI defines besides role and content, none of which the chat template is
+# given: each is refused unless it holds its neutral value (a response's message sent back holds
+# refusal: null, tool_calls: []), as dropping it would change what the model reads; and the fix.
+_UNRENDERED_MESSAGE_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "name": ((None,), "put the name in the message's 'content'"),
+    "tool_calls": ((None, []), _NO_TOOL_CALLS),
+    "function_call": ((None,), _NO_TOOL_CALLS),
+    "tool_call_id": ((None,), _NO_TOOL_CALLS),
+    "refusal": ((None,), "send the refusal as the message's 'content'"),
+    "audio": ((None,), "send the transcript as the message's 'content'"),
+}
 
 
 class ApiError(Exception):
@@ -212,12 +225,16 @@ def _model(body: Mapping[str, Any]) -> str:
     return model
 
 
-def _unsupported(body: Mapping[str, Any], name: str, neutral: Sequence[Any]) -> None:
+def _unsupported(body: Mapping[str, Any], name: str, neutral: Sequence[Any], *, where: str = "", fix: str = "") -> None:
+    """400 ``unsupported_parameter`` naming ``where + name`` (``messages[1].tool_calls``) when
+    ``body`` sets ``name`` to anything but a ``neutral`` value; ``fix`` tells what to do instead."""
     # The neutral values themselves, not values equal to one in Python: 0 == False, True == 1,
     # but completions' logprobs=0 asks for the sampled tokens' logprobs and best_of=true is no count.
     value = body.get(name)
     if name in body and not any(value == n and type(value) is type(n) for n in neutral):
-        raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+        param = f"{where}{name}"
+        message = f"'{param}' is not supported by this server" + (f"; {fix}" if fix else "")
+        raise ApiError(400, message, param=param, code="unsupported_parameter")
 
 
 @dataclass(frozen=True)
@@ -430,6 +447,24 @@ def _message_text(content: Any, index: int) -> str:
     raise _invalid(f"messages[{index}].content", "content must be a string or a list of text parts")
 
 
+def _message(m: Any, index: int) -> dict[str, str]:
+    """Message ``index`` as the chat template is given it: its role and its text."""
+    where = f"messages[{index}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise _invalid(where, "each message needs a string 'role' and a 'content'")
+    role = m["role"]
+    if role == "tool":
+        message = f"role 'tool' ({where}.role) is not supported by this server; {_NO_TOOL_CALLS}"
+        raise ApiError(400, message, param=f"{where}.role", code="unsupported_parameter")
+    if role not in CHAT_ROLES:
+        raise _invalid(f"{where}.role", f"'role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    for name, (neutral, fix) in _UNRENDERED_MESSAGE_FIELDS.items():
+        _unsupported(m, name, neutral, where=f"{where}.", fix=fix)
+    if m.get("content") is None and role != "assistant":  # as OpenAI: only an assistant's may be absent
+        raise _invalid(f"{where}.content", f"a {role} message needs a 'content'")
+    return {"role": role, "content": _message_text(m.get("content"), index)}
+
+
 def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body.
 
@@ -439,15 +474,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages", "'messages' must be a non-empty list of {role, content} objects")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _invalid(f"messages[{i}]", "each message needs a string 'role' and a 'content'")
-        if m["role"] not in CHAT_ROLES:
-            raise _invalid(f"messages[{i}].role", f"'role' must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
-        if m.get("content") is None and m["role"] != "assistant":  # as OpenAI: only an assistant's may be absent
-            raise _invalid(f"messages[{i}].content", f"a {m['role']} message needs a 'content'")
-        clean.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    clean = [_message(m, i) for i, m in enumerate(messages)]
     # As OpenAI: logprobs is a boolean; top_logprobs (0 to 20) the alternatives, only with it.
     top_logprobs = _opt_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
     logprobs: int | None = None
