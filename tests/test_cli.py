@@ -109,6 +109,13 @@ CASES = [
         stdout="one request at a time (FIFO)",
         slow=True,
     ),
+    Case(  # the start-up line says what it chose; rows follow
+        "demo-names-its-cpu-threads",
+        ("demo", "--part", "llm", "--threads", "1", *TINY_LLM),
+        0,
+        stdout="CPU threads: 1 (",
+        slow=True,
+    ),
     # ---- bench: targets
     Case("bench-missing-module", ("bench", "nosuch_module_xyz:f"), 2, "no module named 'nosuch_module_xyz'"),
     Case("bench-missing-attribute", ("bench", "bk_target:nope"), 2, "bk_target has no attribute 'nope'"),
@@ -360,3 +367,15 @@ def test_version_prints_the_installed_distributions_version(capsys: pytest.Captu
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"batchkit {importlib.metadata.version('batchkit')}\n"
+
+
+def test_demo_warns_when_the_load_average_says_its_timings_will_not_hold() -> None:
+    """A load of half the CPUs or more (at least 1) is other work on the CPUs the demo times."""
+    from batchkit.cli import _busy_machine_warning
+
+    warning = _busy_machine_warning(cpus=2, load=1.5)
+    assert warning is not None
+    assert warning.startswith("warning: the load average is 1.50 on 2 CPUs")
+    assert "will not hold" in warning
+    assert _busy_machine_warning(cpus=2, load=0.4) is None
+    assert _busy_machine_warning(cpus=16, load=4.0) is None

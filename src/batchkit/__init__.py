@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from . import collate, continuous, kv, sim, testing
 from ._clock import Clock, MonotonicClock
+from ._cpu import CpuThreads, configure_cpu_threads
 from ._errors import (
     BatcherClosed,
     BatchkitError,
@@ -94,6 +95,7 @@ __all__ = [
     "CircuitOpen",
     "Clock",
     "ContinuousDecodeLoop",
+    "CpuThreads",
     "DeadlineExceeded",
     "Decision",
     "DynamicBatcher",
@@ -116,6 +118,7 @@ __all__ = [
     "__version__",
     "batched",
     "collate",
+    "configure_cpu_threads",
     "continuous",
     "kv",
     "kv_cache_bytes",

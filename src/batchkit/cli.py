@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import __version__
 from ._argtypes import float_in as _float_in
 from ._argtypes import import_from_cwd, one_line
 from ._argtypes import int_in as _int_in
+from ._cpu import configure_cpu_threads
 
 __all__ = ["main"]
 
@@ -137,6 +137,12 @@ def _prepare_demo(args: argparse.Namespace) -> Callable[[], int]:
     torch = _require("torch", "the demo", "torch")
 
     def run() -> int:
+        if getattr(args, "cpu_threads", None) is not None:  # main() configured them
+            print(args.cpu_threads.describe())
+            warning = _busy_machine_warning(args.cpu_threads.cpus, os.getloadavg()[0])
+            if warning:
+                print(warning, file=sys.stderr)
+        print("Loading the models and measuring each row; rows print as they finish.", flush=True)
         if args.part in ("all", "dynamic"):
             _demo_dynamic(args, torch)
         if args.part in ("all", "llm"):
@@ -158,14 +164,19 @@ def _demo_dynamic(args: argparse.Namespace, torch: Any) -> None:
         f"Dynamic batching: a 1024->4096->1024 torch MLP on CPU ({args.threads} threads), {args.callers} "
         f"concurrent callers, {args.seconds:g} s per row."
     )
-    rows = [
-        mlp_demo.serve_one_by_one(model, inputs, args.callers, args.seconds),
-        mlp_demo.serve_batched(model, inputs, args.callers, args.seconds, args.max_batch, args.max_wait_ms),
-    ]
-    base = rows[0].rps
-    print(f"{'serving':44} {'req/s':>9} {'speed-up':>9} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6}")
-    for r in rows:
-        print(f"{r.name:44} {r.rps:9,.0f} {r.rps / base:8.1f}x {r.p50_ms:8.2f} {r.p99_ms:8.2f} {r.mean_batch:6.1f}")
+    print(f"{'serving':44} {'req/s':>9} {'speed-up':>9} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6}", flush=True)
+    rows: tuple[Callable[[], mlp_demo.ServeResult], ...] = (
+        lambda: mlp_demo.serve_one_by_one(model, inputs, args.callers, args.seconds),
+        lambda: mlp_demo.serve_batched(model, inputs, args.callers, args.seconds, args.max_batch, args.max_wait_ms),
+    )
+    base = 0.0
+    for row in rows:  # each row printed as soon as it is measured
+        r = row()
+        base = base or r.rps
+        print(
+            f"{r.name:44} {r.rps:9,.0f} {r.rps / base:8.1f}x {r.p50_ms:8.2f} {r.p99_ms:8.2f} {r.mean_batch:6.1f}",
+            flush=True,
+        )
 
 
 def _demo_llm(args: argparse.Namespace) -> None:
@@ -177,18 +188,30 @@ def _demo_llm(args: argparse.Namespace) -> None:
         f"Continuous batching: a random Llama-style model (4 layers, hidden 256, GQA 8/4 heads) on CPU, "
         f"{len(reqs)} requests arriving together, outputs of 8..{args.llm_max_out} tokens, batch {args.llm_batch}."
     )
-    rows = [
-        llm_demo.serve(model, reqs, "single"),
-        llm_demo.serve(model, reqs, "static", batch=args.llm_batch),
-        llm_demo.serve(model, reqs, "continuous", batch=args.llm_batch),
-    ]
-    base = rows[0].tokens_per_s
-    print(f"{'serving':30} {'tok/s':>7} {'speed-up':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'util':>5}")
-    for r in rows:
+    print(
+        f"{'serving':30} {'tok/s':>7} {'speed-up':>9} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'util':>5}",
+        flush=True,
+    )
+    base = 0.0
+    for mode in ("single", "static", "continuous"):  # each row printed as soon as it is measured
+        r = llm_demo.serve(model, reqs, mode, batch=args.llm_batch)
+        base = base or r.tokens_per_s
         print(
             f"{r.name:30} {r.tokens_per_s:7.0f} {r.tokens_per_s / base:8.1f}x {r.ttft_p50:7.0f}/{r.ttft_p99:<8.0f}"
-            f" {r.tpot_p50:7.1f}/{r.tpot_p99:<8.1f} {r.utilisation:5.2f}"
+            f" {r.tpot_p50:7.1f}/{r.tpot_p99:<8.1f} {r.utilisation:5.2f}",
+            flush=True,
         )
+
+
+def _busy_machine_warning(cpus: int, load: float) -> str | None:
+    """A warning where the 1-minute load average says other processes hold the CPUs the demo
+    times itself on (a load of half the CPUs or more, at least 1), else None."""
+    if load < max(1.0, cpus / 2):
+        return None
+    return (
+        f"warning: the load average is {load:.2f} on {cpus} CPU{'s' if cpus != 1 else ''}: other processes are "
+        "using the CPU, so the timings below will not hold (rerun on a quiet machine to compare)"
+    )
 
 
 # ---------------------------------------------------------------------- plan
@@ -410,12 +433,12 @@ def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _installed_version() -> str:
-    """The installed distribution's version; the package's own where none is installed (a
-    source tree on ``sys.path``)."""
+    """The installed distribution's version (``unknown`` for a source tree on ``sys.path`` that
+    was never installed)."""
     try:
         return importlib.metadata.version("batchkit")
     except importlib.metadata.PackageNotFoundError:
-        return __version__
+        return "unknown (not installed)"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -464,8 +487,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--threads",
         metavar="N",
         type=_int_in(1, MAX_THREADS),
-        default=2,
-        help=f"torch intra-op threads, 1..{MAX_THREADS}",
+        default=None,
+        help=f"torch intra-op threads, 1..{MAX_THREADS} (default: the CPUs this process may use, capped by a "
+        "cgroup CPU quota; OMP_NUM_THREADS where set)",
     )
     demo.add_argument(
         "--max-batch",
@@ -768,6 +792,11 @@ def _prepare_run(args: argparse.Namespace) -> Callable[[], int]:
     return lambda: run_cli(args)
 
 
+# The commands that run torch models in this process: their CPU threads are sized to the CPUs the
+# process may use and sleep when idle (batchkit._cpu says why), unless the environment chose.
+_RUNS_TORCH = frozenset({"demo", "run", "serve"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 done, 1 the target failed, 2 usage error)."""
     parser = _build_parser()
@@ -776,6 +805,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
         return exc.code if isinstance(exc.code, int) else 2
     prog = f"batchkit {args.command}"
+    if args.command in _RUNS_TORCH:
+        # Before anything imports torch: its OpenMP runtime reads the wait policy once, at load.
+        args.cpu_threads = configure_cpu_threads(getattr(args, "threads", None))
+        if args.command == "demo":
+            args.threads = args.cpu_threads.threads
     try:
         try:
             run = args.prepare(args)

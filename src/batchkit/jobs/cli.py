@@ -322,6 +322,8 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
         )
     from .generate import generate_fn
 
+    if getattr(args, "cpu_threads", None) is not None:  # the command line configured them (batchkit.cli)
+        print(f"batchkit run: {args.cpu_threads.describe()}", file=sys.stderr, flush=True)
     lm = load_pretrained(args.model, tokenizer=args.tokenizer)
     loop = lm.make_loop(args.num_blocks, max_num_seqs=args.max_num_seqs)
     if args.format == "openai-batch":

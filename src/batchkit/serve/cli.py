@@ -355,6 +355,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
         flush=True,
     )
     print(f"{prog}: {dtype_line}", file=sys.stderr, flush=True)
+    if getattr(args, "cpu_threads", None) is not None:  # the command line configured them (batchkit.cli)
+        print(f"{prog}: {args.cpu_threads.describe()}", file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
         host=args.host,
