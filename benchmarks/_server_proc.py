@@ -17,14 +17,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(cmd: list[str], ready_url: str, threads: int, timeout_s: float = 300) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` (``threads`` OpenMP threads, offline) and wait until ``ready_url`` answers 200.
+def start_server(
+    cmd: list[str],
+    ready_url: str,
+    threads: int | None = None,
+    timeout_s: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (offline; ``threads`` OpenMP threads where given; in ``env``, default this
+    process's environment) and wait until ``ready_url`` answers 200.
 
     Raises:
         RuntimeError: the server exited first (its last stderr lines are in the message).
         TimeoutError: it did not answer within ``timeout_s``.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    env = {**(os.environ if env is None else env), "HF_HUB_OFFLINE": "1"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
