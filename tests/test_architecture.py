@@ -38,7 +38,6 @@ FLOORS: dict[str, int] = {
     "_clock": 0,
     "_cpu": 0,
     "_waiters": 0,
-    "_moved": 0,
     "dynamic._progress": 0,
     "metrics": 0,
     "collate": 0,
@@ -88,15 +87,6 @@ FLOORS: dict[str, int] = {
     "jobs.openai_batch": 7,  # answers OpenAI Batch lines with serve/'s wire format: above serve/
     "serve": 6,
     "integrations": 6,
-    # the old paths of the modules moved into dynamic/ and control/: aliases for one release
-    "_queue_core": 6,
-    "adaptive": 6,
-    "queue": 6,
-    "former": 6,
-    "batcher": 6,
-    "async_batcher": 6,
-    "decorator": 6,
-    "_progress": 6,
     "cli": 7,
     "__main__": 8,
     "": 9,  # batchkit/__init__.py

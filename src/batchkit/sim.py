@@ -1,7 +1,7 @@
 """A discrete-event simulator of dynamic batching on virtual time.
 
 It drives the very cores that :class:`~batchkit.DynamicBatcher` drives (the queue's
-:class:`~batchkit._queue_core.QueueCore` admission and the :class:`~batchkit.former.BatchFormer`
+:class:`~batchkit.dynamic._queue_core.QueueCore` admission and the :class:`~batchkit.dynamic.former.BatchFormer`
 flush decisions, with an optional :class:`~batchkit.AdaptiveBatchController`) with a model of the
 batch cost ``t_batch(B)`` and an arrival process, so that what it predicts is what the batcher's
 policy does by construction, thousands of simulated seconds per real second, deterministically

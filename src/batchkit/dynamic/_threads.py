@@ -1,7 +1,7 @@
 """BatchThreads: the dispatcher thread and the worker threads that carry out a former's plan.
 
 :class:`~batchkit.DynamicBatcher` admits requests and answers callers; these threads decide
-nothing themselves, they ask its :class:`~batchkit.former.BatchFormer` (under the batcher's lock):
+nothing themselves, they ask its :class:`~batchkit.dynamic.former.BatchFormer` (under the batcher's lock):
 
 - the dispatcher sleeps until the former's ``wake_at`` (or until :meth:`BatchThreads.wake` or
   :meth:`BatchThreads.nudge` says the plan changed), expires deadlines, times out batches past

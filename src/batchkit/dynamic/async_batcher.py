@@ -3,7 +3,7 @@
 When the callers and the batch function live on the same asyncio loop (an ASGI app, an
 ``async def`` handler per request), :class:`~batchkit.DynamicBatcher`'s threads only add hops:
 each batch crosses to a worker thread and each result back. ``AsyncBatcher`` drives the very same
-:class:`~batchkit.former.BatchFormer` (so the same flush policy, deadlines, priorities, groups,
+:class:`~batchkit.dynamic.former.BatchFormer` (so the same flush policy, deadlines, priorities, groups,
 costs, adaptive controller and circuit breaker) from loop callbacks:
 
 - ``await submit(item)`` admits the item and parks the task on a future of the loop;
@@ -95,7 +95,7 @@ class AsyncBatcher(BatcherShell[T, R]):
             ``offload=True`` with an ``async def`` ``fn``.
         TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``controller`` or
             ``circuit_breaker`` is not of its type, or ``clock`` has no ``now()`` (see
-            :func:`~batchkit.batcher.check_batcher_options`).
+            :func:`~batchkit.dynamic.batcher.check_batcher_options`).
     """
 
     def __init__(

@@ -2,8 +2,8 @@
 
 Architecture (see docs/architecture.md):
 
-- The policy is a sans-I/O :class:`~batchkit.former.BatchFormer` over the queue's
-  :class:`~batchkit._queue_core.QueueCore`: it admits requests, decides when a batch is due
+- The policy is a sans-I/O :class:`~batchkit.dynamic.former.BatchFormer` over the queue's
+  :class:`~batchkit.dynamic._queue_core.QueueCore`: it admits requests, decides when a batch is due
   (``max_batch_size`` reached, ``max_wait_ms`` since the *oldest* waiting item, ``flush()``,
   ``close()``) and seals it only when a worker slot is free, so that while the model is busy the
   next batch keeps growing. This module is its threaded shell, and ``batchkit.sim`` drives the
@@ -266,7 +266,7 @@ def check_batcher_options(
 
 class BatcherShell(Generic[T, R]):
     """What :class:`DynamicBatcher` (threads) and :class:`~batchkit.AsyncBatcher` (one event
-    loop) share around their :class:`~batchkit.former.BatchFormer`: the settings, the counters,
+    loop) share around their :class:`~batchkit.dynamic.former.BatchFormer`: the settings, the counters,
     ``statistics()``, the ``TunableTarget`` methods, admission (waiting for room included) and
     what a call of the batch function answers."""
 

@@ -525,7 +525,7 @@ def batched(
 
     Raises:
         ValueError, TypeError: at decoration time, for options the batcher would refuse (see
-            :func:`~batchkit.batcher.check_batcher_options`).
+            :func:`~batchkit.dynamic.batcher.check_batcher_options`).
     """
     if "max_batch_size" in options:
         raise TypeError("@batched takes max_batch=..., not max_batch_size=...")
