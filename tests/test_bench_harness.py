@@ -1,0 +1,120 @@
+"""benchmarks/_harness.py: the options, machine line, timings and JSON record every benchmark shares."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "_harness.py"
+
+
+@pytest.fixture(scope="module")
+def harness() -> ModuleType:
+    """The helper, imported as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("batchkit_bench_harness", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_parser_has_the_common_options_with_their_defaults(harness: ModuleType) -> None:
+    """--repeat 1, --warmup 0, --json unset, and the first paragraph of the docstring as description."""
+    ap = harness.parser("First paragraph.\n\nSecond.")
+    args = ap.parse_args([])
+    assert (args.repeat, args.warmup, args.json) == (1, 0, None)
+    assert ap.description == "First paragraph."
+
+
+def test_a_script_declares_a_common_option_again_with_its_own_default(harness: ModuleType) -> None:
+    """The later declaration wins, aliases included (overhead.py's --repeats)."""
+    ap = harness.parser(None)
+    ap.add_argument("--repeat", "--repeats", type=int, default=5)
+    assert ap.parse_args([]).repeat == 5
+    assert ap.parse_args(["--repeats", "2"]).repeat == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [(["--repeat", "0"], "--repeat must be at least 1"), (["--warmup", "-1"], "--warmup must be at least 0")],
+)
+def test_the_parser_refuses_counts_out_of_range(
+    harness: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], match: str
+) -> None:
+    """A usage error (status 2) that names the option."""
+    with pytest.raises(SystemExit) as exc:
+        harness.parser(None).parse_args(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_the_machine_line_names_cpu_flags_cores_load_and_versions(harness: ModuleType) -> None:
+    """One line beginning "machine:" with every flag the kernels depend on, yes or no."""
+    line = harness.machine().line()
+    assert line.startswith("machine: ")
+    assert "\n" not in line
+    for flag in ("amx_bf16", "avx512_bf16", "avx2"):
+        assert f"{flag} yes" in line or f"{flag} no" in line
+    assert "cores usable" in line
+    assert "load " in line
+    assert f"python {sys.version_info.major}.{sys.version_info.minor}" in line
+
+
+def test_a_summary_is_the_median_and_range(harness: ModuleType) -> None:
+    """Median, lowest and highest of the runs; formatted with a scale."""
+    s = harness.Summary.of([3.0, 1.0, 2.0])
+    assert (s.median, s.low, s.high) == (2.0, 1.0, 3.0)
+    assert s.format(".0f", scale=10) == "20 (10-30, 3 runs)"
+    assert harness.Summary.of([4.0]).format() == "4.0 (1 run)"
+    with pytest.raises(ValueError, match="at least one value"):
+        harness.Summary.of([])
+
+
+def test_interleave_runs_each_once_a_round_and_drops_the_warmup_rounds(harness: ModuleType) -> None:
+    """Rounds in order a, b, a, b, ...; the warm-up rounds run but are not returned."""
+    calls: list[str] = []
+    counter = iter(range(100))
+
+    def run(name: str) -> int:
+        calls.append(name)
+        return next(counter)
+
+    out = harness.interleave({"a": lambda: run("a"), "b": lambda: run("b")}, repeat=2, warmup=1)
+    assert calls == ["a", "b"] * 3
+    assert out == {"a": [2, 4], "b": [3, 5]}
+
+
+def test_the_record_writes_every_figure_its_settings_and_the_machine(
+    harness: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """start() prints the machine line first; write() puts the settings, machine and figures in --json."""
+    path = tmp_path / "out" / "run.json"
+    args = harness.parser(None).parse_args(["--repeat", "2", "--json", str(path)])
+    record = harness.start(args, "demo.py")
+    assert capsys.readouterr().out.startswith("machine: ")
+    record.add("step", [2.0, 1.0], "ms", rows=16)
+    record.add("verdict", "met")
+    record.write()
+    data = json.loads(path.read_text())
+    assert data["script"] == "demo.py"
+    assert data["settings"] == {"repeat": 2, "warmup": 0}
+    assert set(data["machine"]["flags"]) >= {"amx_bf16", "avx512_bf16", "avx2"}
+    assert data["figures"] == [
+        {
+            "name": "step",
+            "unit": "ms",
+            "settings": {"rows": 16},
+            "median": 1.5,
+            "min": 1.0,
+            "max": 2.0,
+            "runs": [2.0, 1.0],
+        },
+        {"name": "verdict", "unit": "", "value": "met"},
+    ]
