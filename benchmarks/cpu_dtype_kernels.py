@@ -9,36 +9,30 @@
 - Greedy sampling: ``argmax`` against ``max(dim).indices`` (what ``batchkit.continuous.sample``
   uses) over 16 rows of a 49,152-token vocabulary, in float32 and bfloat16.
 
-Each figure is the median of 5 timings of 200 calls, 2 torch threads.
+Each figure is the median of ``--repeat`` (5) timings of ``--calls`` (200) calls after one
+unrecorded timing, 2 torch threads.
 
-Run:  python benchmarks/cpu_dtype_kernels.py
+Run:  .venv/bin/python benchmarks/cpu_dtype_kernels.py [--repeat 5] [--calls 200] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
+import _harness as harness
 import torch
 
 from batchkit.kv.attention import low_precision_attention, plan_attention, planned_attention
 
 
-def _us(fn: Callable[[], object], calls: int = 200, timings: int = 5) -> float:
-    for _ in range(10):
-        fn()
-    out = []
-    for _ in range(timings):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
+def _us(fn: Callable[[], object], args: argparse.Namespace) -> harness.Summary:
+    """Microseconds per call of ``fn``: median and range over the timings."""
+    runs = harness.measure(lambda: harness.per_call(fn, args.calls), args.repeat, args.warmup)
+    return harness.Summary.of(1e6 * t for t in runs)
 
 
-def attention_rows() -> None:
+def attention_rows(args: argparse.Namespace, record: harness.Record) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows, heads, kv_heads, dim, block = 16, 9, 3, 64, 16
     print(
@@ -73,31 +67,48 @@ def attention_rows() -> None:
         def planned() -> object:
             return planned_attention(q, kc, vc, plan)  # noqa: B023
 
-        low, high, ours = _us(as_they_are), _us(copied), _us(planned)
-        print(f"| {width} | {low:,.0f} | {high:,.0f} | {ours:,.0f} | {high / low:.2f}x | {ours / low:.2f}x |")
+        low, high, ours = (_us(fn, args) for fn in (as_they_are, copied, planned))
+        record.add("bfloat16 SDPA", low, "us", positions=width)
+        record.add("float32 copy + SDPA", high, "us", positions=width)
+        record.add("planned_attention", ours, "us", positions=width)
+        print(
+            f"| {width} | {low.median:,.0f} | {high.median:,.0f} | {ours.median:,.0f} "
+            f"| {high.median / low.median:.2f}x | {ours.median / low.median:.2f}x |"
+        )
 
 
-def argmax_rows() -> None:
+def argmax_rows(args: argparse.Namespace, record: harness.Record) -> None:
     print("| dtype | argmax µs | max(dim).indices µs | ratio |")
     print("| --- | --- | --- | --- |")
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(16, 49152).to(dtype)
         if not torch.equal(x.argmax(-1), x.max(-1).indices):
             raise SystemExit("argmax and max(dim).indices disagree")
-        a, m = _us(lambda: x.argmax(-1)), _us(lambda: x.max(-1).indices)  # noqa: B023
-        print(f"| {str(dtype).removeprefix('torch.')} | {a:,.0f} | {m:,.0f} | {m / a:.2f}x |")
+        a, m = _us(lambda: x.argmax(-1), args), _us(lambda: x.max(-1).indices, args)  # noqa: B023
+        name = str(dtype).removeprefix("torch.")
+        record.add("argmax", a, "us", dtype=name)
+        record.add("max(dim).indices", m, "us", dtype=name)
+        print(f"| {name} | {a.median:,.0f} | {m.median:,.0f} | {m.median / a.median:.2f}x |")
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    ap = harness.parser(__doc__)
+    ap.add_argument("--repeat", type=int, default=5, help="timings of each figure (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded timings before them (default 1)")
+    ap.add_argument("--calls", type=int, default=200, help="calls per timing")
+    args = ap.parse_args()
+    if args.calls < 1:
+        ap.error("--calls must be at least 1")
+    record = harness.start(args)
     torch.set_num_threads(2)
     print(
         f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}; "
         f"bfloat16 pages go to SDPA as they are here (CUDA or AMX): {low_precision_attention('cpu')}\n"
     )
-    attention_rows()
+    attention_rows(args, record)
     print()
-    argmax_rows()
+    argmax_rows(args, record)
+    record.write()
 
 
 if __name__ == "__main__":

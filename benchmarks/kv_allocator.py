@@ -6,15 +6,15 @@
 2. Fragmentation on a realistic mix: prompts uniform in 16..1024 tokens, outputs uniform in
    1..512, block size 16: wasted slots / allocated slots, measured over the whole run.
 
-Run:  python benchmarks/kv_allocator.py [--steps 2000] [--seqs 256]
+Run:  .venv/bin/python benchmarks/kv_allocator.py [--steps 2000] [--seqs 256] [--repeat 3] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
+import _harness as harness
 import numpy as np
 
 from batchkit import PagedKVAllocator
@@ -66,19 +66,26 @@ def run(steps: int, n_seqs: int, block_size: int, seed: int = 0) -> tuple[float,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3, help="recorded runs, one seed each (default 3)")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded runs before them (default 1)")
     args = ap.parse_args()
-    run(200, args.seqs, 16)  # warm up
-    results = [run(args.steps, args.seqs, 16, seed) for seed in range(3)]
-    per_step, append, churn, frag = (float(np.median([r[i] for r in results])) for i in range(4))
-    print(f"{args.seqs} running sequences, block size 16, {args.steps} decode steps, median of 3 runs")
+    record = harness.start(args)
+    seeds = iter(range(args.warmup + args.repeat))
+    results = harness.measure(lambda: run(args.steps, args.seqs, 16, next(seeds)), args.repeat, args.warmup)
+    names = ("bookkeeping per decode step", "append_slots_batch", "finish + admit", "fragmentation")
+    for i, name in enumerate(names):
+        record.add(name, [r[i] for r in results], "fraction" if i == 3 else "us")
+    per_step, append, churn, frag = (harness.median(r[i] for r in results) for i in range(4))
+    print(f"{args.seqs} running sequences, block size 16, {args.steps} decode steps, median of {args.repeat} runs")
     print(
         f"bookkeeping per decode step: {per_step:.1f} us  (append_slots_batch {append:.1f} us, "
         f"finish + admit {churn:.1f} us)"
     )
     print(f"fragmentation (prompt 16..1024, output 1..512): {frag:.2%} of allocated slots unused")
+    record.write()
 
 
 if __name__ == "__main__":
