@@ -4,7 +4,7 @@ One ContinuousDecodeLoop over a small random LlamaModel with SmolLM2's vocabular
 the bitmask a grammar fills is that wide), stepped in this thread (``step_once``). ``--rows``
 greedy requests decode together: all plain (``plain``), or ``--special`` of them under a JSON
 schema grammar compiled with xgrammar for SmolLM2's tokenizer (``grammar``). Both modes have as
-many rows, the modes interleaved over ``--repeat`` rounds; the figures are mean step times over
+many rows, the modes interleaved over ``--repeat`` rounds (after ``--warmup``); the figures are mean step times over
 the steps where every row still ran, and the time spent in the grammar's mask and advance
 (measured around them), per constrained token.
 
@@ -12,18 +12,19 @@ the steps where every row still ran, and the time spent in the grammar's mask an
 (``PYTHONPATH=<old checkout>/src``) and after, to see what plain rows pay for the check that
 finds no grammar in use.
 
-    python benchmarks/grammar_overhead.py --rows 16 --special 4 --steps 32
-    python benchmarks/grammar_overhead.py --plain-only
+    .venv/bin/python benchmarks/grammar_overhead.py --rows 16 --special 4 --steps 32 [--json PATH]
+    .venv/bin/python benchmarks/grammar_overhead.py --plain-only
 """
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import statistics
 import time
 from typing import Any
 
-import torch
+import _harness as harness
+from sampling_overhead import parse_args, step_round
 
 from batchkit import ContinuousDecodeLoop
 from batchkit.continuous import Request, SamplingParams
@@ -76,38 +77,17 @@ def _timed_matchers() -> Any:
 
 def one_round(loop: ContinuousDecodeLoop, grammar: Any, rows: int, special: int, steps: int, tag: Any) -> list[float]:
     """The times of the steps where every row ran."""
+    requests = []
     for i in range(rows):
         kwargs: dict[str, Any] = {"max_new_tokens": steps + 8, "ignore_eos": True}
         if grammar is not None and i >= rows - special:
             kwargs["grammar"] = grammar
-        loop.scheduler.add(Request((tag, i), [1 + i, *range(2, 40)], SamplingParams(**kwargs)))
-    while loop.scheduler.waiting or any(r.num_computed < r.prompt_len for r in loop.scheduler.running):
-        loop.step_once()  # the prefills
-    times = []
-    for _ in range(steps):
-        full = len(loop.scheduler.running) == rows
-        t0 = time.perf_counter()
-        loop.step_once()
-        if full:
-            times.append(time.perf_counter() - t0)
-    for i in range(rows):
-        loop.scheduler.abort((tag, i))
-    loop.step_once()  # the aborts
-    return times
+        requests.append(Request((tag, i), [1 + i, *range(2, 40)], SamplingParams(**kwargs)))
+    return step_round(loop, requests, steps)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--special", type=int, default=4, help="rows under the grammar (of --rows)")
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--plain-only", action="store_true", help="only the plain mode (runs under older code too)")
-    args = p.parse_args()
-    if not 0 < args.special <= args.rows:
-        p.error("--special must be in [1, --rows]")
-    torch.manual_seed(0)
-    torch.set_num_threads(2)
+    args, record = parse_args(__doc__, "under the grammar", steps=32)
     config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     model = LlamaModel(config)
     loop = ContinuousDecodeLoop(
@@ -123,14 +103,22 @@ def main() -> None:
         grammar = json_grammar(lm.tokenizer, SCHEMA, vocab_size=config.vocab_size, stop_token_ids=lm.stop_token_ids)
         timed = loop._grammars = _timed_matchers()  # the loop's own matchers, timed
     modes = {"plain": None} if args.plain_only else {"plain": None, "grammar": grammar}
-    for m, g in modes.items():  # warm-up: the first steps of a shape are slow
-        one_round(loop, g, args.rows, args.special, 4, ("warm-up", m))
-    times: dict[str, list[float]] = {m: [] for m in modes}
+    tags = itertools.count()
+    # The warm-up rounds first, alone: the matchers' time counts from the first recorded round.
+    harness.interleave(
+        {m: lambda g=g: one_round(loop, g, args.rows, args.special, 4, next(tags)) for m, g in modes.items()},
+        repeat=0,
+        warmup=args.warmup,  # the first steps of a shape are slow
+    )
     if timed is not None:
         timed.seconds, timed.tokens = 0.0, 0
-    for r in range(args.repeat):
-        for m, g in modes.items():
-            times[m] += one_round(loop, g, args.rows, args.special, args.steps, (r, m))
+    rounds = harness.interleave(
+        {m: lambda g=g: one_round(loop, g, args.rows, args.special, args.steps, next(tags)) for m, g in modes.items()},
+        args.repeat,
+    )
+    times = {m: [t for r in rounds[m] for t in r] for m in modes}
+    for m in modes:
+        record.add("step", [t * 1e3 for t in times[m]], "ms", mode=m)
     plain = statistics.mean(times["plain"])
     print(f"{args.rows} rows, {args.steps} decode steps x {args.repeat} rounds, torch threads 2, vocab 49152")
     print(f"plain: mean step {plain * 1e3:.3f} ms ({len(times['plain'])} steps)")
@@ -143,9 +131,11 @@ def main() -> None:
             f"{extra * 1e6:.0f} us more per constrained token"
         )
         per_token = timed.seconds / max(timed.tokens, 1)
+        record.add("grammar mask and advance per constrained token", per_token * 1e6, "us", tokens=timed.tokens)
         print(
             f"in the grammar's mask and advance: {per_token * 1e6:.0f} us per constrained token ({timed.tokens} tokens)"
         )
+    record.write()
 
 
 if __name__ == "__main__":
