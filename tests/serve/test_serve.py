@@ -2032,8 +2032,29 @@ def test_chat_logprobs_bytes_spell_the_answer_where_tokens_split_characters(live
     content = r["choices"][0]["logprobs"]["content"]
     assert any(c["token"] == "\ufffd" for c in content)  # the answer has a split character
     assert content[-1]["token"] == "<|im_end|>"  # the EOS that ended it, by name: no part of the text
-    raw = bytes(b for c in content[:-1] for b in c["bytes"])
+    raw = bytes(b for c in content for b in c["bytes"])
     assert raw.decode(errors="replace") == r["choices"][0]["message"]["content"]
+
+
+@needs_models
+def test_chat_logprobs_bytes_spell_the_content_of_an_answer_that_ends_on_eos(client: Any) -> None:
+    """The EOS entry that ends an answer stays, spelled by name, with empty bytes: joined, the
+    entries' bytes are the content's UTF-8, streamed or not (they ended in '<|im_end|>')."""
+    kwargs: dict[str, Any] = {"model": CHAT, "messages": QUESTION, "temperature": 0, "max_tokens": 32}
+    kwargs |= {"logprobs": True, "top_logprobs": 2}
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "stop"
+    content = r.choices[0].logprobs.content
+    assert (content[-1].token, content[-1].bytes) == ("<|im_end|>", [])
+    assert bytes(b for c in content for b in c.bytes).decode() == r.choices[0].message.content
+    text = ""
+    streamed: list[Any] = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            streamed += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+    assert (streamed[-1].token, streamed[-1].bytes) == ("<|im_end|>", [])
+    assert bytes(b for c in streamed for b in c.bytes).decode() == text == r.choices[0].message.content
 
 
 @needs_models

@@ -18,6 +18,7 @@ from batchkit.serve.protocol import (
     parse_chat,
     parse_completion,
     parse_embedding,
+    token_string,
 )
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -267,6 +268,32 @@ def test_chat_logprobs_bytes_are_each_tokens_own_bytes() -> None:
     assert bytes(b for c in content for b in c["bytes"]).decode() == "\U0001f431!"
     assert content[0]["top_logprobs"][0]["bytes"] == [0xF0, 0x9F]
     assert json.loads(json.dumps(out))["content"][0]["token"] == "\ufffd"  # a str for JSON
+
+
+NAMES = {0: "Paris", 1: ".", 2: "<|im_end|>"}  # 2: a special token
+
+
+class _NamedVocab:
+    """A PretrainedLM's decode and token_bytes over NAMES."""
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return "".join(NAMES[t] for t in ids if not (skip_special_tokens and t == 2))
+
+    def token_bytes(self, token: int) -> bytes:
+        return NAMES[token].encode()
+
+
+def test_a_token_the_text_leaves_out_is_spelled_by_name_with_no_bytes() -> None:
+    """A special token (the EOS that ends an answer) keeps its name as its token string, but its
+    bytes are none: it is no part of the text, and joined, the bytes spell the text."""
+    vocab = _NamedVocab()
+    cache: dict[int, TokenString] = {}
+    entries = [(token_string(vocab, cache, t), -0.1, [(token_string(vocab, cache, 2), -3.0)]) for t in (0, 1, 2)]
+    content = chat_logprobs(entries)["content"]
+    assert [c["token"] for c in content] == ["Paris", ".", "<|im_end|>"]
+    assert [c["bytes"] for c in content] == [list(b"Paris"), list(b"."), []]
+    assert content[0]["top_logprobs"][0] == {"token": "<|im_end|>", "logprob": -3.0, "bytes": []}
+    assert bytes(b for c in content for b in c["bytes"]).decode() == vocab.decode([0, 1, 2])
 
 
 class TestVllmStopExtensions:

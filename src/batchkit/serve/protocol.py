@@ -880,8 +880,9 @@ TokenText = tuple[str, float, Sequence[tuple[str, float]]]  # a token's text, lo
 
 class TokenString(str):
     """One token's text alone, carrying the bytes the token adds to a text (``raw``): a token
-    that holds part of a character reads as U+FFFD but keeps its own bytes, which chat logprobs'
-    ``bytes`` give (joined, they spell the text)."""
+    that holds part of a character reads as U+FFFD but keeps its own bytes, and a special token
+    reads as its name but adds none; chat logprobs' ``bytes`` give them (joined, they spell the
+    text)."""
 
     raw: bytes
 
@@ -895,10 +896,12 @@ def token_string(lm: Any, cache: dict[int, TokenString], token: int) -> TokenStr
     """Token ``token``'s :class:`TokenString` from a ``PretrainedLM``, kept in ``cache`` (a
     response may name the same tokens many times). A special token is spelled by name
     (``<|im_end|>``), as vLLM and OpenAI spell them: as '' they would all be one key of a
-    completions ``top_logprobs`` object, overwriting each other."""
+    completions ``top_logprobs`` object, overwriting each other. Its bytes are none: an output's
+    text is decoded with special tokens skipped, so it never holds one (the EOS that ends it)."""
     text = cache.get(token)
     if text is None:
-        text = cache[token] = TokenString(lm.decode([token], skip_special_tokens=False), lm.token_bytes(token))
+        raw = lm.token_bytes(token) if lm.decode([token]) else b""
+        text = cache[token] = TokenString(lm.decode([token], skip_special_tokens=False), raw)
     return text
 
 
