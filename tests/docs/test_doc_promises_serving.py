@@ -270,14 +270,14 @@ def test_up_to_4_stop_strings(live: LiveServer) -> None:
 
 
 def test_every_documented_role_and_text_content_parts_are_taken(client: Any) -> None:
-    """Roles `system`, `developer`, `user`, `assistant`, `tool` are accepted, and so is text
-    content as OpenAI's list of text parts; an image part is 400 naming the message."""
+    """Roles `system`, `developer`, `user`, `assistant` are accepted, and so is text content as
+    OpenAI's list of text parts; an image part is 400 naming the message (a `tool` message answers
+    a tool call, which this server never makes: tests/serve refuses it)."""
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "developer", "content": "Answer in English."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
-        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
         {"role": "user", "content": [{"type": "text", "text": "What is 6 times 7?"}]},
     ]
     r = client.chat.completions.create(model=CHAT, messages=messages, max_tokens=2, temperature=0)
