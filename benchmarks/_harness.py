@@ -72,6 +72,13 @@ def parser(doc: str | None, **kwargs: Any) -> BenchParser:
     return ap
 
 
+def single_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """For a script that measures once: refuse (status 2) a ``--repeat`` other than 1 or a
+    ``--warmup`` other than 0, rather than accept and ignore them."""
+    if args.repeat != 1 or args.warmup != 0:
+        ap.error(f"{ap.prog} measures once: it takes --repeat 1 and --warmup 0 only")
+
+
 # --------------------------------------------------------------------------- the machine
 
 

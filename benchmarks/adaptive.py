@@ -7,16 +7,18 @@ Served by fixed settings (max_batch_size B, max_wait_ms 40) and by the adaptive 
 phase. The same scenario then runs in the simulator with the cost table t(B) measured here, side
 by side. Writes a plot (P99 per phase and setting; the controller's batch size over time).
 
-Run:  python benchmarks/adaptive.py [--phase-s 4] [--slo-ms 80] [--plot docs/img/adaptive.png]
+One run of each setting: ``--repeat`` and ``--warmup`` are refused above 1 and 0.
+
+Run:  .venv/bin/python benchmarks/adaptive.py [--phase-s 4] [--slo-ms 80] [--plot docs/img/adaptive.png] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from pathlib import Path
 
+import _harness as harness
 import anyio
 import torch
 
@@ -97,11 +99,13 @@ def run(model, phases, windows, slo_ms: float, fixed_b: int | None):  # type: ig
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--phase-s", type=float, default=4.0)
     ap.add_argument("--slo-ms", type=float, default=80.0)
     ap.add_argument("--plot", default=None, help="write the plot here (PNG)")
     args = ap.parse_args()
+    harness.single_run(ap, args)
+    record = harness.start(args)
     model = demo_mlp.make_mlp(threads=2)
     cost = measure_cost(model)
     cap16 = 16 / cost[16]
@@ -141,6 +145,9 @@ def main() -> None:
         )
         name = f"fixed B={fixed_b}" if fixed_b else "adaptive"
         rows[name] = real
+        for phase, (p99, throughput) in zip(("low", "high", "low again"), real, strict=True):
+            record.add("P99", p99, "ms", setting=name, phase=phase)
+            record.add("throughput", throughput, "req/s", setting=name, phase=phase)
         ok = "ok " if all(x[0] <= args.slo_ms for x in real) else "SLO"
         print(
             f"{name:14} {ok:3} "
@@ -157,6 +164,7 @@ def main() -> None:
         )
     else:
         print("no fixed setting met the SLO in every phase")
+    record.write()
     if args.plot:
         import matplotlib
 

@@ -6,7 +6,8 @@ batch function) in a temporary folder, for each ``--cases`` pair of record count
 
 Run:  .venv/bin/python benchmarks/jobs_journal.py [--cases 1000x8,10000x64,100000x64] [--json PATH]
 
-The journal's size does not vary between runs: ``--repeat`` and ``--warmup`` change nothing here.
+The journal's size does not vary between runs: ``--repeat`` and ``--warmup`` are refused above 1
+and 0.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
         cases = []
     if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
         ap.error(f"--cases must be comma-separated RECORDSxMAX_BATCH pairs of ints >= 1, got {args.cases!r}")
+    harness.single_run(ap, args)
     record = harness.start(args)
     print("| records | max_batch | journal bytes per record | commits |")
     print("| --- | --- | --- | --- |")

@@ -7,16 +7,15 @@
 2. Open loop: Poisson arrivals at 70% of the closed-loop throughput (asyncio tasks started on
    schedule); p50/p99 latency, compared with max_wait_ms + 2 * t_batch(32).
 
-Run:  python benchmarks/model.py [--rounds 5] [--window 2] [--open-seconds 5]
+Run:  .venv/bin/python benchmarks/model.py [--rounds 5] [--window 2] [--open-seconds 5] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import random
-import statistics
 import time
 
+import _harness as harness
 import anyio
 import torch
 
@@ -78,11 +77,14 @@ def open_loop(b: batchkit.DynamicBatcher, inputs: list, rate: float, seconds: fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = harness.parser(__doc__)
+    ap.add_argument("--rounds", "--repeat", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--window", type=float, default=2.0, help="seconds per measurement window")
     ap.add_argument("--open-seconds", type=float, default=5.0)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    record = harness.start(args)
     model = mlp_demo.make_mlp(threads=2)
     torch.manual_seed(1)
     inputs = [torch.randn(1024) for _ in range(CALLERS)]
@@ -105,7 +107,13 @@ def main() -> None:
         res = mlp_demo.serve_batched(model, inputs, CALLERS, args.window, MAX_BATCH, MAX_WAIT_MS)
         ratios_threads.append(res.rps / ceil)
         lat_threads += [res.p50_ms, res.p99_ms]
-    ceil = statistics.median(ceilings)
+    record.add("ceiling", ceilings, "req/s")
+    record.add("asyncio tasks", rps_async, "req/s")
+    record.add("asyncio tasks / ceiling", ratios_async)
+    record.add("threads / ceiling", ratios_threads)
+    record.add("mean batch", batch_sizes)
+    med = harness.median
+    ceil = med(ceilings)
     t_batch_ms = MAX_BATCH / ceil * 1e3
     a50, a99 = (x * 1e3 for x in percentiles(lat_async, [50, 99]))
     print(
@@ -114,23 +122,29 @@ def main() -> None:
     )
     print(f"ceiling (model on ready batches of 32) : {ceil:8,.0f} req/s  (t_batch(32) = {t_batch_ms:.2f} ms)")
     print(
-        f"batchkit, 64 asyncio tasks             : {statistics.median(rps_async):8,.0f} req/s = "
-        f"{statistics.median(ratios_async):.1%} of ceiling; p50 {a50:.1f} ms, p99 {a99:.1f} ms; "
-        f"mean batch {statistics.median(batch_sizes):.1f}"
+        f"batchkit, 64 asyncio tasks             : {med(rps_async):8,.0f} req/s = "
+        f"{med(ratios_async):.1%} of ceiling; p50 {a50:.1f} ms, p99 {a99:.1f} ms; "
+        f"mean batch {med(batch_sizes):.1f}"
     )
-    print(f"batchkit, 64 threads                   : {statistics.median(ratios_threads):.1%} of ceiling")
-    rate = 0.7 * statistics.median(rps_async)
+    print(f"batchkit, 64 threads                   : {med(ratios_threads):.1%} of ceiling")
+    rate = 0.7 * med(rps_async)
     b = batchkit.DynamicBatcher(fn, max_batch_size=MAX_BATCH, max_wait_ms=MAX_WAIT_MS)
     lat = open_loop(b, inputs, rate, args.open_seconds)
     s = b.statistics()
     b.close()
     p50, p99 = (x * 1e3 for x in percentiles(lat, [50, 99]))
     bound = MAX_WAIT_MS + 2 * t_batch_ms
+    record.add("asyncio tasks p50", a50, "ms")
+    record.add("asyncio tasks p99", a99, "ms")
+    record.add("open loop p50", p50, "ms", rate=rate, requests=len(lat))
+    record.add("open loop p99", p99, "ms", rate=rate, requests=len(lat))
+    record.add("open loop p99 <= max_wait_ms + 2 t_batch", "met" if p99 <= bound else "not met", bound_ms=bound)
     print(
         f"open loop, Poisson {rate:,.0f} req/s for {args.open_seconds:g} s ({len(lat)} requests): "
         f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, mean batch {s.mean_batch_size:.1f}; "
         f"bound max_wait_ms + 2 t_batch = {bound:.1f} ms: {'met' if p99 <= bound else 'NOT met'}"
     )
+    record.write()
 
 
 if __name__ == "__main__":

@@ -16,20 +16,19 @@ switches per 1,000 requests (what the thread hand-offs of DynamicBatcher cost), 
 asyncio rows, the share of the run the callers' event loop sat blocked in its selector with
 nothing to run (waiting for another thread to answer it).
 
-Run:  python benchmarks/overhead.py [--requests 20000] [--repeats 3]
+Run:  .venv/bin/python benchmarks/overhead.py [--requests 20000] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import resource
 import selectors
-import statistics
 import threading
 import time
 from collections.abc import Callable
 
+import _harness as harness
 import anyio
 
 import batchkit
@@ -178,23 +177,33 @@ def bench_batchkit_threads(n: int, threads: int) -> float:
     return rate
 
 
+def measured(run: Callable[[], float], n: int) -> dict[str, float]:
+    """One run of a row: its requests/s, and per request its CPU seconds (all threads, set-up and
+    teardown included), main-thread CPU seconds and voluntary context switches; and the share of
+    the timed drive the event loop sat blocked in its selector."""
+    c0, m0, sw0 = time.process_time(), time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    TimedSelector.blocked_s = 0.0
+    rate = run()
+    return {
+        "rate": rate,
+        "blocked": TimedSelector.blocked_s * rate / n,
+        "cpu": (time.process_time() - c0) / n,
+        "main_cpu": (time.thread_time() - m0) / n,
+        "switches": (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sw0) / n,
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument(
         "--requests", type=int, default=20_000, help="requests per run, at least 512 (one per caller) (default: 20000)"
     )
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs, at least 1 (default: 3)")
+    ap.add_argument("--repeat", "--repeats", type=int, default=3, help="interleaved runs, at least 1 (default: 3)")
     args = ap.parse_args()
     if args.requests < 512:  # 512 asyncio callers share them: fewer would leave every caller idle
         ap.error(f"--requests must be at least 512 (one per caller of the 512-task rows), got {args.requests}")
-    if args.repeats < 1:
-        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    record = harness.start(args)
     n = args.requests
-    rows: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}
-    main_cpu: dict[str, list[float]] = {}
-    switches: dict[str, list[float]] = {}
-    blocked: dict[str, list[float]] = {}
     configs: list[tuple[str, Callable[[], float]]] = [
         ("bare asyncio batcher, 512 tasks (baseline)", lambda: bench_bare_asyncio(n, 512)),
         ("batchkit AsyncBatcher, 512 asyncio tasks", lambda: bench_batchkit_same_loop(n, 512)),
@@ -205,34 +214,36 @@ def main() -> None:
         ("bare asyncio batcher, 64 tasks, batch 32, 5 ms", lambda: bench_bare_asyncio(n, 64, 32, 5)),
         ("batchkit asubmit, 64 asyncio tasks, batch 32, 5 ms", lambda: bench_batchkit_async(n, 64, "asyncio", 32, 5)),
     ]
-    for _ in range(args.repeats):  # interleaved, so that machine noise hits every row alike
-        for name, run in configs:
-            c0, m0, sw0 = time.process_time(), time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-            TimedSelector.blocked_s = 0.0
-            rate = run()
-            rows.setdefault(name, []).append(rate)
-            blocked.setdefault(name, []).append(TimedSelector.blocked_s * rate / n)  # of the timed drive
-            # every thread of the process, setup and teardown included
-            cpu.setdefault(name, []).append((time.process_time() - c0) / n)
-            main_cpu.setdefault(name, []).append((time.thread_time() - m0) / n)
-            switches.setdefault(name, []).append((resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sw0) / n)
-    base = statistics.median(rows[configs[0][0]])
-    print(f"no-op batch function, {n} requests per run, median of {args.repeats} runs\n")
+    # Interleaved, so that machine noise hits every row alike.
+    runs = harness.interleave(
+        {name: lambda run=run: measured(run, n) for name, run in configs}, args.repeat, args.warmup
+    )
+    # Each row's median of each measure.
+    med = {name: {k: harness.median(r[k] for r in row) for k in row[0]} for name, row in runs.items()}
+    for name, row in runs.items():
+        record.add("requests/s", [r["rate"] for r in row], "req/s", row=name)
+        record.add("cpu per request", [1e6 * r["cpu"] for r in row], "us", row=name)
+        record.add("main thread cpu per request", [1e6 * r["main_cpu"] for r in row], "us", row=name)
+        record.add("voluntary switches per 1k requests", [1e3 * r["switches"] for r in row], row=name)
+        record.add("loop blocked", [r["blocked"] for r in row], "fraction", row=name)
+    base = med[configs[0][0]]["rate"]
+    print(f"no-op batch function, {n} requests per run, median of {args.repeat} runs\n")
     print(
         f"{'configuration':52} {'req/s':>10} {'us/req':>8} {'vs bare':>8} {'cpu us/req':>11} "
         f"{'main thread':>12} {'switches/1k':>12} {'loop blocked':>13}"
     )
-    for name, rates in rows.items():
-        r = statistics.median(rates)
-        share = statistics.median(blocked[name])
+    for name, m in med.items():
+        r, share = m["rate"], m["blocked"]
         print(
-            f"{name:52} {r:10,.0f} {1e6 / r:8.2f} {r / base:8.2f} {1e6 * statistics.median(cpu[name]):11.2f} "
-            f"{1e6 * statistics.median(main_cpu[name]):12.2f} {1e3 * statistics.median(switches[name]):12.1f} "
+            f"{name:52} {r:10,.0f} {1e6 / r:8.2f} {r / base:8.2f} {1e6 * m['cpu']:11.2f} "
+            f"{1e6 * m['main_cpu']:12.2f} {1e3 * m['switches']:12.1f} "
             f"{'' if 'trio' in name or 'threads' in name else f'{share:.0%}':>13}"
         )
-    peers_bare = statistics.median(rows["bare asyncio batcher, 64 tasks, batch 32, 5 ms"])
-    peers_batchkit = statistics.median(rows["batchkit asubmit, 64 asyncio tasks, batch 32, 5 ms"])
+    peers_bare = med["bare asyncio batcher, 64 tasks, batch 32, 5 ms"]["rate"]
+    peers_batchkit = med["batchkit asubmit, 64 asyncio tasks, batch 32, 5 ms"]["rate"]
+    record.add("the peers' shape: asubmit / bare batcher", peers_batchkit / peers_bare)
     print(f"\nthe peers' shape: asubmit / bare batcher {peers_batchkit / peers_bare:.2f}x (issue 26's target >= 0.5x)")
+    record.write()
 
 
 if __name__ == "__main__":

@@ -18,16 +18,14 @@ the fraction reached is ``roofline / step``. Each target (``--target``, 50%) is 
 a shortfall printed beside it.
 
 Run:  .venv/bin/python benchmarks/roofline.py [--dtypes float32,bfloat16] [--rows 16,48]
-      [--steps 8] [--repeat 3] [--threads 2]
+      [--steps 8] [--repeat 3] [--threads 2] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
 from collections.abc import Callable
 
+import _harness as harness
 import torch
 from llm_step import checked_sizes, decoding_loop  # the step benchmark's rows: chat prompts, all decoding
 
@@ -39,13 +37,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _best_seconds(fn: Callable[[], object], runs: int) -> float:
     """The fastest of ``runs`` calls: what the machine can do, less the time other work took from it."""
-    fn()  # warm-up: first-touch page faults, kernel selection
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    # One warm-up call: first-touch page faults, kernel selection.
+    return min(harness.measure(lambda: harness.timed(fn)[0], runs, warmup=1))
 
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, runs: int = 9) -> float:
@@ -81,9 +74,8 @@ def step_times(lm: PretrainedLM, rows: int, steps: int) -> list[float]:
     try:
         times = []
         for _ in range(steps):
-            t0 = time.perf_counter()
-            step, _ = loop.step_once()
-            times.append(time.perf_counter() - t0)
+            seconds, (step, _) = harness.timed(loop.step_once)
+            times.append(seconds)
             if step.num_tokens != rows:
                 raise RuntimeError(f"expected decode steps of {rows} sequences, got {step.num_tokens} tokens")
         return times
@@ -92,7 +84,7 @@ def step_times(lm: PretrainedLM, rows: int, steps: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
     ap.add_argument("--rows", default="16,48", help="comma-separated decode batch sizes")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
@@ -104,9 +96,10 @@ def main() -> None:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not dtypes or any(d not in DTYPES for d in dtypes):
         ap.error(f"--dtypes must be comma-separated names of {', '.join(DTYPES)}, got {args.dtypes!r}")
-    sizes = checked_sizes(ap, args, ("steps", "repeat", "threads", "peak_size"))
+    sizes = checked_sizes(ap, args, ("steps", "threads", "peak_size"))
     if not 0 < args.target <= 1:
         ap.error(f"--target must be a fraction in (0, 1], got {args.target}")
+    record = harness.start(args)
     torch.set_num_threads(args.threads)
     # Every measurement runs in a thread that ends: no OpenMP team outlives it (see in_fresh_thread).
     bandwidth = in_fresh_thread(copy_bandwidth)
@@ -115,14 +108,16 @@ def main() -> None:
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; torch threads {args.threads}")
     for d in dtypes:
         print(f"{d}: matmul peak ({args.peak_size}^2) {peaks[d] / 1e9:.0f} GFLOP/s")
-    times: dict[tuple[str, int], list[float]] = {(d, r): [] for d in dtypes for r in sizes}
-    medians: dict[tuple[str, int], list[float]] = {(d, r): [] for d in dtypes for r in sizes}
-    for _ in range(args.repeat):
-        for d in dtypes:
-            for rows in sizes:
-                run = in_fresh_thread(step_times, models[d], rows, args.steps)
-                times[d, rows] += run
-                medians[d, rows].append(statistics.median(run))
+    record.add("copy bandwidth (read + write)", bandwidth / 1e9, "GB/s")
+    for d in dtypes:
+        record.add("matmul peak", peaks[d] / 1e9, "GFLOP/s", dtype=d, size=args.peak_size)
+    runs = harness.interleave(
+        {(d, r): lambda d=d, r=r: in_fresh_thread(step_times, models[d], r, args.steps) for d in dtypes for r in sizes},
+        args.repeat,
+        args.warmup,
+    )
+    times = {key: [t for run in key_runs for t in run] for key, key_runs in runs.items()}
+    medians = {key: [harness.median(run) for run in key_runs] for key, key_runs in runs.items()}
     print(
         f"\n| dtype | rows | weights MB | matrix params | step ms (median; per run) | FLOPs floor ms | "
         f"bandwidth floor ms | roofline reached | >= {args.target:.0%} |"
@@ -133,7 +128,8 @@ def main() -> None:
         params = sum(p.numel() for p in matrices)
         weight_bytes = sum(p.numel() * p.element_size() for p in matrices)
         for rows in sizes:
-            step = statistics.median(times[d, rows])
+            step = harness.median(times[d, rows])
+            record.add("step", [1000 * t for t in times[d, rows]], "ms", dtype=d, rows=rows)
             flops_floor = 2 * rows * params / peaks[d]
             bandwidth_floor = weight_bytes / bandwidth
             roofline = max(flops_floor, bandwidth_floor)
@@ -144,11 +140,13 @@ def main() -> None:
                 verdict = (
                     f"missed: {1000 * (step - goal):.1f} ms short (needs {1000 * goal:.1f} ms, {step / goal:.2f}x)"
                 )
+            record.add("roofline reached", reached, "fraction", dtype=d, rows=rows, verdict=verdict)
             per_run = " / ".join(f"{1000 * m:.1f}" for m in medians[d, rows])
             print(
                 f"| {d} | {rows} | {weight_bytes / 1e6:.0f} | {params / 1e6:.1f}M | {1000 * step:.1f} ({per_run}) | "
                 f"{1000 * flops_floor:.1f} | {1000 * bandwidth_floor:.1f} | {reached:.1%} | {verdict} |"
             )
+    record.write()
 
 
 if __name__ == "__main__":
