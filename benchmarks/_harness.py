@@ -62,10 +62,11 @@ def parser(doc: str | None, **kwargs: Any) -> BenchParser:
     ``--repeat`` (recorded runs of the measurement, default 1), ``--warmup`` (unrecorded runs
     before them, default 0) and ``--json PATH``. A script adds its own options, and declares
     ``--repeat`` or ``--warmup`` again where it wants another default or its own help (the later
-    declaration wins). ``kwargs`` go to ``argparse.ArgumentParser``.
+    declaration wins). ``kwargs`` go to ``argparse.ArgumentParser`` (a ``description`` there
+    replaces the first paragraph).
     """
-    description = (doc or "").strip().split("\n\n")[0] or None
-    ap = BenchParser(description=description, conflict_handler="resolve", **kwargs)
+    kwargs.setdefault("description", (doc or "").strip().split("\n\n")[0] or None)
+    ap = BenchParser(conflict_handler="resolve", **kwargs)
     ap.add_argument("--repeat", type=int, default=1, help="recorded runs of the measurement (default 1)")
     ap.add_argument("--warmup", type=int, default=0, help="unrecorded runs before them (default 0)")
     ap.add_argument("--json", metavar="PATH", help="also write every figure, its settings and the machine here")

@@ -14,10 +14,9 @@ Run on a CUDA machine:  .venv/bin/python benchmarks/kv_kernels.py [--peak-tbs 4.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
+import _harness as harness
 import torch
 
 from batchkit import _cuda
@@ -45,8 +44,7 @@ def graph_time_us(fn, iters: int = 200, reps: int = 20) -> float:  # type: ignor
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
-    times.sort()
-    return times[len(times) // 2]
+    return harness.median(times)
 
 
 def event_time_us(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
@@ -62,38 +60,27 @@ def event_time_us(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return harness.median(times)
 
 
-ROWS: list[dict[str, object]] = []
-
-
-def report(op: str, n: int, moved: int, ours: float, ref: float, peak_tbs: float) -> None:
-    """Print one table row (and keep it for --json)."""
+def report(record: harness.Record, op: str, n: int, moved: int, ours: float, ref: float, peak_tbs: float) -> None:
+    """Print one table row and record its figures."""
     print(
         f"{op:8} {n:7d} {ours:11.2f} {moved / ours / 1e3:8.0f} {moved / ours / 1e6 / peak_tbs:7.1%} "
         f"{ref:9.2f} {moved / ref / 1e3:8.0f} {ref / ours:7.2f}x"
     )
-    ROWS.append(
-        {
-            "op": op,
-            "tokens_or_blocks": n,
-            "bytes": moved,
-            "batchkit_us": round(ours, 3),
-            "batchkit_gbs": round(moved / ours / 1e3, 1),
-            "torch_us": round(ref, 3),
-            "torch_gbs": round(moved / ref / 1e3, 1),
-        }
-    )
+    for path, us in (("batchkit", ours), ("torch", ref)):
+        record.add(f"{path} {op}", us, "us", tokens_or_blocks=n, bytes=moved)
+        record.add(f"{path} {op} bandwidth", moved / us / 1e3, "GB/s", tokens_or_blocks=n, bytes=moved)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="device peak memory bandwidth, TB/s (H200: 4.8)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    ap.add_argument("--json", help="also write the rows here as JSON")
     args = ap.parse_args()
+    harness.single_run(ap, args)  # each figure is already the median of many graph replays
+    record = harness.start(args)
     if not torch.cuda.is_available():
         print("kv_kernels: no CUDA device here; run this on a GPU machine", file=sys.stderr)
         sys.exit(0)
@@ -107,6 +94,7 @@ def main() -> None:
     vc = torch.zeros_like(kc)
     kflat, vflat = kc.view(-1, heads, dim), vc.view(-1, heads, dim)
     device = torch.cuda.get_device_name()
+    record.add("device", device)
     print(f"{device}; {args.dtype}; rows of {heads}x{dim}; peak {args.peak_tbs} TB/s")
     head = f"{'op':8} {'tokens':>7} {'batchkit us':>11} {'GB/s':>8} {'% peak':>7}"
     print(f"{head} {'torch us':>9} {'GB/s':>8} {'speed-up':>8}")
@@ -122,7 +110,7 @@ def main() -> None:
             vflat.index_copy_(0, slots, v)  # noqa: B023
 
         ref = graph_time_us(torch_scatter)
-        report("scatter", n, moved, ours, ref, args.peak_tbs)
+        report(record, "scatter", n, moved, ours, ref, args.peak_tbs)
     for n in (256, 8192):
         seqs = max(1, n // 512)
         per = n // seqs
@@ -134,7 +122,7 @@ def main() -> None:
         moved = 2 * n * row * esize + n * 8
         ours = graph_time_us(lambda: _cuda.gather_kv(kc, tables, lens, total_tokens=n))  # noqa: B023
         ref = graph_time_us(lambda: kflat.index_select(0, slots))  # noqa: B023
-        report("gather", n, moved, ours, ref, args.peak_tbs)
+        report(record, "gather", n, moved, ours, ref, args.peak_tbs)
     # copy_blocks: K and V of every layer of a 32-layer model in one call (num_caches = 64).
     layers = 32
     caches = kc.view(-1)[: 2 * layers * 1024 * bs * row].view(2 * layers, 1024, bs * row)
@@ -150,10 +138,8 @@ def main() -> None:
             caches[:, d_dev] = caches[:, s_dev]  # noqa: B023
 
         ref = event_time_us(torch_copy)
-        report("copy", n, moved, ours, ref, args.peak_tbs)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "dtype": args.dtype, "peak_tbs": args.peak_tbs, "rows": ROWS}, f, indent=2)
+        report(record, "copy", n, moved, ours, ref, args.peak_tbs)
+    record.write()
 
 
 def _slots(tables: torch.Tensor, lens: torch.Tensor, bs: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ requests against a target of 4 per replica, so its own request-count policy woul
 replica; batchkit's queue holds the items, and QueueDepthPolicy asks for more. Prints the replica
 states once a second and how long the scale-up took.
 
-Run:  .venv/bin/python benchmarks/ray_autoscale.py [--items 16] [--max-replicas 3] [--timeout-s 60]
+Run:  .venv/bin/python benchmarks/ray_autoscale.py [--items 16] [--max-replicas 3] [--timeout-s 60] [--json PATH]
 (needs ``pip install "batchkit[ray]"``; starts and stops a local Ray instance; the metrics push
 interval is set to 0.5 s through Serve's environment variables so that the run is short).
 """
@@ -17,6 +17,8 @@ import argparse
 import os
 import threading
 import time
+
+import _harness as harness
 
 PUSH = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
@@ -32,11 +34,13 @@ def slow(items: list[int]) -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=16)
     parser.add_argument("--max-replicas", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     args = parser.parse_args()
+    harness.single_run(parser, args)
+    record = harness.start(args)
 
     import ray
     from ray import serve
@@ -93,10 +97,13 @@ def main() -> None:
         ray.shutdown()
     print()
     print(f"2 callers x 1 request of {args.items} items; Serve's target 4 requests per replica")
+    record.add("asked for more replicas after", asked, "s")
+    record.add("a second replica running after", scaled, "s")
     if scaled is None:
         print(f"no scale-up within {args.timeout_s:g} s")
     else:
         print(f"asked for more replicas after {asked:.1f} s; a second one running after {scaled:.1f} s")
+    record.write()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Rows:
   - 1 replica, Ray's default max_ongoing_requests (5);
   - 1 replica and 2 replicas, sized by ``deployment_options(max_batch=...)``.
 
-Run:  python benchmarks/ray_replicas.py [--requests 1000] [--callers 128] [--max-batch 32]
+Run:  .venv/bin/python benchmarks/ray_replicas.py [--requests 1000] [--callers 128] [--max-batch 32] [--json PATH]
 (needs ``pip install "batchkit[ray]"``; starts and stops a local Ray instance).
 """
 
@@ -24,6 +24,8 @@ import os
 import statistics
 import time
 from typing import Any
+
+import _harness as harness
 
 import batchkit
 from batchkit.integrations.ray import batched_deployment, deployment_options
@@ -59,12 +61,14 @@ async def drive(call: Any, n: int, callers: int) -> tuple[float, float, float, f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--callers", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
     args = parser.parse_args()
+    harness.single_run(parser, args)
+    record = harness.start(args)
 
     import ray
     from ray import serve
@@ -124,6 +128,14 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for label, replicas, rps, mean_b, p50, p99 in rows:
         print(f"| {label} | {replicas} | {rps:,.0f} | {mean_b:.1f} | {p50:,.0f} | {p99:,.0f} |")
+        for name, value, unit in (
+            ("req/s", rps, "req/s"),
+            ("mean batch", mean_b, ""),
+            ("p50", p50, "ms"),
+            ("p99", p99, "ms"),
+        ):
+            record.add(name, value, unit, setup=label, replicas=replicas)
+    record.write()
 
 
 if __name__ == "__main__":
