@@ -22,7 +22,7 @@ round starting with another one. Tokens/s move by 10-20% from one scenario to th
 shared machine; the model steps each scenario took (its work, whatever the machine's speed) are
 the steadier measure of what the chats cost the bulk tenant.
 
-Run:  .venv/bin/python benchmarks/gateway.py [--repeat 2] [--bulk 24] [--chats 8]
+Run:  .venv/bin/python benchmarks/gateway.py [--repeat 2] [--bulk 24] [--chats 8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
+import _harness as harness
 import httpx
 from _server_proc import free_port, start_server, stop_server
 
@@ -187,7 +187,7 @@ async def _scenario(url: str, name: str, bulk_priority: int | None, args: argpar
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = harness.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--bulk", type=int, default=24, help="bulk streams, sent at once")
     ap.add_argument("--bulk-tokens", type=int, default=96)
     ap.add_argument("--chats", type=int, default=8)
@@ -196,8 +196,10 @@ def main() -> None:
     ap.add_argument("--first-chat-s", type=float, default=2.0, help="when the first chat is sent")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2, help="the server's torch threads")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the three scenarios (default 1)")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded two-stream scenarios first (default 1)")
     args = ap.parse_args()
+    record = harness.start(args)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(_server_command(port, args), f"{url}/ready", args.threads)
@@ -207,7 +209,8 @@ def main() -> None:
             f"batchkit serve --max-num-seqs {args.max_num_seqs}: {args.bulk} bulk streams x {args.bulk_tokens} tokens "
             f"(ignore_eos), then {args.chats} chats x {args.chat_tokens} tokens, one every {args.chat_gap_s:g} s"
         )
-        asyncio.run(_scenario(url, "warm-up", None, argparse.Namespace(**{**vars(args), "bulk": 2, "bulk_tokens": 4})))
+        warm_up = argparse.Namespace(**{**vars(args), "bulk": 2, "bulk_tokens": 4})
+        harness.measure(lambda: asyncio.run(_scenario(url, "warm-up", None, warm_up)), repeat=0, warmup=args.warmup)
         scenarios: list[tuple[str, int | None]] = [("bulk alone", None), ("bulk priority 10", 10), ("FIFO", 0)]
         for k in range(args.repeat):
             # Each round starts with another scenario, so that none always runs first.
@@ -233,10 +236,16 @@ def main() -> None:
             if r is with_priority:
                 losses.append(loss)
                 ttft_p.append(max(r.chat_ttft))
-            ttft = (
-                f"{1000 * statistics.median(r.chat_ttft):.0f} / {1000 * max(r.chat_ttft):.0f}" if r.chat_ttft else "-"
-            )
+            ttft = f"{1000 * harness.median(r.chat_ttft):.0f} / {1000 * max(r.chat_ttft):.0f}" if r.chat_ttft else "-"
             m = r.metrics
+            at = {"round": k // 3 + 1, "scenario": r.name}
+            record.add("bulk tok/s", r.bulk_rate, "tok/s", **at)
+            record.add("bulk loss", loss, "fraction", **at)
+            record.add("bulk chunks/s while chats run", r.chunk_rate(window), "chunks/s", **at)
+            if r.chat_ttft:
+                record.add("chat TTFT", [1000 * t for t in r.chat_ttft], "ms", **at)
+            for name in METRICS:
+                record.add(name, m[name], **at)
             print(
                 f"| {k // 3 + 1} | {r.name} | {r.bulk_rate:.1f} | {100 * loss:+.1f}% | {r.chunk_rate(window):.1f} | "
                 f"{100 * w_loss:+.1f}% | {ttft} | {m[METRICS[0]]:.0f} | {m[METRICS[1]]:.0f} | "
@@ -252,10 +261,12 @@ def main() -> None:
     step_loss = [1 - rows[k].metrics[METRICS[1]] / rows[k + 1].metrics[METRICS[1]] for k in range(0, len(rows), 3)]
     print(
         f"\ntarget: bulk loses <= 10% with priorities: {'met' if worst <= 0.10 else 'missed'} in tokens/s "
-        f"(rounds {', '.join(f'{100 * x:.1f}%' for x in losses)}; median {100 * statistics.median(losses):.1f}%), "
+        f"(rounds {', '.join(f'{100 * x:.1f}%' for x in losses)}; median {100 * harness.median(losses):.1f}%), "
         f"in model steps {', '.join(f'{100 * x:.1f}%' for x in step_loss)}; chats' TTFT with priorities, "
         f"worst round max {1000 * max(ttft_p):.0f} ms"
     )
+    record.add("target: bulk loses <= 10% with priorities", "met" if worst <= 0.10 else "missed")
+    record.write()
 
 
 if __name__ == "__main__":

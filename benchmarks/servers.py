@@ -14,7 +14,7 @@ ratio is taken within each round.
 transformers' server needs ``pip install 'transformers[serving]'`` (FastAPI); this script says so
 and stops if it is missing.
 
-Run:  .venv/bin/python benchmarks/servers.py [--repeat 2] [--dtype float32] [--requests 48]
+Run:  .venv/bin/python benchmarks/servers.py [--repeat 2] [--dtype float32] [--requests 48] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _harness as harness
 import httpx
 from _server_proc import free_port, start_server, stop_server
 
@@ -134,14 +134,17 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = harness.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (and batchkit's --max-num-seqs)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=2, help="each server's OpenMP threads")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds, the servers' order alternating (default 1)")
     args = ap.parse_args()
+    if args.warmup:
+        ap.error("servers.py warms each server up with 2 requests; it takes no --warmup rounds")
+    record = harness.start(args)
     if importlib.util.find_spec("fastapi") is None:
         sys.exit("transformers serve needs FastAPI: pip install 'transformers[serving]'")
     from transformers import AutoTokenizer
@@ -171,11 +174,18 @@ def main() -> None:
                 f"{'%.2fx' % (r.rate / theirs.rate) if r is mine else '1.00x'} |"
             )
         print(f"|   | TTFT p99 batchkit / transformers | | | {p99s[0] / p99s[1]:.2f}x | | |")
+        for r in (mine, theirs):
+            record.add("output tokens/s", r.rate, "tok/s", server=r.server, round=k + 1)
+            record.add("TTFT p50", 1000 * _pct(r.ttft, 0.5), "ms", server=r.server, round=k + 1)
+            record.add("TTFT p99", 1000 * _pct(r.ttft, 0.99), "ms", server=r.server, round=k + 1)
+    verdict = "met" if min(ratios) >= 1.5 else "missed"
+    record.add("batchkit / transformers output tokens/s", ratios)
+    record.add("target batchkit >= 1.5x transformers", verdict)
     print(
         f"\ntarget: batchkit serve >= 1.5x transformers serve in output tokens/s: "
-        f"{'met' if min(ratios) >= 1.5 else 'missed'} ({', '.join(f'{r:.2f}x' for r in ratios)}), "
-        f"median {statistics.median(ratios):.2f}x"
+        f"{verdict} ({', '.join(f'{r:.2f}x' for r in ratios)}), median {harness.median(ratios):.2f}x"
     )
+    record.write()
 
 
 if __name__ == "__main__":
