@@ -180,6 +180,12 @@ class Summary:
         return f"{med} ({format(self.low * scale, spec)}-{format(self.high * scale, spec)}, {len(self.runs)} runs)"
 
 
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of some figures, nearest rank; NaN for none."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
 def median(values: Iterable[float]) -> float:
     """The median of some figures (Raises ValueError on none)."""
     return Summary.of(values).median

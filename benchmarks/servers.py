@@ -128,11 +128,6 @@ def _measure(server: str, folder: Path, tokenizer: object, args: argparse.Namesp
     return Run(server, seconds, tokens, ttft, text)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def main() -> None:
     ap = harness.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
@@ -165,19 +160,19 @@ def main() -> None:
         runs = {s: _measure(s, folder, tokenizer, args) for s in order}
         mine, theirs = runs["batchkit"], runs["transformers"]
         ratios.append(mine.rate / theirs.rate)
-        p99s = (_pct(mine.ttft, 0.99), _pct(theirs.ttft, 0.99))
+        p99s = (harness.percentile(mine.ttft, 0.99), harness.percentile(theirs.ttft, 0.99))
         for r in (mine, theirs):
             same = sum(1 for a, b in zip(r.answers, mine.answers, strict=True) if a == b)
             print(
-                f"| {k + 1} | {r.server} | {r.tokens} | {r.rate:.1f} | {1000 * _pct(r.ttft, 0.5):.0f} / "
-                f"{1000 * _pct(r.ttft, 0.99):.0f} | {same}/{len(r.answers)} | "
+                f"| {k + 1} | {r.server} | {r.tokens} | {r.rate:.1f} | {1000 * harness.percentile(r.ttft, 0.5):.0f} / "
+                f"{1000 * harness.percentile(r.ttft, 0.99):.0f} | {same}/{len(r.answers)} | "
                 f"{'%.2fx' % (r.rate / theirs.rate) if r is mine else '1.00x'} |"
             )
         print(f"|   | TTFT p99 batchkit / transformers | | | {p99s[0] / p99s[1]:.2f}x | | |")
         for r in (mine, theirs):
             record.add("output tokens/s", r.rate, "tok/s", server=r.server, round=k + 1)
-            record.add("TTFT p50", 1000 * _pct(r.ttft, 0.5), "ms", server=r.server, round=k + 1)
-            record.add("TTFT p99", 1000 * _pct(r.ttft, 0.99), "ms", server=r.server, round=k + 1)
+            record.add("TTFT p50", 1000 * harness.percentile(r.ttft, 0.5), "ms", server=r.server, round=k + 1)
+            record.add("TTFT p99", 1000 * harness.percentile(r.ttft, 0.99), "ms", server=r.server, round=k + 1)
     verdict = "met" if min(ratios) >= 1.5 else "missed"
     record.add("batchkit / transformers output tokens/s", ratios)
     record.add("target batchkit >= 1.5x transformers", verdict)

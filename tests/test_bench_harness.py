@@ -118,3 +118,12 @@ def test_the_record_writes_every_figure_its_settings_and_the_machine(
         },
         {"name": "verdict", "unit": "", "value": "met"},
     ]
+
+
+def test_a_percentile_is_the_nearest_rank_and_nan_for_none(harness: ModuleType) -> None:
+    """The q quantile of the sorted figures, at index int(q * n) (the last for q = 1)."""
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert harness.percentile(xs, 0.5) == 3.0
+    assert harness.percentile(xs, 0.99) == 5.0
+    assert harness.percentile(xs, 1.0) == 5.0
+    assert harness.percentile([], 0.5) != harness.percentile([], 0.5)  # NaN
