@@ -17,7 +17,7 @@ concurrent asyncio callers, max batch 32, max wait 5 ms:
   - ``mlp-thread``: the peers' batch function awaits ``asyncio.to_thread(model, xs)``;
     DynamicBatcher as above, AsyncBatcher with ``offload=True``;
   - ``noop``: a batch function that returns its inputs (per-request overhead).
-Closed loop: requests/s, median of --repeats runs (interleaved over the rows). Open loop
+Closed loop: requests/s, median of --repeat runs (interleaved over the rows). Open loop
 (the two MLP workloads): Poisson arrivals at 70% of the best closed-loop rate of that workload,
 the same rate for every row; p50/p99 latency from each request's scheduled arrival, medians.
 Every run checks outputs: each caller's first result (the first 64 in open loop) against the
@@ -28,7 +28,8 @@ The peers live in their own virtual environment, never in batchkit's dependencie
                                                    # batchkit from this checkout, the peers)
   .venv/bin/python benchmarks/peers.py             # the full comparison, children in that venv
   .venv/bin/python benchmarks/peers.py --quick     # a smoke run (short windows, one repeat)
-A row whose peer is missing or fails prints why and the run goes on.
+A row whose peer is missing or fails prints why and the run goes on. ``--json PATH`` writes every
+row's closed-loop rates and open-loop latencies with the settings and the machine.
 """
 
 from __future__ import annotations
@@ -40,13 +41,17 @@ import inspect
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+# The harness sits beside this file: on the path when it runs as a script, not when a test loads it by path.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+import _harness as harness
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = ROOT / "bench-out" / "peers-venv"
@@ -369,14 +374,12 @@ async def open_loop(submit: Submit, w: Workload, rate: float, duration_s: float)
         tasks.append(loop.create_task(one(i, t)))
         i += 1
     await asyncio.gather(*tasks)
-    lat.sort()
-    ms = [v * 1000 for v in lat]
     return {
         "rate": rate,
-        "served": len(ms) / (last - t0),  # below the offered rate: the row could not keep up
-        "requests": len(ms),
-        "p50_ms": ms[len(ms) // 2],
-        "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+        "served": len(lat) / (last - t0),  # below the offered rate: the row could not keep up
+        "requests": len(lat),
+        "p50_ms": 1000 * harness.percentile(lat, 0.5),
+        "p99_ms": 1000 * harness.percentile(lat, 0.99),
         "checked": checked,
         "mismatches": mismatches,
     }
@@ -401,9 +404,7 @@ def model_times(batches: int = 15) -> dict[str, Any]:
             pass
 
     def timed(out: list[float]) -> None:
-        t0 = time.perf_counter()
-        w.model(xs)
-        out.append(time.perf_counter() - t0)
+        out.append(harness.timed(lambda: w.model(xs))[0])
 
     with ThreadPoolExecutor(1) as second:
         for _ in range(3):  # warm-up, in both threads
@@ -416,9 +417,9 @@ def model_times(batches: int = 15) -> dict[str, Any]:
             timed(gap_s)
             second.submit(timed, thread_s).result()
     return {
-        "main_ms": 1000 * statistics.median(main_s),
-        "thread_ms": 1000 * statistics.median(thread_s),
-        "gap_ms": 1000 * statistics.median(gap_s),
+        "main_ms": 1000 * harness.median(main_s),
+        "thread_ms": 1000 * harness.median(thread_s),
+        "gap_ms": 1000 * harness.median(gap_s),
     }
 
 
@@ -451,7 +452,7 @@ def measure(
         result.update(asyncio.run(main()))
         result["mean_batch"] = w.items / w.batches if w.batches else 0.0
         if w.model_s:
-            result["model_ms"] = 1000 * statistics.median(w.model_s)
+            result["model_ms"] = 1000 * harness.median(w.model_s)
     except Unavailable as exc:
         result["error"] = str(exc)
     except Exception as exc:
@@ -498,7 +499,7 @@ def run_child(python: str, args: list[str], timeout_s: float) -> dict[str, Any]:
 
 
 def _median(vals: Sequence[float]) -> float:
-    return statistics.median(vals) if vals else float("nan")
+    return harness.median(vals) if vals else float("nan")
 
 
 def _fmt_rate(v: float | None) -> str:
@@ -590,10 +591,10 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = harness.parser(__doc__)
     ap.add_argument("--setup", action="store_true", help="create bench-out/peers-venv and exit")
     ap.add_argument("--venv", default=str(PEERS_VENV), help="the peers' virtual environment (bench-out/peers-venv)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeat", "--repeats", type=int, default=3, help="interleaved runs of every row (default 3)")
     ap.add_argument("--duration", type=float, default=3.0, help="seconds per closed-loop window")
     ap.add_argument("--open-duration", type=float, default=5.0, help="seconds of Poisson arrivals")
     ap.add_argument("--requests", type=int, default=None, help="closed loop: this many requests, not a window")
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> None:
         setup(Path(args.venv))
         return
     if args.quick:
-        args.repeats, args.duration, args.open_duration = 1, 1.0, 1.5
+        args.repeat, args.duration, args.open_duration = 1, 1.0, 1.5
     if args.child:
         row, workload, phase = args.child
         duration = args.open_duration if phase == "open" else args.duration
@@ -620,6 +621,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(res), flush=True)
         return
 
+    if args.warmup:
+        ap.error("peers.py warms up inside each child (its first batches); it takes no --warmup runs")
+    record = harness.start(args)
     rows = list(ROWS) if not args.only else [r.strip() for r in args.only.split(",")]
     for r in rows:
         if r not in ROWS:
@@ -633,13 +637,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.requests:
         common += ["--requests", str(args.requests)]
     timeout = 120 + 4 * max(args.duration, args.open_duration)
-    load0 = os.getloadavg()
     t_start = time.time()
     print(f"# batchkit vs peer batchers ({os.cpu_count()} cores; children: {python})")
-    print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
     print(
         f"MLP {DIM}-{HIDDEN}-{DIM} float32, {CALLERS} asyncio callers, max batch {MAX_BATCH}, "
-        f"max wait {MAX_WAIT_MS:g} ms; closed loop {args.duration:g} s windows, median of {args.repeats}; "
+        f"max wait {MAX_WAIT_MS:g} ms; closed loop {args.duration:g} s windows, median of {args.repeat}; "
         f"open loop {args.open_duration:g} s at {OPEN_LOAD:.0%} of the workload's best closed-loop rate",
         flush=True,
     )
@@ -648,6 +650,8 @@ def main(argv: list[str] | None = None) -> None:
         if "error" in tb:
             print(f"t_batch({MAX_BATCH}): not measured: {tb['error']}")
         else:
+            for name in ("main_ms", "thread_ms", "gap_ms"):
+                record.add(f"t_batch({MAX_BATCH}) {name}", tb[name], "ms")
             print(
                 f"t_batch({MAX_BATCH}) of the MLP, median of 15 interleaved: {tb['main_ms']:.2f} ms in the main thread "
                 f"(ceiling {MAX_BATCH / tb['main_ms'] * 1000:,.0f} req/s), {tb['thread_ms']:.2f} ms in a second "
@@ -658,7 +662,7 @@ def main(argv: list[str] | None = None) -> None:
     closed: dict[str, dict[str, list[dict[str, Any]]]] = {w: {r: [] for r in rows} for w in workloads}
     opened: dict[str, dict[str, list[dict[str, Any]]]] = {w: {r: [] for r in rows} for w in workloads}
     unavailable: set[tuple[str, str]] = set()
-    for rep in range(args.repeats):  # interleaved: each repeat visits every row once
+    for rep in range(args.repeat):  # interleaved: each repeat visits every row once
         for w in workloads:
             for r in rows:
                 if (r, w) in unavailable:
@@ -690,7 +694,7 @@ def main(argv: list[str] | None = None) -> None:
         if not rates or best is None:
             continue
         rate = OPEN_LOAD * best
-        for _ in range(args.repeats):
+        for _ in range(args.repeat):
             for r in rows:
                 if (r, w) in unavailable:
                     continue
@@ -705,6 +709,15 @@ def main(argv: list[str] | None = None) -> None:
     for w in workloads:
         print(report(w, rows, closed[w], opened[w]))
         print()
+        for r in rows:
+            ok = [x for x in closed[w][r] if "error" not in x]
+            if ok:
+                record.add("closed loop", [x["rate"] for x in ok], "req/s", workload=w, row=r)
+            for key in ("p50_ms", "p99_ms"):
+                values = [x[key] for x in opened[w][r] if key in x]
+                if values:
+                    record.add(f"open loop {key.removesuffix('_ms')}", values, "ms", workload=w, row=r)
+    record.write()
     load1 = os.getloadavg()
     print(f"load average at end: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; {time.time() - t_start:.0f} s in all")
 
