@@ -8,7 +8,8 @@ Each check runs in its own Python process with its own timeout, so that a kernel
 poisons the CUDA context), a hang or a crash fails that check alone and the next one still runs.
 Each prints one line: ``OK``, ``FAIL`` or ``INFO``, the check's name, its seconds and what it
 found. The exit status is 0 when no check failed (or when there is no CUDA device to probe).
-Nothing is downloaded.
+Nothing is downloaded. ``--json`` writes each check's status, seconds and message as the
+harness's figures, with the machine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import _harness as harness
 
 CHECKS: dict[str, tuple[str, float, Callable[[], str]]] = {}
 
@@ -436,14 +439,15 @@ def _child(name: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the results here as JSON")
+    ap = harness.parser(__doc__)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for all checks together")
     ap.add_argument("--only", nargs="*", help="run only these checks")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return _child(args.child)
+    harness.single_run(ap, args)
+    record = harness.start(args)
     deadline = time.monotonic() + args.budget
     results = []
     no_device = False
@@ -481,14 +485,14 @@ def main() -> int:
             no_device = True
         took = time.monotonic() - t0
         print(f"{status:4} {name:14} ({took:5.1f}s) {title}: {msg}", flush=True)
-        results.append({"check": name, "title": title, "status": status, "seconds": round(took, 2), "message": msg})
+        results.append({"check": name, "status": status})
+        record.add(name, status, title=title, seconds=round(took, 2), message=msg)
     failed = [r["check"] for r in results if r["status"] == "FAIL"]
     print(
         f"probe: {len(results) - len(failed)}/{len(results)} checks passed" + (f"; failed: {failed}" if failed else "")
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"checks": results, "failed": failed}, f, indent=2)
+    record.add("failed", ", ".join(failed))
+    record.write()
     if no_device:
         # Like kv_kernels.py, not an error where there is nothing to probe (scripts/dev bench runs
         # every benchmark); gpu_check.sh reports the missing device itself.
