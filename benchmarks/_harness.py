@@ -43,7 +43,11 @@ CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 
 class BenchParser(argparse.ArgumentParser):
-    """An argument parser that refuses (status 2) a ``--repeat`` below 1 or a ``--warmup`` below 0."""
+    """An argument parser that refuses (status 2) a ``--repeat`` below 1 or a ``--warmup`` below 0,
+    and, where ``once`` is set (a script that measures once), any but ``--repeat 1 --warmup 0``
+    rather than accept and ignore them."""
+
+    once = False
 
     def parse_known_args(  # type: ignore[override]
         self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
@@ -53,31 +57,28 @@ class BenchParser(argparse.ArgumentParser):
             self.error(f"--repeat must be at least 1, got {parsed.repeat}")
         if getattr(parsed, "warmup", 0) < 0:
             self.error(f"--warmup must be at least 0, got {parsed.warmup}")
+        if self.once and (getattr(parsed, "repeat", 1) != 1 or getattr(parsed, "warmup", 0) != 0):
+            self.error(f"{self.prog} measures once: it takes --repeat 1 and --warmup 0 only")
         return parsed, rest
 
 
-def parser(doc: str | None, **kwargs: Any) -> BenchParser:
+def parser(doc: str | None, *, once: bool = False, **kwargs: Any) -> BenchParser:
     """An argument parser described by the first paragraph of ``doc``, with the common options.
 
     ``--repeat`` (recorded runs of the measurement, default 1), ``--warmup`` (unrecorded runs
     before them, default 0) and ``--json PATH``. A script adds its own options, and declares
     ``--repeat`` or ``--warmup`` again where it wants another default or its own help (the later
-    declaration wins). ``kwargs`` go to ``argparse.ArgumentParser`` (a ``description`` there
-    replaces the first paragraph).
+    declaration wins). ``once``: the script measures once, and refuses other counts (see
+    BenchParser). ``kwargs`` go to ``argparse.ArgumentParser`` (a ``description`` there replaces
+    the first paragraph).
     """
     kwargs.setdefault("description", (doc or "").strip().split("\n\n")[0] or None)
     ap = BenchParser(conflict_handler="resolve", **kwargs)
+    ap.once = once
     ap.add_argument("--repeat", type=int, default=1, help="recorded runs of the measurement (default 1)")
     ap.add_argument("--warmup", type=int, default=0, help="unrecorded runs before them (default 0)")
     ap.add_argument("--json", metavar="PATH", help="also write every figure, its settings and the machine here")
     return ap
-
-
-def single_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """For a script that measures once: refuse (status 2) a ``--repeat`` other than 1 or a
-    ``--warmup`` other than 0, rather than accept and ignore them."""
-    if args.repeat != 1 or args.warmup != 0:
-        ap.error(f"{ap.prog} measures once: it takes --repeat 1 and --warmup 0 only")
 
 
 # --------------------------------------------------------------------------- the machine

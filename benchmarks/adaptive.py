@@ -99,12 +99,11 @@ def run(model, phases, windows, slo_ms: float, fixed_b: int | None):  # type: ig
 
 
 def main() -> None:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, once=True)
     ap.add_argument("--phase-s", type=float, default=4.0)
     ap.add_argument("--slo-ms", type=float, default=80.0)
     ap.add_argument("--plot", default=None, help="write the plot here (PNG)")
     args = ap.parse_args()
-    harness.single_run(ap, args)
     record = harness.start(args)
     model = demo_mlp.make_mlp(threads=2)
     cost = measure_cost(model)

@@ -439,14 +439,13 @@ def _child(name: str) -> int:
 
 
 def main() -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, once=True)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for all checks together")
     ap.add_argument("--only", nargs="*", help="run only these checks")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return _child(args.child)
-    harness.single_run(ap, args)
     record = harness.start(args)
     deadline = time.monotonic() + args.budget
     results = []

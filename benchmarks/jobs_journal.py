@@ -37,7 +37,7 @@ def journal_bytes_per_record(records: int, max_batch: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, once=True)
     ap.add_argument("--cases", default="1000x8,10000x64,100000x64", help="comma-separated RECORDSxMAX_BATCH")
     args = ap.parse_args()
     try:
@@ -46,7 +46,6 @@ def main() -> None:
         cases = []
     if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
         ap.error(f"--cases must be comma-separated RECORDSxMAX_BATCH pairs of ints >= 1, got {args.cases!r}")
-    harness.single_run(ap, args)
     record = harness.start(args)
     print("| records | max_batch | journal bytes per record | commits |")
     print("| --- | --- | --- | --- |")

@@ -75,11 +75,10 @@ def report(record: harness.Record, op: str, n: int, moved: int, ours: float, ref
 
 
 def main() -> None:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, once=True)
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="device peak memory bandwidth, TB/s (H200: 4.8)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     args = ap.parse_args()
-    harness.single_run(ap, args)  # each figure is already the median of many graph replays
     record = harness.start(args)
     if not torch.cuda.is_available():
         print("kv_kernels: no CUDA device here; run this on a GPU machine", file=sys.stderr)

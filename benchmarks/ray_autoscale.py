@@ -34,12 +34,13 @@ def slow(items: list[int]) -> list[int]:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(
+        __doc__, once=True, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--items", type=int, default=16)
     parser.add_argument("--max-replicas", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     args = parser.parse_args()
-    harness.single_run(parser, args)
     record = harness.start(args)
 
     import ray

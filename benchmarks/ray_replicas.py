@@ -61,13 +61,14 @@ async def drive(call: Any, n: int, callers: int) -> tuple[float, float, float, f
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(
+        __doc__, once=True, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--callers", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
     args = parser.parse_args()
-    harness.single_run(parser, args)
     record = harness.start(args)
 
     import ray

@@ -127,3 +127,14 @@ def test_a_percentile_is_the_nearest_rank_and_nan_for_none(harness: ModuleType) 
     assert harness.percentile(xs, 0.99) == 5.0
     assert harness.percentile(xs, 1.0) == 5.0
     assert harness.percentile([], 0.5) != harness.percentile([], 0.5)  # NaN
+
+
+def test_a_script_that_measures_once_refuses_other_counts(
+    harness: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """parser(once=True) takes --repeat 1 --warmup 0 and refuses anything else, rather than ignore it."""
+    ap = harness.parser(None, once=True)
+    assert ap.parse_args(["--repeat", "1"]).repeat == 1
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--repeat", "3"])
+    assert "measures once" in capsys.readouterr().err
