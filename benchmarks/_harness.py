@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -208,6 +209,17 @@ def interleave(runs: Mapping[str, Callable[[], T]], repeat: int, warmup: int = 0
             result = run()
             if r >= warmup:
                 out[name].append(result)
+    return out
+
+
+def poisson_arrivals(rate: float, seconds: float, seed: int) -> list[float]:
+    """Seconds from the start of each arrival of a Poisson process at ``rate`` per second, until
+    one falls at or past ``seconds`` (that one included): an open loop's schedule."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while t < seconds:
+        t += rng.expovariate(rate)
+        out.append(t)
     return out
 
 

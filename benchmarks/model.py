@@ -12,7 +12,6 @@ Run:  .venv/bin/python benchmarks/model.py [--rounds 5] [--window 2] [--open-sec
 
 from __future__ import annotations
 
-import random
 import time
 
 import _harness as harness
@@ -52,7 +51,6 @@ def closed_loop_async(b: batchkit.DynamicBatcher, inputs: list, seconds: float) 
 
 def open_loop(b: batchkit.DynamicBatcher, inputs: list, rate: float, seconds: float) -> list[float]:  # type: ignore[type-arg]
     """Start one task per request at Poisson times; latency counts from the scheduled arrival."""
-    rng = random.Random(7)
     lat: list[float] = []
 
     async def main() -> None:
@@ -62,15 +60,11 @@ def open_loop(b: batchkit.DynamicBatcher, inputs: list, rate: float, seconds: fl
 
         async with anyio.create_task_group() as tg:
             t0 = time.perf_counter()
-            t = t0
-            i = 0
-            while t - t0 < seconds:
-                t += rng.expovariate(rate)
-                delay = t - time.perf_counter()
+            for i, at in enumerate(harness.poisson_arrivals(rate, seconds, seed=7)):
+                delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await anyio.sleep(delay)
-                tg.start_soon(one, i, t)
-                i += 1
+                tg.start_soon(one, i, t0 + at)
 
     anyio.run(main)
     return lat

@@ -40,7 +40,6 @@ import contextlib
 import inspect
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -346,7 +345,6 @@ async def open_loop(submit: Submit, w: Workload, rate: float, duration_s: float)
     """Poisson arrivals at ``rate``: one task per request, started on schedule; latency counts from
     the scheduled arrival, so a loop that falls behind shows it."""
     loop = asyncio.get_running_loop()
-    rng = random.Random(7)
     lat: list[float] = []
     mismatches = checked = 0
     last = 0.0
@@ -364,15 +362,11 @@ async def open_loop(submit: Submit, w: Workload, rate: float, duration_s: float)
 
     tasks = []
     last = t0 = loop.time()
-    t = t0
-    i = 0
-    while t - t0 < duration_s:
-        t += rng.expovariate(rate)
-        delay = t - loop.time()
+    for i, at in enumerate(harness.poisson_arrivals(rate, duration_s, seed=7)):
+        delay = t0 + at - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(loop.create_task(one(i, t)))
-        i += 1
+        tasks.append(loop.create_task(one(i, t0 + at)))
     await asyncio.gather(*tasks)
     return {
         "rate": rate,

@@ -138,3 +138,12 @@ def test_a_script_that_measures_once_refuses_other_counts(
     with pytest.raises(SystemExit):
         ap.parse_args(["--repeat", "3"])
     assert "measures once" in capsys.readouterr().err
+
+
+def test_poisson_arrivals_rise_until_one_falls_past_the_window(harness: ModuleType) -> None:
+    """Increasing offsets, all but the last inside the window; the same seed, the same schedule."""
+    at = harness.poisson_arrivals(100.0, 1.0, seed=7)
+    assert at == sorted(set(at))
+    assert all(a < 1.0 for a in at[:-1])
+    assert at[-1] >= 1.0
+    assert at == harness.poisson_arrivals(100.0, 1.0, seed=7)
