@@ -17,7 +17,7 @@ runs when nothing sets a wait policy). Printed per round: every figure, then the
 and the ratio to the same setting alone (the issue's target: at least 0.70 beside one busy process
 on a 2-core machine).
 
-Run:  .venv/bin/python benchmarks/contention.py [--repeat 3] [--streams 1] [--tokens 40] [--dtype float32]
+Run:  .venv/bin/python benchmarks/contention.py [--repeat 3] [--streams 1] [--tokens 100] [--dtype float32]
       [--ways serve,generate]
 """
 
@@ -40,13 +40,20 @@ from _server_proc import free_port, start_server, stop_server
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 CONDITIONS = {"alone": 0, "1 busy": 1, "2 busy": 2}
-SETTINGS = {"batchkit": {}, "spinning": {"GOMP_SPINCOUNT": "300000"}}
+_CPUS = str(len(os.sched_getaffinity(0)))
+SETTINGS = {
+    "batchkit": {},  # batchkit chooses (its start-up line says what)
+    "spinning": {"OMP_NUM_THREADS": _CPUS, "GOMP_SPINCOUNT": "300000"},  # GNU OpenMP's default, a fixed team
+    "passive": {"OMP_NUM_THREADS": _CPUS, "OMP_WAIT_POLICY": "PASSIVE"},  # a fixed team that sleeps when idle
+}
 _OMP_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def _env(setting: str) -> dict[str, str]:
+    """The environment of a setting: a name of SETTINGS, or NAME=VALUE[+NAME=VALUE...]."""
     env = {k: v for k, v in os.environ.items() if k not in _OMP_VARIABLES}
-    return {**env, **SETTINGS[setting], "HF_HUB_OFFLINE": "1"}
+    chosen = SETTINGS[setting] if setting in SETTINGS else dict(p.split("=", 1) for p in setting.split("+"))
+    return {**env, **chosen, "HF_HUB_OFFLINE": "1"}
 
 
 @contextmanager
@@ -187,10 +194,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3, help="rounds (each: every setting, every condition)")
     ap.add_argument("--streams", type=int, default=1, help="streams at once")
-    ap.add_argument("--tokens", type=int, default=40, help="tokens per stream")
+    ap.add_argument("--tokens", type=int, default=100, help="tokens per stream")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--ways", default="serve,generate", help="comma-separated: serve, generate")
-    ap.add_argument("--settings", default="batchkit,spinning", help="comma-separated: " + ", ".join(SETTINGS))
+    ap.add_argument(
+        "--settings",
+        default="batchkit,spinning",
+        help="comma-separated: " + ", ".join(SETTINGS) + ", or NAME=VALUE[+NAME=VALUE] (an environment to try)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -113,19 +114,36 @@ def test_threads_given_win_over_the_environment() -> None:
     assert (plan.threads, plan.threads_from) == (3, "argument")
 
 
-def test_threads_wait_passively_when_nothing_chose_a_policy() -> None:
+def test_a_team_sized_by_the_cpus_adapts_and_keeps_the_spinning_default() -> None:
+    """Spinning is the fastest alone; beside busy processes the governor narrows the team."""
     plan = plan_cpu_threads(cpus=2, quota=None, environ={}, torch_loaded=False)
-    assert (plan.wait_policy, plan.wait_policy_set) == ("passive", True)
+    assert (plan.adaptive, plan.wait_policy, plan.wait_policy_set) == (True, "spinning", False)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "quota", "environ", "threads"),
+    [
+        (64, 2.5, {}, None),  # sized by a quota
+        (8, None, {"OMP_NUM_THREADS": "4"}, None),  # sized by the user's environment
+        (8, None, {}, 4),  # sized by the caller
+        (1, None, {}, None),  # one CPU: nothing to narrow
+    ],
+)
+def test_a_fixed_team_sleeps_when_idle(
+    cpus: int, quota: float | None, environ: dict[str, str], threads: int | None
+) -> None:
+    plan = plan_cpu_threads(cpus=cpus, quota=quota, environ=environ, torch_loaded=False, threads=threads)
+    assert (plan.adaptive, plan.wait_policy, plan.wait_policy_set) == (False, "passive", True)
 
 
 @pytest.mark.parametrize("name", ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"])
 def test_a_wait_variable_already_set_is_kept(name: str) -> None:
-    plan = plan_cpu_threads(cpus=2, quota=None, environ={name: "7"}, torch_loaded=False)
+    plan = plan_cpu_threads(cpus=8, quota=2.0, environ={name: "7"}, torch_loaded=False)
     assert (plan.wait_policy, plan.wait_policy_set) == (f"set by {name}=7", False)
 
 
 def test_once_torch_is_loaded_the_policy_cannot_change() -> None:
-    plan = plan_cpu_threads(cpus=2, quota=None, environ={}, torch_loaded=True)
+    plan = plan_cpu_threads(cpus=8, quota=2.0, environ={}, torch_loaded=True)
     assert (plan.wait_policy, plan.wait_policy_set) == ("spinning", False)
 
 
@@ -137,9 +155,134 @@ def test_describe_names_threads_cpus_quota_and_policy() -> None:
     )
 
 
-def test_describe_says_when_torch_came_first() -> None:
-    line = plan_cpu_threads(cpus=2, quota=None, environ={}, torch_loaded=True).describe()
-    assert "spin when idle (torch was loaded before OMP_WAIT_POLICY could be set)" in line
+def test_describe_says_an_adaptive_team_narrows() -> None:
+    line = plan_cpu_threads(cpus=2, quota=None, environ={}, torch_loaded=False).describe()
+    assert line == (
+        "CPU threads: 2 (2 CPUs allowed, no CPU quota), fewer while other processes use the CPUs; "
+        "OpenMP threads spin when idle (the runtime's default)"
+    )
+
+
+# ---------------------------------------------------------------------- ThreadGovernor
+
+
+class _Meter:
+    """A fake clock and CPU meter: ``advance(seconds, others, own)`` moves time on with the
+    neighbours using ``others`` CPUs and this process ``own``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0.0
+        self.own = 0.0
+
+    def advance(self, seconds: float, others: float, own: float) -> None:
+        self.now += seconds
+        self.busy += (others + own) * seconds
+        self.own += own * seconds
+
+    def read(self) -> tuple[float, float]:
+        return self.busy, self.own
+
+
+def _governor(meter: _Meter, applied: list[int], max_threads: int = 2) -> _cpu.ThreadGovernor:
+    return _cpu.ThreadGovernor(
+        max_threads, 0.5, clock=lambda: meter.now, read=meter.read, set_threads=applied.append, cpus=max_threads
+    )
+
+
+def test_the_first_tick_sizes_the_calling_threads_team_to_the_most() -> None:
+    applied: list[int] = []
+    assert _governor(_Meter(), applied).tick() == 2
+    assert applied == [2]
+
+
+def test_a_busy_neighbour_narrows_the_team_after_two_readings_agree() -> None:
+    meter, applied = _Meter(), list[int]()
+    governor = _governor(meter, applied)
+    governor.tick()
+    meter.advance(0.5, others=0.7, own=1.3)  # one busy process beside a team of 2
+    assert governor.tick() == 2  # one reading: not yet
+    meter.advance(0.5, others=0.7, own=1.3)
+    assert governor.tick() == 1
+    assert applied == [2, 1]
+    assert governor.others == pytest.approx(0.7)
+
+
+def test_the_team_widens_again_when_the_neighbour_goes() -> None:
+    meter, applied = _Meter(), list[int]()
+    governor = _governor(meter, applied)
+    governor.tick()
+    for others, own in ((1.0, 1.0), (1.0, 1.0), (0.0, 1.0), (0.0, 1.0)):
+        meter.advance(0.5, others, own)
+        governor.tick()
+    assert applied == [2, 1, 2]
+
+
+def test_one_burst_does_not_resize_the_team() -> None:
+    meter, applied = _Meter(), list[int]()
+    governor = _governor(meter, applied)
+    governor.tick()
+    for others in (1.0, 0.0, 1.0, 0.0):
+        meter.advance(0.5, others, own=1.0)
+        governor.tick()
+    assert applied == [2]
+
+
+def test_readings_wait_for_the_interval() -> None:
+    reads: list[int] = []
+    meter = _Meter()
+
+    def read() -> tuple[float, float]:
+        reads.append(1)
+        return meter.read()
+
+    governor = _cpu.ThreadGovernor(2, 0.5, clock=lambda: meter.now, read=read, set_threads=lambda n: None, cpus=2)
+    governor.tick()
+    meter.advance(0.1, 0.0, 1.0)
+    governor.tick()
+    meter.advance(0.4, 0.0, 1.0)
+    governor.tick()
+    assert len(reads) == 2
+
+
+@pytest.mark.parametrize(("others", "threads"), [(0.0, 4), (0.4, 4), (0.6, 3), (1.4, 3), (2.6, 1), (9.0, 1)])
+def test_the_team_is_the_cpus_the_neighbours_leave_rounded(others: float, threads: int) -> None:
+    governor = _cpu.ThreadGovernor(4, clock=lambda: 0.0, read=lambda: (0.0, 0.0), set_threads=lambda n: None, cpus=4)
+    assert governor.threads_for(others) == threads
+
+
+def test_a_new_stepping_thread_gets_its_team_sized_too() -> None:
+    """OpenMP keeps the thread count per thread: the engine thread that steps next is sized."""
+    applied: list[int] = []
+    governor = _governor(_Meter(), applied)
+    governor.tick()
+    worker = threading.Thread(target=governor.tick)
+    worker.start()
+    worker.join(timeout=10)
+    assert applied == [2, 2]
+
+
+def test_adapt_without_a_governor_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cpu, "_governor", None)
+    assert batchkit.adapt_cpu_threads() is None
+
+
+def test_adapt_ticks_the_process_governor(monkeypatch: pytest.MonkeyPatch) -> None:
+    applied: list[int] = []
+    monkeypatch.setattr(_cpu, "_governor", _governor(_Meter(), applied))
+    assert batchkit.adapt_cpu_threads() == 2
+    assert applied == [2]
+
+
+def test_cpu_seconds_reads_this_machine() -> None:
+    """The real meter: busy CPU seconds since boot, and this process's own, both counting up."""
+    if not Path("/proc/stat").exists():
+        pytest.skip("needs Linux's /proc/stat")
+    busy, own = _cpu._cpu_seconds()
+    sum(range(200_000))  # some CPU time of our own
+    busy2, own2 = _cpu._cpu_seconds()
+    assert 0 < busy <= busy2
+    assert 0 < own <= own2
 
 
 # ---------------------------------------------------------------------- configure_cpu_threads
@@ -153,7 +296,7 @@ class _FakeTorch:
         self.threads.append(n)
 
 
-def test_configure_writes_the_plan_into_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_configure_writes_a_fixed_team_into_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cpu, "allowed_cpus", lambda: 16)
     monkeypatch.setattr(_cpu, "cpu_quota", lambda: 3.0)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
@@ -179,7 +322,20 @@ def test_configure_sets_torch_threads_when_torch_is_loaded(monkeypatch: pytest.M
     plan = configure_cpu_threads(environ=env)
     assert fake.threads == [4]
     assert plan.wait_policy == "spinning"
-    assert "OMP_WAIT_POLICY" not in env
+    assert env == {"OMP_NUM_THREADS": "4"}
+
+
+def test_configure_of_this_process_starts_the_governor_for_an_adaptive_team(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cpu, "allowed_cpus", lambda: 2)
+    monkeypatch.setattr(_cpu, "cpu_quota", lambda: None)
+    monkeypatch.setattr(_cpu, "_governor", None)
+    monkeypatch.setitem(sys.modules, "torch", _FakeTorch())
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.delenv(name, raising=False)
+    plan = configure_cpu_threads()
+    assert plan.adaptive
+    assert isinstance(_cpu._governor, _cpu.ThreadGovernor)
+    assert _cpu._governor.max_threads == 2
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
@@ -190,7 +346,9 @@ def test_configure_refuses_a_bad_thread_count(bad: Any) -> None:
 
 def test_top_level_exports_configure_cpu_threads() -> None:
     assert batchkit.configure_cpu_threads is configure_cpu_threads
+    assert batchkit.adapt_cpu_threads is _cpu.adapt_cpu_threads
     assert batchkit.CpuThreads is _cpu.CpuThreads
+    assert batchkit.ThreadGovernor is _cpu.ThreadGovernor
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from . import collate, continuous, kv, sim, testing
 from ._clock import Clock, MonotonicClock
-from ._cpu import CpuThreads, configure_cpu_threads
+from ._cpu import CpuThreads, ThreadGovernor, adapt_cpu_threads, configure_cpu_threads
 from ._errors import (
     BatcherClosed,
     BatchkitError,
@@ -114,8 +114,10 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "StepBatch",
+    "ThreadGovernor",
     "UnknownSequence",
     "__version__",
+    "adapt_cpu_threads",
     "batched",
     "collate",
     "configure_cpu_threads",

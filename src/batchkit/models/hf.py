@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._cpu import adapt_cpu_threads
 from ..continuous.step import StepBatch
 from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
@@ -289,6 +290,7 @@ class HFStepModel(nn.Module):
             RuntimeError: a layer's attention did not go through batchkit's (its modeling code
                 bypassed the attention interface): its tokens would be wrong.
         """
+        adapt_cpu_threads()  # a team as wide as the CPUs other processes leave free (batchkit._cpu)
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"the KV cache holds {kv.num_layers} layers x {kv.num_kv_heads} KV heads x head_dim {kv.head_dim}, "

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .._cpu import adapt_cpu_threads
 from ..continuous.step import StepBatch
 from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
@@ -375,6 +376,7 @@ class LlamaModel(nn.Module):
             ValueError: ``kv`` is not shaped for this model (layers, KV heads, head size), e.g. a
                 cache made by another model's :meth:`make_cache`.
         """
+        adapt_cpu_threads()  # a team as wide as the CPUs other processes leave free (batchkit._cpu)
         cfg = self.config
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (
             cfg.num_hidden_layers,
