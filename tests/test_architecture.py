@@ -54,6 +54,7 @@ FLOORS: dict[str, int] = {
     "continuous.step": 0,
     "continuous.logprobs": 0,
     "continuous.grammar": 0,
+    "continuous.request": 1,
     "dynamic._queue_core": 1,
     "dynamic._loop_thread": 1,
     "dynamic._offload": 0,

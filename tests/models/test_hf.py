@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from batchkit import ContinuousDecodeLoop  # noqa: E402 - after the importorskips
+from batchkit.continuous.request import Request  # noqa: E402
 from batchkit.continuous.sampling import SamplingParams  # noqa: E402
-from batchkit.continuous.scheduler import Request  # noqa: E402
 from batchkit.kv.planner import layer_windows  # noqa: E402
 from batchkit.models import LlamaModel, load_pretrained  # noqa: E402
 from batchkit.models.hf import HFStepModel, check_config  # noqa: E402

@@ -23,8 +23,8 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 from batchkit.continuous.loop import ContinuousDecodeLoop  # noqa: E402
+from batchkit.continuous.request import Request  # noqa: E402
 from batchkit.continuous.sampling import SamplingParams  # noqa: E402
-from batchkit.continuous.scheduler import Request  # noqa: E402
 from batchkit.models import LlamaConfig, LlamaModel  # noqa: E402
 from batchkit.serve.metrics import VLLM_NAMES, BatchkitCollector  # noqa: E402
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from .loop import ContinuousDecodeLoop, LoopStatistics
+from .request import Request, RequestStatus, ScheduledStep, TokenEvent
 from .sampling import SamplingParams, sample
-from .scheduler import Request, RequestStatus, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
+from .scheduler import Scheduler, SchedulerStatistics
 from .step import StepBatch, check_logits, in_fresh_thread
 
 __all__ = [

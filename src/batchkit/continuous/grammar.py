@@ -4,7 +4,8 @@
 imported on first use); ``SamplingParams(grammar=...)`` then keeps a request's output within it.
 :class:`GrammarMatchers` is the loop's side: one matcher per constrained request, advanced with
 each token it samples, and the mask of the tokens each one allows, applied to those rows'
-logits alone. It knows nothing of schemas: a grammar is compiled before the request runs.
+logits alone. It knows nothing of schemas: a grammar is compiled before the request runs, nor
+of the scheduler: a request is what :class:`Constrained` reads of it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
-if TYPE_CHECKING:
-    from .scheduler import Request
-
-__all__ = ["INSTALL_HINT", "Grammar", "GrammarMatchers", "json_grammar"]
+__all__ = ["INSTALL_HINT", "Constrained", "Grammar", "GrammarMatchers", "json_grammar"]
 
 Tensor = Any
 
@@ -54,6 +52,25 @@ def _xgrammar() -> Any:
     except ImportError as exc:
         raise ModuleNotFoundError(f"grammar-constrained decoding needs xgrammar: {INSTALL_HINT}") from exc
     return xgrammar
+
+
+class _GrammarOf(Protocol):
+    @property
+    def grammar(self) -> Grammar | None: ...
+
+
+class Constrained(Protocol):
+    """What :class:`GrammarMatchers` reads of a request (a ``batchkit.continuous.Request`` is
+    one): its grammar, its output so far, and whether it has ended."""
+
+    @property
+    def params(self) -> _GrammarOf: ...
+
+    @property
+    def output(self) -> Sequence[int]: ...
+
+    @property
+    def ended(self) -> bool: ...
 
 
 # One xgrammar compiler per (tokenizer, vocab_size, stop ids): building its tokenizer info reads
@@ -148,13 +165,13 @@ class GrammarMatchers:
     __slots__ = ("_matchers", "_shifts")
 
     def __init__(self) -> None:
-        self._matchers: dict[Request, _Matcher] = {}
+        self._matchers: dict[Constrained, _Matcher] = {}
         self._shifts: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def _matcher(self, req: Request) -> _Matcher:
+    def _matcher(self, req: Constrained) -> _Matcher:
         entry = self._matchers.get(req)
         if entry is not None and entry.num_accepted == len(req.output):
             return entry
@@ -166,7 +183,7 @@ class GrammarMatchers:
             entry.num_accepted += 1
         return entry
 
-    def mask(self, logits: Tensor, sampling: Sequence[Request]) -> tuple[Tensor, list[int]]:
+    def mask(self, logits: Tensor, sampling: Sequence[Constrained]) -> tuple[Tensor, list[int]]:
         """``logits`` ``[n, vocab]`` (one row per request of ``sampling``) with every token the
         grammar of a constrained row does not allow next at ``-inf`` (a new tensor when a row
         changes; the others are kept as they are), and the rows the grammar leaves nothing to
@@ -223,7 +240,7 @@ class GrammarMatchers:
         words = (~bitmask).to(device, non_blocking=True)
         return ((words[:, :, None] >> self._shifts) & 1).view(words.shape[0], -1).bool()
 
-    def advance(self, sampling: Sequence[Request], tokens: Sequence[int], skip: Sequence[int] = ()) -> list[int]:
+    def advance(self, sampling: Sequence[Constrained], tokens: Sequence[int], skip: Sequence[int] = ()) -> list[int]:
         """Feed each constrained request the token it sampled (but the rows of ``skip``); the
         rows whose token its grammar refused."""
         refused = []

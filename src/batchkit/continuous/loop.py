@@ -38,8 +38,9 @@ from ..kv.cache import PagedKVCache
 from ..metrics import LatencySummary, SampleWindow
 from .grammar import GrammarMatchers
 from .logprobs import TokenLogprobs, logprobs_of
+from .request import Request, ScheduledStep, TokenEvent
 from .sampling import SamplingParams, adjust_logits, nth_seed, sample, token_ids
-from .scheduler import PreemptionMode, Request, ScheduledStep, Scheduler, SchedulerStatistics, TokenEvent
+from .scheduler import PreemptionMode, Scheduler, SchedulerStatistics
 from .step import StepBatch, check_logits
 
 __all__ = ["ContinuousDecodeLoop", "LoopStatistics"]

@@ -13,23 +13,21 @@ priority may preempt a worse running one. Finished sequences free their blocks i
 Nothing here calls the model, sleeps, takes a lock or reads a clock of its own: the runtime
 (``ContinuousDecodeLoop``) does, and tells ``add``, ``schedule`` and ``update`` the time (``now``;
 left out, they read the scheduler's ``clock``). A request's life is :data:`TRANSITIONS`, one
-table: it starts ``WAITING`` in ``add``, and from then on :meth:`Scheduler._move` alone changes
-its status.
+table (``continuous/request.py``): it starts ``WAITING`` in ``add``, and from then on
+:meth:`Scheduler._move` alone moves it (through :meth:`Request.move`).
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 import heapq
 import itertools
 import math
 import numbers
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -38,217 +36,17 @@ from .._errors import DeadlineExceeded, KVCacheExhausted
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary, SampleWindow
 from .logprobs import TokenLogprobs
+from .request import HOLDS_BLOCKS, Request, RequestStatus, ScheduledStep, TokenEvent, Transition
 from .sampling import DecodedText, SamplingParams, find_stop
 
-__all__ = [
-    "HOLDS_BLOCKS",
-    "TRANSITIONS",
-    "Request",
-    "RequestStatus",
-    "ScheduledStep",
-    "Scheduler",
-    "SchedulerStatistics",
-    "TokenEvent",
-    "Transition",
-]
+__all__ = ["Scheduler", "SchedulerStatistics"]
 
 PreemptionMode = Literal["recompute", "swap"]
-
-
-class RequestStatus(enum.Enum):
-    """Where a request is: each live one is in the scheduler's list of that name."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-class Transition(enum.Enum):
-    """What moves a request from one :class:`RequestStatus` to another (:data:`TRANSITIONS`)."""
-
-    ADMIT = "admit"  # its prompt's blocks allocated
-    SWAP_OUT = "swap_out"  # its blocks moved to the CPU pool
-    SWAP_IN = "swap_in"  # back from the CPU pool
-    RECOMPUTE = "recompute"  # its blocks freed: it waits again, its output part of its prompt
-    FINISH = "finish"  # a stop condition
-    FAIL = "fail"  # an error (a deadline, an outgrown cache or quota, a failing detokenize)
-    ABORT = "abort"
-
-
-_WAITING, _RUNNING, _SWAPPED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED
-_FINISHED, _ABORTED = RequestStatus.FINISHED, RequestStatus.ABORTED
-
-#: The request state machine, whole: ``TRANSITIONS[status][transition]`` is the next status; a
-#: transition a status does not list is a scheduler bug. Every request starts ``WAITING``
-#: (``Scheduler.add``); ``FINISHED`` and ``ABORTED`` are final.
-TRANSITIONS: Mapping[RequestStatus, Mapping[Transition, RequestStatus]] = MappingProxyType(
-    {
-        _WAITING: MappingProxyType(
-            {Transition.ADMIT: _RUNNING, Transition.FAIL: _FINISHED, Transition.ABORT: _ABORTED}
-        ),
-        _RUNNING: MappingProxyType(
-            {
-                Transition.SWAP_OUT: _SWAPPED,
-                Transition.RECOMPUTE: _WAITING,
-                Transition.FINISH: _FINISHED,
-                Transition.FAIL: _FINISHED,
-                Transition.ABORT: _ABORTED,
-            }
-        ),
-        _SWAPPED: MappingProxyType(
-            {
-                Transition.SWAP_IN: _RUNNING,
-                Transition.RECOMPUTE: _WAITING,
-                Transition.FAIL: _FINISHED,
-                Transition.ABORT: _ABORTED,
-            }
-        ),
-        _FINISHED: MappingProxyType({}),
-        _ABORTED: MappingProxyType({}),
-    }
-)
-#: The statuses whose requests hold blocks (the device's, or the CPU pool's when swapped): a
-#: transition out of them to a status not in this set frees the request's blocks.
-HOLDS_BLOCKS: frozenset[RequestStatus] = frozenset({_RUNNING, _SWAPPED})
-
-
-class Request:
-    """One generation request and its progress."""
-
-    __slots__ = (
-        "after",
-        "arrival",
-        "deadline",
-        "displaced_by",
-        "finish_reason",
-        "generator",
-        "num_computed",
-        "num_preemptions",
-        "order",
-        "output",
-        "params",
-        "priority",
-        "prompt_len",
-        "prompt_logprobs",
-        "prompt_logprobs_done",
-        "request_id",
-        "status",
-        "stop_floor",
-        "stop_text",
-        "t_first_scheduled",
-        "t_last_token",
-        "tenant",
-        "tokens",
-    )
-
-    def __init__(
-        self,
-        request_id: Hashable,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        tenant: Hashable = None,
-        arrival: float = 0.0,
-        deadline: float | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.deadline = deadline  # on the scheduler's clock: dropped with DeadlineExceeded past it
-        self.tokens: list[int] = [int(t) for t in prompt]  # prompt + output
-        self.prompt_len = len(self.tokens)
-        self.output: list[int] = []
-        self.params = params
-        self.priority = priority
-        self.tenant = tenant
-        self.arrival = arrival
-        self.order = 0
-        self.num_computed = 0  # tokens whose K/V are in the cache
-        self.status = RequestStatus.WAITING
-        self.finish_reason: str | None = None
-        self.t_first_scheduled: float | None = None
-        self.t_last_token: float | None = None
-        self.num_preemptions = 0
-        self.generator: Any = None
-        self.stop_text: DecodedText | None = None  # the output's text, for stop strings
-        # With min_tokens: a stop string counts once it ends past this many characters (the text of
-        # the first min_tokens - 1 tokens).
-        self.stop_floor = 0
-        # params.prompt_logprobs: the prompt tokens' entries not yet handed out, and how many of
-        # the prompt's positions (from 1 on) have theirs.
-        self.prompt_logprobs: list[TokenLogprobs] = []
-        self.prompt_logprobs_done = 0
-        # A request of the same prompt (n samples of one prompt): this one is admitted only once
-        # that one's prompt is computed, so that it takes the prompt's full blocks from the
-        # prefix cache instead of computing them again. Cleared at admission.
-        self.after: Request | None = None
-        # The better request that pushed this one out for its seat: until that one stops running,
-        # this one comes back only to a seat no one else waits for. Cleared at admission.
-        self.displaced_by: Request | None = None
-
-    @property
-    def ended(self) -> bool:
-        """Whether the request is in a final status (finished, failed or aborted): no
-        :data:`TRANSITIONS` entry leads out of it."""
-        return not TRANSITIONS[self.status]
-
-    @property
-    def needs_prompt_logits(self) -> bool:
-        """Whether this request still wants logits at prompt positions (``prompt_logprobs``)."""
-        return self.params.prompt_logprobs is not None and self.prompt_logprobs_done < self.prompt_len - 1
-
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.order)
-
-    def __repr__(self) -> str:
-        return (
-            f"<Request {self.request_id!r} {self.status.value} prompt={self.prompt_len} "
-            f"out={len(self.output)} computed={self.num_computed}>"
-        )
 
 
 def _held(req: Request) -> bool:
     """Whether ``req`` waits while the better request that pushed it out runs in its seat."""
     return req.displaced_by is not None and req.displaced_by.status is RequestStatus.RUNNING
-
-
-@dataclass(frozen=True)
-class ScheduledStep:
-    """What one step runs: for each scheduled request, how many new tokens and whether it samples.
-
-    Block moves the KV cache must perform before the step runs, in this order: ``swap_out``
-    (device -> CPU), ``swap_in`` (CPU -> device), ``copies`` (copy-on-write, device).
-
-    ``slot_mapping`` (int64, one entry per new token, request after request) is where each new
-    token's K/V go, as the allocator handed the slots out while scheduling; None in a step
-    built by hand, whose runtime then derives the slots from the block tables.
-    """
-
-    requests: tuple[Request, ...]
-    num_new_tokens: tuple[int, ...]
-    samples: tuple[bool, ...]
-    swap_out: tuple[tuple[int, int], ...] = ()
-    swap_in: tuple[tuple[int, int], ...] = ()
-    copies: tuple[tuple[int, int], ...] = ()
-    slot_mapping: np.ndarray | None = field(default=None, compare=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """A token produced for a request (or its end: ``token`` None when it ended without one)."""
-
-    request_id: Hashable
-    token: int | None
-    finished: bool
-    finish_reason: str | None = None
-    error: BaseException | None = None
-    logprobs: TokenLogprobs | None = None  # the token's, when its request asked (``logprobs=``)
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the prompt's (``prompt_logprobs=``), with the first token
 
 
 @dataclass(frozen=True)
@@ -442,7 +240,7 @@ class Scheduler:
         return True
 
     def _move(self, req: Request, transition: Transition) -> None:
-        """Apply ``transition`` to a live request (:data:`TRANSITIONS`): move it to the list of
+        """Apply ``transition`` to a live request (:meth:`Request.move`): move it to the list of
         its new status (none when it ends), free its blocks when it leaves :data:`HOLDS_BLOCKS`
         for a status outside it, and count it when it ends. Block moves (swap out, swap in) are
         the caller's, before the move; so is ``num_computed`` past a (re)start from 0.
@@ -450,14 +248,10 @@ class Scheduler:
         Raises:
             RuntimeError: the table has no such transition from the request's status (a bug).
         """
-        old = req.status
-        new = TRANSITIONS[old].get(transition)
-        if new is None:
-            raise RuntimeError(f"request {req.request_id!r}: no {transition.value!r} transition from {old.value!r}")
+        old, new = req.move(transition)
         self._queues[old].remove(req)
         if old in HOLDS_BLOCKS and new not in HOLDS_BLOCKS:
             self.allocator.free(req.request_id)
-        req.status = new
         if new is RequestStatus.WAITING:
             req.num_computed = 0
             bisect.insort(self.waiting, req, key=Request.sort_key)
@@ -554,7 +348,7 @@ class Scheduler:
         """End a live request with an error (its blocks freed); its event waits in :meth:`take_events`."""
         self._move(req, Transition.FAIL)
         req.finish_reason = "error"
-        self._pending_events.append(TokenEvent(req.request_id, None, True, "error", error))
+        self._pending_events.append(TokenEvent.ended(req.request_id, "error", error))
 
     def _expire(self, now: float) -> None:
         """Drop every request whose deadline has passed at ``now``, wherever it is; free its blocks."""

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..continuous.loop import ContinuousDecodeLoop
+from ..continuous.request import Request
 from ..continuous.sampling import SamplingParams
-from ..continuous.scheduler import Request
 from ..metrics import percentiles
 
 __all__ = ["DemoRequest", "ServeReport", "make_model", "make_requests", "serve"]
