@@ -265,7 +265,7 @@ def adapt_cpu_threads() -> int | None:
     torch's intra-op threads in the calling thread to the CPUs other processes leave free; return
     the thread count in force, or None where no governor runs. Call it in the thread that steps
     the model, before each step (batchkit's ``LlamaModel`` and ``HFStepModel`` do): it measures
-    at most twice a second and costs a clock read otherwise."""
+    at most four times a second and costs a clock read otherwise."""
     governor = _governor
     return governor.tick() if governor is not None else None
 
@@ -311,7 +311,7 @@ class ThreadGovernor:
     def __init__(
         self,
         max_threads: int,
-        interval_s: float = 0.5,
+        interval_s: float = 0.25,
         *,
         clock: Callable[[], float] | None = None,
         read: Callable[[], tuple[float, float]] | None = None,
