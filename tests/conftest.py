@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
+
 import pytest
 
 
@@ -27,3 +31,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_threads_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test that runs the command line in-process (``batchkit.cli.main``) configures this
+    process's CPU threads (batchkit._cpu.configure_cpu_threads): the OpenMP variables, the
+    thread governor and torch's thread count are put back after it, so that no later test runs
+    on a team it did not choose."""
+    from batchkit import _cpu
+
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):  # monkeypatch restores them, set or not
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_cpu, "_governor", _cpu._governor)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)  # the torch loaded before the test (a test may swap in a fake)
