@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import _harness as harness
 import httpx
 from _server_proc import free_port, start_server, stop_server
 
@@ -191,7 +191,7 @@ class _Serve:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = harness.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3, help="rounds (each: every setting, every condition)")
     ap.add_argument("--streams", type=int, default=1, help="streams at once")
     ap.add_argument("--tokens", type=int, default=100, help="tokens per stream")
@@ -209,12 +209,7 @@ def main() -> None:
         return
     ways = args.ways.split(",")
     settings = args.settings.split(",")
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        flags = sorted({"amx_bf16", "avx512_bf16", "avx2"} & set(f.read().split()))
-    print(
-        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags {' '.join(flags)}, "
-        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    record = harness.start(args)
     print(f"# {args.streams} stream(s) of {args.tokens} tokens, {args.dtype}, {args.repeat} rounds")
     rates: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for way in ways:
@@ -238,10 +233,10 @@ def main() -> None:
             alone = statistics.median(rates[way, setting, "alone"])
             for condition in CONDITIONS:
                 xs = rates[way, setting, condition]
+                record.add("tok/s", xs, "tok/s", way=way, setting=setting, condition=condition)
                 m = statistics.median(xs)
-                print(
-                    f"{way:8} {setting:9} {condition:9} {m:8.1f} ({min(xs):.1f}-{max(xs):.1f}){'':>5} {m / alone:7.2f}x"
-                )
+                print(f"{way:8} {setting:9} {condition:9} {harness.Summary.of(xs).format():>24} {m / alone:7.2f}x")
+    record.write()
 
 
 if __name__ == "__main__":
