@@ -11,7 +11,7 @@ import pytest
 
 from batchkit._errors import QueueFull
 from batchkit.serve.admission import PromptRoom, Refused, WaitingRoom
-from batchkit.serve.protocol import ApiError
+from batchkit.serve.errors import ApiError
 
 
 @dataclass

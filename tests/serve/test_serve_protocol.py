@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from batchkit.serve.errors import ApiError
 from batchkit.serve.protocol import (
-    ApiError,
     TokenString,
     chat_logprobs,
     completion_logprobs,

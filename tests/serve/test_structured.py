@@ -22,7 +22,8 @@ pytest.importorskip("xgrammar")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from batchkit.serve.protocol import ApiError, parse_chat  # noqa: E402
+from batchkit.serve.errors import ApiError  # noqa: E402
+from batchkit.serve.protocol import parse_chat  # noqa: E402
 from batchkit.serve.structured import ResponseFormat, parse_response_format  # noqa: E402
 
 pytestmark = [

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from .._errors import KVCacheExhausted
 from ..continuous.sampling import nth_seed
 from ..serve.admission import PromptRoom
+from ..serve.errors import ApiError
 from ..serve.protocol import (
     MAX_PROMPTS_PER_REQUEST,
-    ApiError,
     GenerationRequest,
     IncrementalDetokenizer,
     TokenString,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .._errors import QueueFull
-from .protocol import ApiError
+from .errors import ApiError
 
 __all__ = ["KVAllocatorView", "PromptRoom", "Refused", "Reservation", "WaitingRoom"]
 

@@ -39,13 +39,13 @@ from ..continuous.logprobs import TokenLogprobs
 from ..continuous.loop import ContinuousDecodeLoop
 from ..dynamic.decorator import BatchedFunction
 from .engine import EngineBridge
+from .errors import ApiError
 from .generation import Generation
 from .metrics import ServerMetrics
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
     MAX_PROMPTS_PER_REQUEST,
     MAX_REQUEST_BYTES,
-    ApiError,
     GenerationRequest,
     TokenText,
     chat_choice,

@@ -26,9 +26,10 @@ from ..continuous.loop import ContinuousDecodeLoop
 from ..control import CircuitBreaker
 from ..dynamic.decorator import BatchedFunction, batched
 from .admission import PromptRoom, Refused, WaitingRoom
+from .errors import ApiError
 from .generation import Generation
 from .metrics import BatchkitCollector, ServerMetrics
-from .protocol import ApiError, GenerationRequest, TokenizeRequest, TokenString, TokenText, new_id, token_string
+from .protocol import GenerationRequest, TokenizeRequest, TokenString, TokenText, new_id, token_string
 from .structured import compile_in_thread, grammar_for
 from .tokenizing import InputCutter, PromptTokenizer
 

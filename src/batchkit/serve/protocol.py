@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..continuous.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, DecodedText, find_stop
+from .errors import ApiError
+from .structured import ResponseFormat, parse_response_format
 
 if TYPE_CHECKING:
     from ..continuous.grammar import Grammar
-    from .structured import ResponseFormat
 
 __all__ = [
-    "ApiError",
     "EmbeddingRequest",
     "GenerationRequest",
     "IncrementalDetokenizer",
@@ -72,31 +72,6 @@ _UNRENDERED_MESSAGE_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "refusal": ((None,), "send the refusal as the message's 'content'"),
     "audio": ((None,), "send the transcript as the message's 'content'"),
 }
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def new_id(prefix: str) -> str:
@@ -376,8 +351,6 @@ def _common(body: Mapping[str, Any], max_tokens_names: Sequence[str], min_max_to
     min_tokens = _opt_int(body, "min_tokens", lo=0) or 0
     if max_tokens is not None and min_tokens > max_tokens:  # as vLLM
         raise _invalid("min_tokens", f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens})")
-    from .structured import parse_response_format  # structured.py builds on this module's ApiError
-
     return {
         "model": _model(body),
         "n": n,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from ..continuous.grammar import INSTALL_HINT, Grammar, json_grammar
-from .protocol import ApiError
+from .errors import ApiError
 
 if TYPE_CHECKING:
     from ..models.pretrained import PretrainedLM

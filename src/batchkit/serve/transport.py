@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from .protocol import ApiError
+from .errors import ApiError
 
 __all__ = [
     "EventStream",
