@@ -52,6 +52,7 @@ FLOORS: dict[str, int] = {
     "_cuda": 0,
     "continuous.sampling": 0,
     "continuous.step": 0,
+    "continuous.stops": 0,
     "continuous.logprobs": 0,
     "continuous.grammar": 0,
     "continuous.request": 1,

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from .logprobs import TokenLogprobs
-from .sampling import DecodedText, SamplingParams
+from .sampling import SamplingParams
+from .stops import DecodedText, StopStrings
 
 __all__ = [
     "HOLDS_BLOCKS",
@@ -112,7 +113,7 @@ class Request:
         "prompt_logprobs_done",
         "request_id",
         "status",
-        "stop_floor",
+        "stop_strings",
         "stop_text",
         "t_first_scheduled",
         "t_last_token",
@@ -148,10 +149,9 @@ class Request:
         self.t_last_token: float | None = None
         self.num_preemptions = 0
         self.generator: Any = None
-        self.stop_text: DecodedText | None = None  # the output's text, for stop strings
-        # With min_tokens: a stop string counts once it ends past this many characters (the text of
-        # the first min_tokens - 1 tokens).
-        self.stop_floor = 0
+        # With stop strings: the output's text, and where a stop string in it counts.
+        self.stop_text: DecodedText | None = None
+        self.stop_strings: StopStrings | None = None
         # params.prompt_logprobs: the prompt tokens' entries not yet handed out, and how many of
         # the prompt's positions (from 1 on) have theirs.
         self.prompt_logprobs: list[TokenLogprobs] = []

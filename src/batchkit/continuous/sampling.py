@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -259,45 +259,6 @@ def token_ids(name: str, ids: Iterable[int] | int) -> tuple[int, ...]:
         except TypeError:
             raise TypeError(f"{name} must hold token ids (ints), got {t!r}") from None
     return tuple(out)
-
-
-class DecodedText:
-    """The text of a growing token sequence (a request's output), decoded a short window at a time.
-
-    Decoding the whole output at every token costs O(n) per token, O(n^2) per request. Here each
-    :meth:`pending` decodes only the tokens from where the last final text began: the window
-    starts on a token boundary whose text was complete, so a leading space or a multi-byte
-    character reads as in the whole text, and what the window adds beyond that token's text is
-    new. The stop-string checks of the loop and of ``batchkit serve`` both read text through this
-    class, so they always agree on where a stop string ends.
-    """
-
-    __slots__ = ("_prefix", "_read", "decode", "text")
-
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
-        self.decode = decode
-        self.text = ""  # the final text of ids[:_read]
-        self._prefix = 0  # the first token of the last text made final
-        self._read = 0
-
-    def pending(self, ids: Sequence[int]) -> str:
-        """The text the tokens of ``ids`` after the final ones add to :attr:`text` (it may end in
-        an incomplete character, U+FFFD, that a later token completes)."""
-        p, r = self._prefix, self._read
-        before = self.decode(ids[p:r]) if r > p else ""
-        text = self.decode(ids[p:])
-        return text[len(before) :] if len(text) > len(before) else ""
-
-    def commit(self, pending: str, length: int) -> None:
-        """Make ``pending``, what ``ids[:length]`` add to :attr:`text`, final."""
-        self.text += pending
-        self._prefix, self._read = self._read, length
-
-
-def find_stop(text: str, stop: Sequence[str], start: int, min_end: int = 0) -> int:
-    """Where the first stop string in ``text[start:]`` that ends past ``text[:min_end]`` begins, or -1."""
-    hits = [i for i in (text.find(s, max(start, min_end - len(s) + 1)) for s in stop) if i >= 0]
-    return min(hits) if hits else -1
 
 
 def adjust_logits(

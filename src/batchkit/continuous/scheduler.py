@@ -37,7 +37,8 @@ from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary, SampleWindow
 from .logprobs import TokenLogprobs
 from .request import HOLDS_BLOCKS, Request, RequestStatus, ScheduledStep, TokenEvent, Transition
-from .sampling import DecodedText, SamplingParams, find_stop
+from .sampling import SamplingParams
+from .stops import DecodedText, StopStrings
 
 __all__ = ["Scheduler", "SchedulerStatistics"]
 
@@ -777,15 +778,13 @@ class Scheduler:
             return "eos"
         if p.stop and self.detokenize is not None:
             # A short window of the latest tokens is decoded, not the whole output (O(n^2) per
-            # request); batchkit serve reads the text the same way, so both find the same stops.
-            decoded = req.stop_text
-            if decoded is None:
+            # request); batchkit serve reads the text and finds stops the same way (stops.py).
+            decoded, stops = req.stop_text, req.stop_strings
+            if decoded is None or stops is None:
                 decoded = req.stop_text = DecodedText(self.detokenize)
+                stops = req.stop_strings = StopStrings(p.stop, p.min_tokens)
             pending = decoded.pending(req.output)
-            if len(req.output) == p.min_tokens - 1:
-                req.stop_floor = len(decoded.text) + len(pending)
-            start = max(0, len(decoded.text) - max(len(s) for s in p.stop))
-            if stopping and find_stop(decoded.text + pending, p.stop, start, req.stop_floor) >= 0:
+            if stops.find(decoded.text + pending, len(req.output), searched=len(decoded.text)) >= 0:
                 return "stop"
             if pending and not pending.endswith("\ufffd"):
                 decoded.commit(pending, len(req.output))

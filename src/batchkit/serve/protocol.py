@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..continuous.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, DecodedText, find_stop
+from ..continuous.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from ..continuous.stops import DecodedText, StopStrings
 from .errors import ApiError
 from .structured import ResponseFormat, parse_response_format
 
@@ -604,8 +605,8 @@ class IncrementalDetokenizer:
     ``include_stop`` after it (vLLM's ``include_stop_str_in_output``). With ``min_tokens``, a stop
     string counts once it ends in the text of the ``min_tokens``-th token or a later one, as the
     loop counts it (:class:`~batchkit.SamplingParams`). Each push
-    decodes a short window of the latest tokens, not the whole output (see
-    :class:`~batchkit.continuous.sampling.DecodedText`), as the loop's own stop check does.
+    decodes a short window of the latest tokens, not the whole output, and finds stop strings by
+    the loop's own rule (:mod:`batchkit.continuous.stops`).
 
     :attr:`num_tokens_kept` counts the leading tokens known to belong to the output: those whose
     logprobs may be sent.
@@ -624,7 +625,7 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.min_tokens = min_tokens
-        self._floor = 0  # with min_tokens: the characters of the first min_tokens - 1 tokens' text
+        self._stops = StopStrings(self.stop, min_tokens) if self.stop else None
         # The tokens so far: this object's own list, or ``ids``, a caller's sequence that grows
         # by one token before each advance() (read, never copied).
         self.ids: Sequence[int] = [] if ids is None else ids
@@ -649,15 +650,12 @@ class IncrementalDetokenizer:
     def advance(self) -> str:
         """The text that became final with the latest token of :attr:`ids`."""
         pending = self._decoded.pending(self.ids)
-        if self.stop:
-            # Looked for before the incomplete-character check: the loop matches stop strings on
-            # the same decoded text, so a token that completes one while it begins a multi-byte
-            # character (byte-level BPE: "f" + the first byte of "é") ends the request here.
+        if self._stops is not None:
+            # Looked for before the incomplete-character check, as the loop does: a token that
+            # completes a stop string while it begins a multi-byte character (byte-level BPE:
+            # "f" + the first byte of "é") ends the request here.
             text = self._decoded.text + pending
-            if len(self.ids) == self.min_tokens - 1:
-                self._floor = len(text)
-            start = max(0, self.sent - max(len(s) for s in self.stop))
-            hit = find_stop(text, self.stop, start, self._floor) if len(self.ids) >= self.min_tokens else -1
+            hit = self._stops.find(text, len(self.ids), searched=self.sent)
             if hit >= 0:
                 if self.include_stop:  # the first stop string (in the order given) found there
                     hit += len(next(s for s in self.stop if text.startswith(s, hit)))
