@@ -20,13 +20,13 @@ import anyio.lowlevel
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
-from .._errors import BatcherClosed, CircuitOpen, DeadlineExceeded, KVCacheExhausted, QueueFull
+from .._errors import QueueFull
 from ..continuous.logprobs import TokenLogprobs
 from ..continuous.loop import ContinuousDecodeLoop
 from ..control import CircuitBreaker
 from ..dynamic.decorator import BatchedFunction, batched
 from .admission import PromptRoom, Refused, WaitingRoom
-from .errors import ApiError
+from .errors import ApiError, answer_for
 from .generation import Generation
 from .metrics import BatchkitCollector, ServerMetrics
 from .protocol import GenerationRequest, TokenizeRequest, TokenString, TokenText, new_id, token_string
@@ -288,29 +288,23 @@ class EngineBridge:
     def reject(self, reason: str) -> None:
         self.metrics.rejections.labels(reason).inc()
 
-    def _queue_full(self, exc: BaseException) -> ApiError:
-        self.reject("queue_full")
-        return self.retry_later(f"the server is busy: {exc}", "queue_full")
-
-    def generation_error(self, exc: Exception) -> ApiError:
-        """The answer for an exception a generation raised (at submit or from its stream),
-        counted as a rejection where it is one: call it once per request."""
+    def error_for(self, exc: BaseException, what: str) -> ApiError:
+        """The answer for an exception raised while serving a ``what`` (``"generation"``,
+        ``"embedding"``), as :func:`~batchkit.serve.errors.answer_for` maps it, counted as a
+        rejection where it is one (and logged where it is a failure): call it once per request."""
         if isinstance(exc, ApiError):
             return exc
-        if isinstance(exc, QueueFull):
-            return self._queue_full(exc)
-        if isinstance(exc, KVCacheExhausted):
-            self.reject("kv_exhausted")
-            return ApiError(400, str(exc), code="context_length_exceeded")
-        if isinstance(exc, BatcherClosed):
-            return self.retry_later(f"the server is shutting down: {exc}", "shutting_down")
-        if isinstance(exc, DeadlineExceeded):
-            self.reject("deadline")
-            return ApiError(504, str(exc), type="server_error", code="deadline_exceeded")
-        if isinstance(exc, ValueError):
-            return ApiError(400, str(exc), code="invalid_value")
-        logger.error("batchkit.serve: a generation failed", exc_info=exc)
-        return ApiError(500, f"the generation failed: {exc}", type="server_error", code="generation_failed")
+        answer = answer_for(exc, what)
+        if answer.rejection is not None:
+            self.reject(answer.rejection)
+        if answer.status == 500:
+            logger.error("batchkit.serve: a %s failed", what, exc_info=exc)
+        return answer.error(exc, self.retry_after_s)
+
+    def generation_error(self, exc: Exception) -> ApiError:
+        """The answer for an exception a generation raised (at submit or from its stream); see
+        :meth:`error_for`."""
+        return self.error_for(exc, "generation")
 
     # ------------------------------------------------------------------ generations
 
@@ -400,7 +394,7 @@ class EngineBridge:
         try:
             places = self.waiting_room.take(len(prompts), n, loop.queue_depth(), loop.free_seats())
         except QueueFull as exc:
-            raise self._queue_full(exc) from None
+            raise self.generation_error(exc) from None
         gens: list[Generation] = []
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
@@ -518,7 +512,8 @@ class EngineBridge:
         """Each input's vector and token count, all submitted at once.
 
         Raises:
-            ApiError: 503 when the batcher is full, closing or its circuit is open; 500 else.
+            ApiError: as :meth:`error_for` answers what the batcher raised: 503 when it is full,
+                closing or its circuit is open; 500 for a failure of the model.
         """
         embed = self.embed
         assert embed is not None
@@ -528,9 +523,8 @@ class EngineBridge:
         queue = embed.batcher.queue
         room = queue.maxsize - len(queue)
         if len(inputs) > room:
-            raise self._queue_full(
-                QueueFull(f"{len(inputs)} inputs do not fit in the embedding queue, which has room for {room} now")
-            )
+            full = QueueFull(f"{len(inputs)} inputs do not fit in the embedding queue, which has room for {room} now")
+            raise self.error_for(full, "embedding")
         results: list[Any] = [None] * len(inputs)
         errors: list[BaseException] = []
         async with anyio.create_task_group() as tg:
@@ -545,15 +539,7 @@ class EngineBridge:
             for i, text in enumerate(inputs):
                 tg.start_soon(one, i, text)
         if errors:
-            exc = errors[0]
-            if isinstance(exc, QueueFull):
-                raise self._queue_full(exc)
-            if isinstance(exc, BatcherClosed):
-                raise self.retry_later(f"the server is shutting down: {exc}", "shutting_down")
-            if isinstance(exc, CircuitOpen):
-                self.reject("circuit_open")
-                raise self.retry_later(f"the embedding model is failing: {exc}", "circuit_open")
-            raise ApiError(500, f"embedding failed: {exc}", type="server_error")
+            raise self.error_for(errors[0], "embedding")
         return results
 
 
