@@ -482,6 +482,14 @@ class TestNeverFits:
             f"less the watermark's {alloc.watermark_blocks})"
         )
 
+    def test_max_admitted_tokens_is_the_longest_sequence_that_can_fit(self) -> None:
+        """max_admitted_tokens is admission_blocks in tokens: that many fit, one more never does."""
+        alloc = PagedKVAllocator(10, 4, watermark=0.2)
+        assert alloc.admission_blocks == alloc.total_blocks - alloc.watermark_blocks == 8  # block 0 is null
+        assert alloc.max_admitted_tokens == 32
+        assert alloc.never_fits(alloc.max_admitted_tokens) is None
+        assert alloc.never_fits(alloc.max_admitted_tokens + 1) is not None
+
     def test_a_sequence_over_its_tenants_quota_never_fits(self) -> None:
         """A tenant's quota binds before the cache does; other tenants are not held to it."""
         alloc = PagedKVAllocator(16, 4, tenant_quotas={"a": 2})

@@ -21,6 +21,10 @@ class FakeAllocator:
     block_size: int = 4
     quotas: dict[Hashable, int] = field(default_factory=dict)
 
+    @property
+    def max_admitted_tokens(self) -> int:  # as PagedKVAllocator.max_admitted_tokens
+        return (self.total_blocks - self.watermark_blocks) * self.block_size
+
     def quota_of(self, tenant: Hashable) -> int | None:
         return self.quotas.get(tenant)
 

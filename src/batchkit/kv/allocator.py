@@ -271,6 +271,18 @@ class PagedKVAllocator:
         return self._watermark_blocks
 
     @property
+    def admission_blocks(self) -> int:
+        """The most blocks admission can ever give one sequence: the cache's blocks less the
+        watermark. A sequence that needs more :meth:`never_fits`."""
+        return self.total_blocks - self._watermark_blocks
+
+    @property
+    def max_admitted_tokens(self) -> int:
+        """The most tokens one sequence can ever be admitted with (:attr:`admission_blocks` in
+        tokens): a sequence of one token more :meth:`never_fits`, whatever its tenant."""
+        return self.admission_blocks * self.block_size
+
+    @property
     def has_quotas(self) -> bool:
         """Whether any tenant has a block quota."""
         return bool(self.quotas)
@@ -296,7 +308,7 @@ class PagedKVAllocator:
         tenant's quota; None if it could. The reason reads after its subject ("a 9-token prompt
         ..."): ``"needs 3 KV blocks but admission has 2 (...)"``."""
         need = self.blocks_needed(num_tokens)
-        room = self.total_blocks - self.watermark_blocks
+        room = self.admission_blocks
         if need > room:
             return (
                 f"needs {need} KV blocks but admission has {room} (the cache's {self.total_blocks} blocks less "

@@ -24,9 +24,7 @@ class KVAllocatorView(Protocol):
     """What :meth:`PromptRoom.of` reads of a :class:`~batchkit.kv.PagedKVAllocator`."""
 
     @property
-    def total_blocks(self) -> int: ...
-    @property
-    def watermark_blocks(self) -> int: ...
+    def max_admitted_tokens(self) -> int: ...
     @property
     def block_size(self) -> int: ...
     def quota_of(self, tenant: Hashable) -> int | None: ...
@@ -46,15 +44,14 @@ class PromptRoom:
     """The most tokens (prompt + output) one request of ``tenant`` may ever hold."""
 
     max_model_len: int
-    kv_tokens: int  # the pool's tokens above the admission watermark
+    kv_tokens: int  # the most tokens the allocator ever admits for one sequence
     block_size: int
     quota_blocks: int | None = None  # the tenant's KV quota; None: none
     tenant: Hashable = None
 
     @classmethod
     def of(cls, max_model_len: int, alloc: KVAllocatorView, tenant: Hashable) -> PromptRoom:
-        kv_tokens = (alloc.total_blocks - alloc.watermark_blocks) * alloc.block_size
-        return cls(max_model_len, kv_tokens, alloc.block_size, alloc.quota_of(tenant), tenant)
+        return cls(max_model_len, alloc.max_admitted_tokens, alloc.block_size, alloc.quota_of(tenant), tenant)
 
     def output_limit(
         self, prompt_len: int, requested: int | None, default: int, prompt_param: str, limit_param: str
