@@ -494,7 +494,7 @@ class TestNeverFits:
         """A tenant's quota binds before the cache does; other tenants are not held to it."""
         alloc = PagedKVAllocator(16, 4, tenant_quotas={"a": 2})
         assert alloc.never_fits(8, "a") is None
-        assert alloc.never_fits(9, "a") == "needs 3 KV blocks, over tenant 'a''s quota of 2"
+        assert alloc.never_fits(9, "a") == "needs 3 KV blocks but tenant 'a' has a quota of 2"
         assert alloc.never_fits(9, "b") is None
 
 

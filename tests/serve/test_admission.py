@@ -88,9 +88,15 @@ def test_a_tenant_quota_refusal_counts_as_kv_exhausted() -> None:
     with pytest.raises(Refused) as info:
         room.output_limit(12, None, 256, "prompt", "max_tokens")
     assert info.value.reason == "kv_exhausted"
-    assert "tenant 'acme''s KV quota of 3 blocks holds 12" in info.value.message
+    assert info.value.message == (
+        "the prompt has 12 tokens but tenant 'acme' has a KV quota of 3 blocks, which hold 12; shorten the prompt"
+    )
     with pytest.raises(Refused) as info:
         room.output_limit(10, 3, 256, "prompt", "max_completion_tokens")
+    assert info.value.message == (
+        "the prompt (10 tokens) plus max_completion_tokens (3) needs more than tenant 'acme' may hold: "
+        "a KV quota of 3 blocks (12 tokens); lower max_completion_tokens or shorten the prompt"
+    )
     assert (info.value.param, info.value.reason) == ("max_completion_tokens", "kv_exhausted")
 
 

@@ -316,7 +316,7 @@ class PagedKVAllocator:
             )
         quota = self.quota_of(tenant)
         if quota is not None and need > quota:
-            return f"needs {need} KV blocks, over tenant {tenant!r}'s quota of {quota}"
+            return f"needs {need} KV blocks but tenant {tenant!r} has a quota of {quota}"
         return None
 
     def within_quota(self, num_tokens: int, tenant: Hashable) -> bool:

@@ -88,8 +88,8 @@ class PromptRoom:
             if quota_tokens - prompt_len < 1:
                 raise Refused(
                     "kv_exhausted",
-                    f"the prompt has {prompt_len} tokens but tenant {self.tenant!r}'s KV quota of {quota} blocks "
-                    f"holds {quota_tokens}; shorten the prompt",
+                    f"the prompt has {prompt_len} tokens but tenant {self.tenant!r} has a KV quota of {quota} "
+                    f"blocks, which hold {quota_tokens}; shorten the prompt",
                     prompt_param,
                 )
             rooms.append(quota_tokens - prompt_len)
@@ -113,7 +113,7 @@ class PromptRoom:
             raise Refused(
                 "kv_exhausted",
                 f"the prompt ({prompt_len} tokens) plus {limit_param} ({requested}) needs more than tenant "
-                f"{self.tenant!r}'s KV quota of {quota} blocks ({quota * self.block_size} tokens); lower "
+                f"{self.tenant!r} may hold: a KV quota of {quota} blocks ({quota * self.block_size} tokens); lower "
                 f"{limit_param} or shorten the prompt",
                 limit_param,
             )
