@@ -70,6 +70,7 @@ FLOORS: dict[str, int] = {
     "dynamic.queue": 2,
     "dynamic.former": 2,
     "continuous.scheduler": 2,
+    "continuous.runner": 2,
     "kv": 2,
     "dynamic._threads": 3,
     "dynamic._loop_pump": 3,

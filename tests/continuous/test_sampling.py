@@ -203,7 +203,7 @@ def test_greedy_takes_each_rows_first_best_logit(dtype: str) -> None:
 def test_a_row_whose_sampling_raises_fails_its_own_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampler raising on one request's row (any cause: the tiny temperature was one) fails
     that request with the error; the step's other requests go on (they all failed)."""
-    import batchkit.continuous.loop as loop_module
+    import batchkit.continuous.runner as runner_module
 
     real = sample
 
@@ -212,7 +212,7 @@ def test_a_row_whose_sampling_raises_fails_its_own_request_alone(monkeypatch: py
             raise RuntimeError("the sampler cannot draw this row")
         return real(logits, params, generators)
 
-    monkeypatch.setattr(loop_module, "sample", faulty)
+    monkeypatch.setattr(runner_module, "sample", faulty)
     loop = _loop(lambda row: row.__setitem__(5, 1.0))
     loop.scheduler.add(Request("good", [1, 2], SamplingParams(max_new_tokens=2)))  # the first row: 5 is best
     loop.scheduler.add(Request("bad", [1, 2], SamplingParams(max_new_tokens=2, temperature=0.7, top_k=3, seed=1)))

@@ -1,8 +1,8 @@
 """ContinuousDecodeLoop: iteration-level batching around a user's torch decode step.
 
 One engine thread owns the scheduler and the KV cache and runs, while there is work:
-``schedule()`` -> block moves -> ``step_fn(batch, kv)`` -> sample -> ``update()`` -> stream the
-new tokens to their callers. Callers (threads, asyncio or trio tasks) only touch an inbox and
+``schedule()`` -> :meth:`StepRunner.run` (block moves, ``step_fn(batch, kv)``, sampling) ->
+``update()`` -> stream the new tokens to their callers. Callers (threads, asyncio or trio tasks) only touch an inbox and
 their own token stream, so the step never waits on them and they never wait on each other.
 """
 
@@ -37,11 +37,12 @@ from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
 from ..metrics import LatencySummary, SampleWindow
 from .grammar import GrammarMatchers
-from .logprobs import TokenLogprobs, logprobs_of
+from .logprobs import TokenLogprobs
 from .request import Request, ScheduledStep, TokenEvent
-from .sampling import SamplingParams, adjust_logits, nth_seed, sample, token_ids
+from .runner import StepFn, StepRunner, logit_bias_past
+from .sampling import SamplingParams, nth_seed, token_ids
 from .scheduler import PreemptionMode, Scheduler, SchedulerStatistics
-from .step import StepBatch, check_logits
+from .step import StepBatch
 
 __all__ = ["ContinuousDecodeLoop", "LoopStatistics"]
 
@@ -56,8 +57,6 @@ def _with_logprobs(sampling: dict[str, Any]) -> None:
 
 
 T = TypeVar("T")
-
-StepFn = Callable[[StepBatch, PagedKVCache], Any]
 
 
 class _Stream:
@@ -145,15 +144,6 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int
     return prompt
 
 
-def _logit_bias_past(params: SamplingParams, vocab_size: int) -> ValueError | None:
-    """The error for a ``logit_bias`` that names a token id past a vocabulary of ``vocab_size``
-    (an index past the logits: the bias could not be added), or None."""
-    bias = params.logit_bias_pairs
-    if bias and bias[-1][0] >= vocab_size:  # sorted by id: the last is the largest
-        return ValueError(f"logit_bias holds token id {bias[-1][0]}, past the vocabulary ({vocab_size} tokens)")
-    return None
-
-
 def _no_room(waiting: int, seats: int, num_samples: int, max_waiting: int) -> str:
     """QueueFull's message: ``num_samples`` more would leave more than ``max_waiting`` requests
     waiting beyond the ``seats`` free now (the next step admits that many waiting requests)."""
@@ -165,9 +155,6 @@ def _no_room(waiting: int, seats: int, num_samples: int, max_waiting: int) -> st
         f"(max_waiting={max_waiting} bounds those beyond the seats): no room for {these}; retry later, raise "
         "max_waiting, or add capacity"
     )
-
-
-_UNADJUSTED = SamplingParams()  # what a row whose request fails samples with (its token is dropped)
 
 
 def _checked_loop_args(
@@ -211,17 +198,6 @@ def _sliding_window_of(step_fn: object) -> int | None:
     attribute, as :class:`~batchkit.models.HFStepModel` has), or None."""
     window = getattr(step_fn, "sliding_window", None)
     return window if isinstance(window, int) and not isinstance(window, bool) and window >= 1 else None
-
-
-@dataclass(frozen=True, slots=True)
-class _LogitsPlan:
-    """A step's logits rows when some request wants its prompt's logprobs: ``rows`` index the
-    flattened tokens (the batch's ``sample_indices``), ``sample_rows`` the logits rows that
-    sample, ``prompt`` holds ``(request, logits row, position of the token it predicts)``."""
-
-    rows: list[int]
-    sample_rows: list[int]
-    prompt: list[tuple[Request, int, int]]
 
 
 @dataclass(frozen=True)
@@ -293,7 +269,6 @@ class ContinuousDecodeLoop:
         eos_token_id = _checked_loop_args(step_fn, kv_cache, detokenize, eos_token_id, clock, max_waiting, engine)
         self.max_waiting = max_waiting
         self.engine = engine
-        self.step_fn = step_fn
         self.kv = kv_cache
         self.clock: Clock = checked_clock(clock)
         self.allocator = PagedKVAllocator(
@@ -324,6 +299,7 @@ class ContinuousDecodeLoop:
                 dtype=kv_cache.dtype,
                 device="cpu",
             )
+        self._runner = StepRunner(step_fn, kv_cache, self.cpu_cache, self.allocator, self.clock)
         self.eos_token_id = eos_token_id
         self._extra_eos_ids: tuple[int, ...] = ()
         self._lock = threading.Lock()
@@ -341,10 +317,20 @@ class ContinuousDecodeLoop:
         self._t_first: float | None = None
         self._t_last = 0.0
         self._generated = 0
-        self._grammars = GrammarMatchers()  # the matchers of requests with SamplingParams.grammar
-        # The width of the step's logits, once a step has returned some: the vocabulary a
-        # logit_bias is checked against at submit when the step declares none (_vocab_size).
-        self._logits_width: int | None = None
+
+    @property
+    def step_fn(self) -> StepFn:
+        """The step function the loop runs (settable: the next step calls the new one)."""
+        return self._runner.step_fn
+
+    @step_fn.setter
+    def step_fn(self, step_fn: StepFn) -> None:
+        self._runner.step_fn = step_fn
+
+    @property
+    def _grammars(self) -> GrammarMatchers:
+        """The matchers of the requests with a grammar (the runner's)."""
+        return self._runner.grammars
 
     @property
     def extra_eos_ids(self) -> tuple[int, ...]:
@@ -415,11 +401,11 @@ class ContinuousDecodeLoop:
         """Check requests of one prompt (one per entry of ``params``) and queue them for the
         engine together, in one hold of the lock: ``max_waiting`` lets in all or none of them.
         The first waits for ``after`` (if given), the others for the first."""
-        vocab = self._vocab_size()
+        vocab = self._runner.vocab_size()
         prompt = _check_prompt(prompt_ids, vocab)
-        width = vocab if vocab is not None else self._logits_width
+        width = vocab if vocab is not None else self._runner.logits_width
         for p in params:
-            if width is not None and (bias_error := _logit_bias_past(p, width)) is not None:
+            if width is not None and (bias_error := logit_bias_past(p, width)) is not None:
                 raise bias_error
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
@@ -728,13 +714,6 @@ class ContinuousDecodeLoop:
                 "or give the cache more blocks"
             )
 
-    def _vocab_size(self) -> int | None:
-        """The step model's vocabulary size when it declares one (``step_fn.config.vocab_size``,
-        as :class:`batchkit.models.LlamaModel` does), so that a token id past it is refused at
-        submit instead of failing the whole step it would be batched into."""
-        size = getattr(getattr(self.step_fn, "config", None), "vocab_size", None)
-        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
-
     # ------------------------------------------------------------------ the engine
 
     def _engine(self) -> None:
@@ -856,8 +835,6 @@ class ContinuousDecodeLoop:
 
     def _step(self, now: float) -> tuple[ScheduledStep, list[TokenEvent]]:
         """One iteration that starts at ``now``: the aborts asked for, schedule, run, update."""
-        import torch
-
         with self._cond:  # aborts asked for with abort() (the engine thread drains its own first)
             aborts, self._aborts = self._aborts, []
         dropped = [TokenEvent(rid, None, True, "abort") for rid in aborts if self.scheduler.abort(rid)]
@@ -865,100 +842,22 @@ class ContinuousDecodeLoop:
         events = dropped + self.scheduler.take_events()
         if step.requests:
             try:
-                with torch.inference_mode():
-                    events += self._run_step(step)
+                events += self._run_step(step)
             except Exception as exc:  # noqa: BLE001 - a failing step fails its requests, not the loop
                 for req in step.requests:
                     if self.scheduler.abort(req.request_id):
                         events.append(TokenEvent(req.request_id, None, True, "error", exc))
-        if self._grammars:  # after every way this step ends requests: finished, failed, aborted
-            self._grammars.discard_ended()
+        if self._runner.grammars:  # after every way this step ends requests: finished, failed, aborted
+            self._runner.grammars.discard_ended()
         return step, events
 
     def _run_step(self, step: ScheduledStep) -> list[TokenEvent]:
-        """Run a scheduled step: block moves, the model, sampling, then the scheduler's update."""
-        self._move_blocks(step)
-        plan = self._logits_plan(step)
-        batch = self._build_batch(step, self.kv.device, plan)
-        t0 = self.clock.now()
-        all_logits = check_logits(self.step_fn(batch, self.kv), batch, self._vocab_size())
-        if self._logits_width is None and all_logits.shape[0]:
-            self._logits_width = int(all_logits.shape[1])
-        logits = all_logits if batch.sample_rows is None else all_logits.index_select(0, batch.sample_rows)
-        sampling = [r for r, s in zip(step.requests, step.samples, strict=True) if s]
-        logits, broken = self._mask_bad_rows(logits, sampling)
-        params = [r.params for r in sampling]
-        errors: dict[Hashable, Exception] = {}
-        if any(p.adjusts_logits or p.min_tokens for p in params):
-            errors = self._refuse_bias_past(int(logits.shape[1]), sampling, params)
-            broken.extend(errors)
-            logits = adjust_logits(logits, params, [r.tokens for r in sampling], [r.prompt_len for r in sampling])
-        constrained = any(p.grammar is not None for p in params)
-        if constrained:
-            logits, dead = self._grammars.mask(logits, sampling)
-            broken += [sampling[i].request_id for i in dead]
-        try:
-            tokens = sample(logits, params, [r.generator for r in sampling])
-        except Exception:  # noqa: BLE001 - found again row by row below
-            tokens = self._sample_each(logits, sampling, broken, errors)
-        if constrained:
-            skip = [i for i, r in enumerate(sampling) if r.request_id in broken] if broken else ()
-            broken += [sampling[i].request_id for i in self._grammars.advance(sampling, tokens, skip)]
-        token_lps = None
-        if plan is not None or any(p.logprobs is not None for p in params):
-            token_lps = self._logprobs(all_logits, plan, sampling, tokens)
-        done = self.clock.now()
-        self._record_step(t0, done, len(tokens))
-        events = self.scheduler.update(step, tokens, token_lps, done)
-        return self._fail_bad_rows(events, broken, errors) if broken else events
-
-    @staticmethod
-    def _refuse_bias_past(
-        width: int, sampling: list[Request], params: list[SamplingParams]
-    ) -> dict[Hashable, Exception]:
-        """The requests whose ``logit_bias`` names an id past the logits' ``width``, each with its
-        ValueError; their entries of ``params`` become unadjusted ones, so that the bias is not
-        added out of bounds and the step goes on for the other rows.
-
-        Each request is checked once, at its first sampled token (its output still empty): the
-        check at submit covers only a request submitted when the vocabulary was known.
-        """
-        errors: dict[Hashable, Exception] = {}
-        for i, (req, p) in enumerate(zip(sampling, params, strict=True)):
-            if p.logit_bias and not req.output and (error := _logit_bias_past(p, width)) is not None:
-                errors[req.request_id] = error
-                params[i] = _UNADJUSTED
-        return errors
-
-    def _move_blocks(self, step: ScheduledStep) -> None:
-        """Perform the step's block moves, in the order :class:`ScheduledStep` gives."""
-        kv, cpu = self.kv, self.cpu_cache
-        if step.swap_out or step.swap_in:
-            assert cpu is not None  # the scheduler swaps only with num_cpu_blocks > 0
-            if step.swap_out:
-                kv.swap_blocks(cpu, step.swap_out)
-            if step.swap_in:
-                cpu.swap_blocks(kv, step.swap_in)
-        if step.copies:
-            kv.copy_blocks(step.copies)
-
-    @staticmethod
-    def _mask_bad_rows(logits: Any, sampling: list[Request]) -> tuple[Any, list[Hashable]]:
-        """The sampling logits with each row no token can be drawn from (a NaN, or every logit
-        -inf: a broken model state there) set to zeros, and the ids of those rows' requests.
-
-        Such a row fails its own request, not its neighbours': sampled from zeros so that the
-        others go on, its token is then dropped. One reduction finds both: a row's max is NaN
-        if the row holds a NaN (max propagates it), and -inf only if every logit is -inf.
-        """
-        import torch
-
-        row_max = logits.amax(dim=1)
-        nan_rows = torch.isnan(row_max) | torch.isneginf(row_max)
-        if not nan_rows.any():
-            return logits, []
-        broken = [sampling[i].request_id for i in nan_rows.nonzero().flatten().tolist()]
-        return logits.masked_fill(nan_rows[:, None], 0.0), broken
+        """Run a scheduled step (:meth:`StepRunner.run`), then the scheduler's update; the
+        requests whose rows failed end with their errors."""
+        out = self._runner.run(step)
+        self._record_step(out.started, out.ended, len(out.tokens))
+        events = self.scheduler.update(step, out.tokens, out.logprobs, out.ended)
+        return self._fail_rows(events, out.failed) if out.failed else events
 
     def _record_step(self, t0: float, done: float, num_tokens: int) -> None:
         """Count a step that ran from ``t0`` to ``done`` and sampled ``num_tokens`` tokens."""
@@ -969,142 +868,19 @@ class ContinuousDecodeLoop:
             self._t_first = t0
         self._t_last = done
 
-    @staticmethod
-    def _sample_each(
-        logits: Any, sampling: list[Request], broken: list[Hashable], errors: dict[Hashable, Exception]
-    ) -> list[int]:
-        """Sample row by row after the step's sampling raised: a row that raises again fails its
-        own request alone (added to ``broken`` with its error; its token, 0, is dropped), not
-        every request of the step. (Rows sampled before the fault draw again: a seeded request's
-        stream moves on by that draw.)"""
-        tokens: list[int] = []
-        for i, req in enumerate(sampling):
-            try:
-                tokens += sample(logits[i : i + 1], [req.params], [req.generator])
-            except Exception as exc:  # noqa: BLE001 - the request gets it
-                broken.append(req.request_id)
-                errors[req.request_id] = exc
-                tokens.append(0)
-        return tokens
-
-    def _fail_bad_rows(
-        self, events: list[TokenEvent], broken: list[Hashable], errors: Mapping[Hashable, Exception]
-    ) -> list[TokenEvent]:
-        """``events`` with the requests of bad rows failed instead, with their entry of ``errors``
-        (FloatingPointError for those it lacks: a row no token can be drawn from)."""
-        gone = dict.fromkeys(broken)  # a row can be bad twice over; its request fails once
-        events = [ev for ev in events if ev.request_id not in gone]
-        for rid in gone:
+    def _fail_rows(self, events: list[TokenEvent], failed: Mapping[Hashable, BaseException]) -> list[TokenEvent]:
+        """``events`` with the requests of ``failed`` (rows no token could be drawn from, a bias
+        past the logits, a grammar, sampling that raised) failed instead, each with its error."""
+        events = [ev for ev in events if ev.request_id not in failed]
+        for rid, error in failed.items():
             self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
-            error = errors.get(rid) or FloatingPointError("the step's logits for this request are NaN or all -inf")
-            events.append(TokenEvent(rid, None, True, "error", error))
+            events.append(TokenEvent.ended(rid, "error", error))
         return events
-
-    def _logits_plan(self, step: ScheduledStep) -> _LogitsPlan | None:
-        """Where this step needs logits when a request in it wants its prompt's logprobs (None:
-        only at the sampling rows, the usual case): every position of its chunk whose next
-        token is a prompt token without its logprobs yet, beside the sampling rows."""
-        if not any(r.needs_prompt_logits for r in step.requests):
-            return None
-        rows: list[int] = []
-        sample_rows: list[int] = []
-        prompt: list[tuple[Request, int, int]] = []
-        start = 0
-        for req, n, samples in zip(step.requests, step.num_new_tokens, step.samples, strict=True):
-            computed = req.num_computed
-            if req.needs_prompt_logits:
-                for pos in range(max(computed, req.prompt_logprobs_done), min(computed + n, req.prompt_len - 1)):
-                    prompt.append((req, len(rows), pos + 1))
-                    rows.append(start + pos - computed)
-            if samples:
-                sample_rows.append(len(rows))
-                rows.append(start + n - 1)
-            start += n
-        return _LogitsPlan(rows, sample_rows, prompt)
-
-    def _logprobs(
-        self, logits: Any, plan: _LogitsPlan | None, sampling: list[Request], tokens: list[int]
-    ) -> list[TokenLogprobs | None]:
-        """The sampled tokens' logprobs (None for a request that did not ask), and the prompt
-        entries of ``plan``, kept on their requests until their first token's event."""
-        rows: list[int] = []
-        targets: list[int] = []
-        counts: list[int] = []
-        prompt_flags: list[bool] = []
-        for req, row, pos in plan.prompt if plan is not None else ():
-            rows.append(row)
-            targets.append(req.tokens[pos])
-            counts.append(cast(int, req.params.prompt_logprobs))
-            prompt_flags.append(True)
-        num_prompt = len(rows)
-        sample_rows: Sequence[int] = plan.sample_rows if plan is not None else range(len(sampling))
-        asked: list[int] = []
-        for i, (req, token) in enumerate(zip(sampling, tokens, strict=True)):
-            if req.params.logprobs is not None:
-                rows.append(sample_rows[i])
-                targets.append(token)
-                counts.append(req.params.logprobs)
-                prompt_flags.append(False)
-                asked.append(i)
-        entries = logprobs_of(logits, rows, targets, counts, prompt_flags)
-        for (req, _, pos), entry in zip(plan.prompt if plan is not None else (), entries, strict=False):
-            req.prompt_logprobs.append(entry)
-            req.prompt_logprobs_done = max(req.prompt_logprobs_done, pos)
-        out: list[TokenLogprobs | None] = [None] * len(sampling)
-        for i, entry in zip(asked, entries[num_prompt:], strict=True):
-            out[i] = entry
-        return out
 
     def build_batch(self, step: ScheduledStep, device: Any = "cpu") -> StepBatch:
         """The :class:`StepBatch` that :meth:`step_once` hands the step function for ``step``
         (a ``Scheduler.schedule()`` result), on ``device``; for profiling and custom drivers."""
-        return self._build_batch(step, device, self._logits_plan(step))
-
-    def _build_batch(self, step: ScheduledStep, device: Any, plan: _LogitsPlan | None) -> StepBatch:
-        import numpy as np
-        import torch
-
-        a = self.allocator
-        reqs = step.requests
-        counts = step.num_new_tokens
-        starts = [r.num_computed for r in reqs]
-        if all(n == 1 for n in counts):  # a pure decode step
-            ids = [r.tokens[s] for r, s in zip(reqs, starts, strict=True)]
-            positions = starts
-        else:
-            ids, positions = [], []
-            for r, s, n in zip(reqs, starts, counts, strict=True):
-                ids.extend(r.tokens[s : s + n])
-                positions.extend(range(s, s + n))
-        rids = [r.request_id for r in reqs]
-        tables = a.block_tables(rids)
-        q_lens = np.asarray(counts, dtype=np.int64)
-        pos = np.asarray(positions, dtype=np.int64)
-        slots = step.slot_mapping  # as the scheduler reserved them
-        if slots is None:  # a step built by hand: derive them from the block tables
-            seq_idx = np.repeat(np.arange(len(reqs)), q_lens)
-            bs = a.block_size
-            slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
-        ends = np.cumsum(q_lens)
-        query_start = np.concatenate(([0], ends))
-        if plan is None:
-            sample_idx = (ends - 1)[np.asarray(step.samples, dtype=bool)]
-        else:
-            sample_idx = np.asarray(plan.rows, dtype=np.int64)
-        seq_lens = np.asarray(starts, dtype=np.int64) + q_lens
-        return StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.from_numpy(pos).to(device),
-            query_start=torch.from_numpy(query_start).to(device),
-            query_lens=torch.from_numpy(q_lens).to(device),
-            seq_lens=torch.from_numpy(seq_lens).to(device),
-            slot_mapping=torch.from_numpy(slots).to(device),
-            block_tables=torch.from_numpy(tables).to(device),
-            sample_indices=torch.from_numpy(sample_idx).to(device),
-            seq_ids=tuple(rids),
-            sampling=step.samples,
-            sample_rows=None if plan is None else torch.tensor(plan.sample_rows, dtype=torch.int64, device=device),
-        )
+        return self._runner.build_batch(step, device)
 
     # ------------------------------------------------------------------ tuning (batchkit.control.TunableTarget)
 
