@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -18,6 +22,20 @@ def installed(dist: str) -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The script ``benchmarks/{name}.py`` imported as a module (benchmarks/ is not a package),
+    registered in ``sys.modules`` as ``batchkit_bench_{name}`` (dataclasses and typing look a
+    module up by name)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"batchkit_bench_{name.lstrip('_')}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120.0, every: float = 0.05) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -10,19 +9,13 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "_harness.py"
+from _support import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def harness() -> ModuleType:
     """The helper, imported as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("batchkit_bench_harness", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("_harness")
 
 
 def test_the_parser_has_the_common_options_with_their_defaults(harness: ModuleType) -> None:

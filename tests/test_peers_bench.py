@@ -6,30 +6,21 @@ few hundred requests; it asserts what the script promises about each row, never 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
 import batchkit
+from _support import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
 REQUESTS = 320
 
 
 @pytest.fixture(scope="module")
 def peers() -> ModuleType:
     """The script, imported as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("batchkit_bench_peers", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and typing look the module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("peers")
 
 
 def _closed_noop(peers: ModuleType, row: str) -> dict[str, Any]:

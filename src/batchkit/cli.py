@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from ._argtypes import float_in as _float_in
 from ._argtypes import import_from_cwd, one_line
 from ._argtypes import int_in as _int_in
-from ._cpu import configure_cpu_threads
+from ._cpu import allowed_cpus, configure_cpu_threads
 
 __all__ = ["main"]
 
@@ -349,13 +349,9 @@ def _prepare_bench_url(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _default_threads() -> int:
-    """One less than the CPUs this process may run on (at least 1): the callers' event loop keeps
+    """One less than the CPUs this process may use (at least 1): the callers' event loop keeps
     a core, so that the target's threads do not fight it for one."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus - 1)
+    return max(1, allowed_cpus() - 1)
 
 
 def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
