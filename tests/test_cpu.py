@@ -90,6 +90,12 @@ def test_a_quota_below_the_cpus_caps_the_threads_rounded_down() -> None:
     assert (plan.threads, plan.threads_from) == (2, "quota")
 
 
+def test_a_team_is_fixed_where_the_neighbours_cannot_be_measured() -> None:
+    """Without /proc/stat (not Linux) no governor could read the CPUs: the team stays as sized."""
+    plan = plan_cpu_threads(cpus=8, quota=None, environ={}, torch_loaded=False, measurable=False)
+    assert (plan.threads, plan.adaptive, plan.wait_policy) == (8, False, "passive")
+
+
 def test_a_quota_under_one_cpu_still_runs_one_thread() -> None:
     assert plan_cpu_threads(cpus=8, quota=0.5, environ={}, torch_loaded=False).threads == 1
 

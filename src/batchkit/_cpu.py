@@ -184,13 +184,15 @@ def plan_cpu_threads(
     environ: Mapping[str, str],
     torch_loaded: bool,
     threads: int | None = None,
+    measurable: bool = True,
 ) -> CpuThreads:
     """What :func:`configure_cpu_threads` chooses, from what it reads (no side effects).
 
     Threads: ``threads`` where given; else ``OMP_NUM_THREADS`` where it is a positive int; else
     the CPUs allowed, capped by the quota rounded down (at least 1): a team wider than its quota
     is throttled mid-step, and every thread of a parallel region then waits for the slowest.
-    Only a count taken from the CPUs allowed (more than one, no quota) adapts to the neighbours.
+    Only a count taken from the CPUs allowed (more than one, no quota) adapts to the neighbours,
+    and only where their CPU use can be read (``measurable``: Linux's ``/proc/stat``).
     Wait policy: left to ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``KMP_BLOCKTIME`` where one is
     set; the runtime's spinning default for an adaptive team (the fastest alone; beside busy
     processes the team narrows instead) or where torch is already loaded; else passive.
@@ -204,7 +206,7 @@ def plan_cpu_threads(
         chosen, threads_from = max(1, math.floor(quota)), "quota"
     else:
         chosen, threads_from = max(1, cpus), "cpus"
-    adaptive = threads_from == "cpus" and quota is None and chosen > 1
+    adaptive = threads_from == "cpus" and quota is None and chosen > 1 and measurable
     user_wait = [name for name in _WAIT_VARIABLES if environ.get(name, "").strip()]
     if user_wait:
         wait, wait_set = f"set by {user_wait[0]}={environ[user_wait[0]].strip()}", False
@@ -249,7 +251,7 @@ def configure_cpu_threads(threads: int | None = None, environ: MutableMapping[st
     own = environ is None
     env = os.environ if environ is None else environ
     torch_loaded = "torch" in sys.modules
-    plan = plan_cpu_threads(allowed_cpus(), cpu_quota(), env, torch_loaded, threads)
+    plan = plan_cpu_threads(allowed_cpus(), cpu_quota(), env, torch_loaded, threads, Path("/proc/stat").is_file())
     if plan.wait_policy_set:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if plan.threads_from != "OMP_NUM_THREADS":
@@ -272,12 +274,10 @@ def adapt_cpu_threads() -> int | None:
 
 
 def _cpu_seconds() -> tuple[float, float]:
-    """(busy seconds of the CPUs this process may use, this process's own CPU seconds), both
-    counted since boot; the busy seconds include time the hypervisor gave to others (steal)."""
-    try:
-        allowed = {f"cpu{n}" for n in os.sched_getaffinity(0)}
-    except AttributeError:  # not on Linux: no /proc/stat either
-        allowed = set()
+    """(busy seconds of the CPUs this process may use since boot, this process's own CPU seconds
+    since it started): cumulative, read on Linux only; the busy seconds include time the
+    hypervisor gave to others (steal)."""
+    allowed = {f"cpu{n}" for n in os.sched_getaffinity(0)}
     busy = 0
     with open("/proc/stat", encoding="ascii") as f:
         for line in f:
