@@ -236,7 +236,7 @@ class TestLoopUnderAGrammar:
         for out in outs[:4]:
             assert out[-1] in g.stop_token_ids  # finished by the grammar, not by max_new_tokens
             _valid(json.loads(lm.tokenizer.decode(out[:-1])), BOUNDED)
-        assert len(random_loop._grammars) == 0  # every matcher forgotten once its request ended
+        assert len(random_loop.core.runner.grammars) == 0  # every matcher forgotten once its request ended
 
     def test_a_plain_row_beside_constrained_ones_samples_as_alone(self, lm: Any, random_loop: Any) -> None:
         g = _grammar(lm, BOUNDED)
@@ -300,7 +300,7 @@ class TestMatchersOfEndedRequests:
         for i in range(num_requests):
             loop.scheduler.add(Request(i, [1, 2, 3], SamplingParams(max_new_tokens=64, grammar=g)))
         loop.step_once()
-        assert len(loop._grammars) == num_requests
+        assert len(loop.core.runner.grammars) == num_requests
         return loop
 
     def test_aborted_requests_hold_no_matcher(self, lm: Any) -> None:
@@ -309,7 +309,7 @@ class TestMatchersOfEndedRequests:
             loop.abort(i)
         _, events = loop.step_once()
         assert sorted((ev.request_id, ev.finish_reason) for ev in events) == [(i, "abort") for i in range(3)]
-        assert len(loop._grammars) == 0
+        assert len(loop.core.runner.grammars) == 0
 
     @pytest.mark.parametrize("fault", ["nan_logits", "raising_step"])
     def test_failed_requests_hold_no_matcher(self, lm: Any, fault: str) -> None:
@@ -337,4 +337,4 @@ class TestMatchersOfEndedRequests:
         step.fail = True
         _, events = loop.step_once()
         assert sorted((ev.request_id, ev.finish_reason) for ev in events) == [(i, "error") for i in range(3)]
-        assert len(loop._grammars) == 0
+        assert len(loop.core.runner.grammars) == 0

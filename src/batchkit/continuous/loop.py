@@ -1,21 +1,19 @@
 """ContinuousDecodeLoop: iteration-level batching around a user's torch decode step.
 
-One engine thread owns the scheduler and the KV cache and runs, while there is work:
-``schedule()`` -> :meth:`StepRunner.run` (block moves, ``step_fn(batch, kv)``, sampling) ->
-``update()`` -> stream the new tokens to their callers. Callers (threads, asyncio or trio tasks) only touch an inbox and
-their own token stream, so the step never waits on them and they never wait on each other.
+A thin shell: the engine thread and the public API. Callers (threads, asyncio or trio tasks)
+submit through one path (a :class:`RequestOptions` each) into the :class:`Inbox` and read their
+own :class:`RequestStream`, so the step never waits on them and they never wait on each other.
+One engine thread takes the inbox at each step boundary and drives the :class:`EngineCore`
+(``schedule()`` -> :meth:`StepRunner.run` -> ``update()``), which streams the new tokens to their
+callers.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
-import logging
-import math
+import functools
 import operator
 import threading
-from collections import deque
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -27,134 +25,27 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 from .._clock import Clock, checked_clock
-from .._errors import BatcherClosed, KVCacheExhausted, QueueFull
-from .._waiters import ThreadWaiter, new_async_waiter, wake_all
+from .._validate import positive_int, positive_int_or_none
+from .._waiters import wake_all
 from ..kv.allocator import PagedKVAllocator
 from ..kv.cache import PagedKVCache
-from ..metrics import LatencySummary, SampleWindow
-from .grammar import GrammarMatchers
+from .engine import EngineCore, LoopStatistics
+from .inbox import Inbox
 from .logprobs import TokenLogprobs
-from .request import Request, ScheduledStep, TokenEvent
-from .runner import StepFn, StepRunner, logit_bias_past
-from .sampling import SamplingParams, nth_seed, token_ids
-from .scheduler import PreemptionMode, Scheduler, SchedulerStatistics
+from .options import RequestOptions, sampling_params
+from .request import ScheduledStep, TokenEvent
+from .runner import StepFn, StepRunner
+from .sampling import SamplingParams, token_ids
+from .scheduler import PreemptionMode, Scheduler
 from .step import StepBatch
+from .submit import Submitter
 
 __all__ = ["ContinuousDecodeLoop", "LoopStatistics"]
 
-logger = logging.getLogger(__name__)
-
-
-def _with_logprobs(sampling: dict[str, Any]) -> None:
-    """The sampling options of a call that returns logprobs: ``logprobs`` 0 (each token's own,
-    no alternatives) unless it asks for alternatives; None means 0 here too."""
-    if sampling.get("logprobs") is None:
-        sampling["logprobs"] = 0
-
-
 T = TypeVar("T")
-
-
-class _Stream:
-    """The tokens of one request, produced by the engine thread and consumed by its caller."""
-
-    __slots__ = ("detailed", "done", "error", "future", "lock", "output", "tokens", "waiter")
-
-    def __init__(self, detailed: bool = False) -> None:
-        self.lock = threading.Lock()
-        # detailed: the items are TokenLogprobs (the prompt's first, then each token's), not ids.
-        self.detailed = detailed
-        self.tokens: deque[Any] = deque()
-        self.output: list[Any] = []
-        self.done = False
-        self.error: BaseException | None = None
-        self.waiter: Any = None
-        self.future: concurrent.futures.Future[list[Any]] | None = None
-
-    def push(self, event: TokenEvent) -> Any:
-        """Record an event (engine thread); return the waiter to wake, if any."""
-        with self.lock:
-            if self.detailed:
-                items: list[Any] = list(event.prompt_logprobs)
-                if event.token is not None:
-                    items.append(event.logprobs or TokenLogprobs(event.token, math.nan))
-                self.tokens.extend(items)
-                self.output.extend(items)
-            elif event.token is not None:
-                self.tokens.append(event.token)
-                self.output.append(event.token)
-            if event.finished:
-                self.done = True
-                self.error = event.error
-            w, self.waiter = self.waiter, None
-        if event.finished and self.future is not None and not self.future.done():
-            try:
-                if event.error is not None:
-                    self.future.set_exception(event.error)
-                else:
-                    self.future.set_result(list(self.output))
-            except concurrent.futures.InvalidStateError:
-                pass  # the caller cancelled it after done() was checked: nobody wants the result
-        return w
-
-    def _next_or_park(self, make_waiter: Callable[[], Any]) -> tuple[bool, Any, Any]:
-        with self.lock:
-            if self.tokens:
-                return True, self.tokens.popleft(), None
-            if self.done:
-                if self.error is not None:
-                    raise self.error
-                return True, None, None
-            self.waiter = make_waiter()
-            return False, None, self.waiter
-
-
-def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> list[int]:
-    """The prompt as a list of token ids; refuse what no step could embed.
-
-    Raises:
-        TypeError: a string instead of token ids, or an id that is not an integer.
-        ValueError: no token, a negative id, or an id past ``vocab_size``.
-    """
-    if isinstance(prompt_ids, str | bytes):
-        raise TypeError("prompt_ids must be token ids (a sequence of ints), got a string; tokenize it first")
-    try:
-        items = list(prompt_ids)
-    except TypeError:  # one bare id, None, a 0-d tensor...
-        raise TypeError(f"prompt_ids must be token ids (a sequence of ints), got {prompt_ids!r}") from None
-    prompt: list[int] = []
-    for t in items:
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            prompt.append(operator.index(t))  # ints, numpy ints, 0-d integer tensors
-        except TypeError:
-            raise TypeError(f"prompt_ids must be ints (token ids), got {t!r}") from None
-    if not prompt:
-        raise ValueError("prompt_ids needs at least one token")
-    low, high = min(prompt), max(prompt)
-    if low < 0:
-        raise ValueError(f"token ids must be >= 0, got {low}")
-    if vocab_size is not None and high >= vocab_size:
-        raise ValueError(f"token id {high} is past the model's vocabulary (vocab_size={vocab_size})")
-    return prompt
-
-
-def _no_room(waiting: int, seats: int, num_samples: int, max_waiting: int) -> str:
-    """QueueFull's message: ``num_samples`` more would leave more than ``max_waiting`` requests
-    waiting beyond the ``seats`` free now (the next step admits that many waiting requests)."""
-    are = "request is" if waiting == 1 else "requests are"
-    free = "seat" if seats == 1 else "seats"
-    these = "this request" if num_samples == 1 else f"these {num_samples} samples"
-    return (
-        f"{waiting} {are} already waiting, {max(0, waiting - seats)} of them beyond the {seats} free decode {free} "
-        f"(max_waiting={max_waiting} bounds those beyond the seats): no room for {these}; retry later, raise "
-        "max_waiting, or add capacity"
-    )
 
 
 def _checked_loop_args(
@@ -184,10 +75,7 @@ def _checked_loop_args(
     if eos_token_id is not None:
         SamplingParams(eos_token_id=eos_token_id)  # the TypeError every request would raise, now
         eos_token_id = operator.index(eos_token_id)
-    if max_waiting is not None and (
-        isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
-    ):
-        raise ValueError(f"max_waiting must be an int >= 1 or None (unbounded), got {max_waiting!r}")
+    positive_int_or_none("max_waiting", max_waiting, note="(None: unbounded)")
     if engine not in ("thread", "caller"):
         raise ValueError(f"engine must be 'thread' or 'caller', got {engine!r}")
     return eos_token_id
@@ -200,16 +88,19 @@ def _sliding_window_of(step_fn: object) -> int | None:
     return window if isinstance(window, int) and not isinstance(window, bool) and window >= 1 else None
 
 
-@dataclass(frozen=True)
-class LoopStatistics:
-    """Scheduler counters and latencies, plus the loop's throughput and step times (``step_time``:
-    every step of the run, mergeable; ``step_time_recent``: the last 10,000 steps)."""
-
-    scheduler: SchedulerStatistics
-    steps: int
-    tokens_per_s: float
-    step_time: LatencySummary
-    step_time_recent: LatencySummary
+def _cpu_pool(kv_cache: PagedKVCache, num_cpu_blocks: int) -> PagedKVCache | None:
+    """The CPU swap pool's tensors, shaped as ``kv_cache``'s blocks (None without CPU blocks)."""
+    if not num_cpu_blocks:
+        return None
+    return PagedKVCache(
+        kv_cache.num_layers,
+        num_cpu_blocks,
+        kv_cache.block_size,
+        kv_cache.num_kv_heads,
+        kv_cache.head_dim,
+        dtype=kv_cache.dtype,
+        device="cpu",
+    )
 
 
 class ContinuousDecodeLoop:
@@ -244,6 +135,9 @@ class ContinuousDecodeLoop:
             thread, see :meth:`run_engine`) runs the engine, and requests wait until it does.
         clock: time source for the metrics.
 
+    Attributes:
+        core: the :class:`EngineCore` the engine thread steps (``scheduler``, ``runner``).
+
     Raises:
         TypeError: ``step_fn`` is not callable. ValueError: out-of-range limits.
     """
@@ -267,7 +161,6 @@ class ContinuousDecodeLoop:
         clock: Clock | None = None,
     ) -> None:
         eos_token_id = _checked_loop_args(step_fn, kv_cache, detokenize, eos_token_id, clock, max_waiting, engine)
-        self.max_waiting = max_waiting
         self.engine = engine
         self.kv = kv_cache
         self.clock: Clock = checked_clock(clock)
@@ -288,49 +181,28 @@ class ContinuousDecodeLoop:
             detokenize=detokenize,
             sliding_window=_sliding_window_of(step_fn),
         )
-        self.cpu_cache: PagedKVCache | None = None  # the CPU swap pool's tensors
-        if num_cpu_blocks:
-            self.cpu_cache = PagedKVCache(
-                kv_cache.num_layers,
-                num_cpu_blocks,
-                kv_cache.block_size,
-                kv_cache.num_kv_heads,
-                kv_cache.head_dim,
-                dtype=kv_cache.dtype,
-                device="cpu",
-            )
-        self._runner = StepRunner(step_fn, kv_cache, self.cpu_cache, self.allocator, self.clock)
+        self.cpu_cache = _cpu_pool(kv_cache, num_cpu_blocks)
+        runner = StepRunner(step_fn, kv_cache, self.cpu_cache, self.allocator, self.clock)
+        self.core = EngineCore(self.scheduler, runner)
         self.eos_token_id = eos_token_id
         self._extra_eos_ids: tuple[int, ...] = ()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._inbox: list[tuple[Request, _Stream]] = []
-        self._admitting: list[tuple[Request, _Stream]] = []  # taken from the inbox, not yet in the scheduler
-        self._aborts: list[Hashable] = []
-        self._streams: dict[Hashable, _Stream] = {}
-        self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()  # set when the engine has ended
-        self._closing = False
-        self._next_id = 0
-        self._steps = 0
-        self._step_time = SampleWindow()
-        self._t_first: float | None = None
-        self._t_last = 0.0
-        self._generated = 0
+        # The inbox, and the engine's lifecycle; len(_inbox): requests it holds.
+        self._inbox = Inbox(self.scheduler, self.clock, max_waiting, self._engine if engine == "thread" else None)
+        self._submitter = Submitter(runner, self.scheduler, self._inbox)
+
+    @property
+    def max_waiting(self) -> int | None:
+        """Most requests waiting beyond the free seats (None: unbounded)."""
+        return self._inbox.max_waiting
 
     @property
     def step_fn(self) -> StepFn:
         """The step function the loop runs (settable: the next step calls the new one)."""
-        return self._runner.step_fn
+        return self.core.runner.step_fn
 
     @step_fn.setter
     def step_fn(self, step_fn: StepFn) -> None:
-        self._runner.step_fn = step_fn
-
-    @property
-    def _grammars(self) -> GrammarMatchers:
-        """The matchers of the requests with a grammar (the runner's)."""
-        return self._runner.grammars
+        self.core.runner.step_fn = step_fn
 
     @property
     def extra_eos_ids(self) -> tuple[int, ...]:
@@ -351,100 +223,15 @@ class ContinuousDecodeLoop:
 
     # ------------------------------------------------------------------ submitting
 
-    def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
-        if "eos_token_id" not in kwargs and self.eos_token_id is not None:
-            kwargs["eos_token_id"] = self.eos_token_id
-        params = SamplingParams(**kwargs)  # checks every field first
-        if self.extra_eos_ids and not params.ignore_eos:
-            own = params.stop_token_ids
-            params = dataclasses.replace(
-                params, stop_token_ids=own + tuple(t for t in self.extra_eos_ids if t not in own)
-            )
-        return params
+    def _sampling(self, fields: dict[str, Any], detailed: bool) -> SamplingParams:
+        """A call's sampling fields with this loop's end-of-sequence ids."""
+        return sampling_params(fields, self.eos_token_id, self._extra_eos_ids, detailed=detailed)
 
-    def _submit(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        priority: int,
-        tenant: Hashable,
-        stream: _Stream | None = None,
-        deadline_s: float | None = None,
-        after: Request | None = None,
-    ) -> tuple[Hashable, _Stream]:
-        req, stream = self._enqueue(prompt_ids, params, priority, tenant, stream, deadline_s, after)
-        return req.request_id, stream
-
-    def _enqueue(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        priority: int,
-        tenant: Hashable,
-        stream: _Stream | None,
-        deadline_s: float | None,
-        after: Request | None,
-    ) -> tuple[Request, _Stream]:
-        """Check a request and queue it for the engine; its scheduler request and its stream."""
-        return self._enqueue_group(prompt_ids, [params], priority, tenant, [stream or _Stream()], deadline_s, after)[0]
-
-    def _enqueue_group(
-        self,
-        prompt_ids: Sequence[int],
-        params: Sequence[SamplingParams],
-        priority: int,
-        tenant: Hashable,
-        streams: Sequence[_Stream],
-        deadline_s: float | None,
-        after: Request | None,
-    ) -> list[tuple[Request, _Stream]]:
-        """Check requests of one prompt (one per entry of ``params``) and queue them for the
-        engine together, in one hold of the lock: ``max_waiting`` lets in all or none of them.
-        The first waits for ``after`` (if given), the others for the first."""
-        vocab = self._runner.vocab_size()
-        prompt = _check_prompt(prompt_ids, vocab)
-        width = vocab if vocab is not None else self._runner.logits_width
-        for p in params:
-            if width is not None and (bias_error := logit_bias_past(p, width)) is not None:
-                raise bias_error
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int (lower is served first), got {priority!r}")
-        try:
-            hash(tenant)
-        except TypeError:
-            raise TypeError(f"tenant must be hashable (a name, e.g. a string), got {tenant!r}") from None
-        if deadline_s is not None and (
-            isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not 0 < deadline_s < math.inf
-        ):
-            raise ValueError(f"deadline_s must be a finite number of seconds > 0 (or None), got {deadline_s!r}")
-        if any(p.stop for p in params) and self.scheduler.detokenize is None:
-            raise ValueError(
-                f"stop strings {params[0].stop!r} need a detokenize hook to be matched; pass detokenize= "
-                "(token ids -> text) to ContinuousDecodeLoop, or stop on token ids with stop_token_ids="
-            )
-        self._check_fits(len(prompt), tenant)
-        queued: list[tuple[Request, _Stream]] = []
-        with self._cond:
-            if self._closing:
-                raise BatcherClosed("the decode loop is closed")
-            if self.max_waiting is not None:
-                waiting, seats = self._num_waiting(), self.free_seats()
-                # The free seats take waiting requests first (this one's samples included).
-                if waiting + len(params) - seats > self.max_waiting:
-                    raise QueueFull(_no_room(waiting, seats, len(params), self.max_waiting))
-            deadline = None if deadline_s is None else self.clock.now() + deadline_s
-            for p, stream in zip(params, streams, strict=True):
-                self._next_id += 1
-                req = Request(self._next_id, prompt, p, priority=priority, tenant=tenant, deadline=deadline)
-                req.after = after
-                after = after or req
-                self._inbox.append((req, stream))
-                queued.append((req, stream))
-            if self._thread is None and self.engine == "thread":
-                self._thread = threading.Thread(target=self._engine, name="batchkit-decode-loop", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-        return queued
+    def _options(
+        self, fields: dict[str, Any], priority: int, tenant: Hashable, deadline_s: float | None, detailed: bool
+    ) -> RequestOptions:
+        """The options of a call that submits one request."""
+        return RequestOptions(self._sampling(fields, detailed), priority, tenant, deadline_s, detailed=detailed)
 
     def generate(
         self,
@@ -465,7 +252,7 @@ class ContinuousDecodeLoop:
         :class:`DeadlineExceeded` after the tokens it already produced. Leaving the iteration
         early (``break``, cancellation, ``aclose()``) aborts the request and frees its KV blocks.
         """
-        return self._items(prompt_ids, priority, tenant, deadline_s, sampling, detailed=False)
+        return self._submitter.stream(prompt_ids, lambda: self._options(sampling, priority, tenant, deadline_s, False))
 
     def generate_logprobs(
         self,
@@ -483,40 +270,7 @@ class ContinuousDecodeLoop:
         each new token with its logprob and its ``logprobs`` (default 0) most likely
         alternatives, from the raw logits (before temperature, top-k, top-p).
         """
-        _with_logprobs(sampling)
-        return self._items(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
-
-    async def _items(
-        self,
-        prompt_ids: Sequence[int],
-        priority: int,
-        tenant: Hashable,
-        deadline_s: float | None,
-        sampling: dict[str, Any],
-        *,
-        detailed: bool,
-    ) -> AsyncIterator[Any]:
-        rid, stream = self._submit(
-            prompt_ids, self._params(sampling), priority, tenant, _Stream(detailed), deadline_s=deadline_s
-        )
-        async with contextlib.aclosing(self._read(rid, stream)) as items:  # closed when this one is
-            async for item in items:
-                yield item
-
-    async def _read(self, rid: Hashable, stream: _Stream) -> AsyncGenerator[Any, None]:
-        """A submitted request's items as they come; leaving early aborts it."""
-        try:
-            while True:
-                ready, item, waiter = stream._next_or_park(new_async_waiter)
-                if not ready:
-                    await waiter
-                    continue
-                if item is None:
-                    return
-                yield item
-        finally:
-            if not stream.done:
-                self.abort(rid)
+        return self._submitter.stream(prompt_ids, lambda: self._options(sampling, priority, tenant, deadline_s, True))
 
     def generate_n(
         self,
@@ -544,40 +298,11 @@ class ContinuousDecodeLoop:
         Raises:
             ValueError: ``n`` is not an int >= 1, or a sampling field is invalid (on the call).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an int >= 1, got {n!r}")
-        if detailed:
-            _with_logprobs(sampling)
-        first = self._params(dict(sampling))
-        seed = first.seed
-        params = [first] + [
-            first if seed is None else dataclasses.replace(first, seed=nth_seed(seed, i)) for i in range(1, n)
-        ]
-        queued: list[tuple[Hashable, _Stream]] = []
-        refused: list[BaseException] = []
-
-        def queue_all() -> None:
-            if queued or refused:
-                return
-            try:
-                group = self._enqueue_group(
-                    prompt_ids, params, priority, tenant, [_Stream(detailed) for _ in params], deadline_s, None
-                )
-            except BaseException as exc:
-                refused.append(exc)
-                raise
-            queued.extend((req.request_id, stream) for req, stream in group)
-
-        async def sample_stream(i: int) -> AsyncGenerator[Any, None]:
-            queue_all()
-            if refused:
-                raise refused[0]
-            rid, stream = queued[i]
-            async with contextlib.aclosing(self._read(rid, stream)) as items:
-                async for item in items:
-                    yield item
-
-        return [sample_stream(i) for i in range(n)]
+        positive_int("n", n)
+        params = self._sampling(sampling, detailed)
+        return self._submitter.samples(
+            prompt_ids, n, lambda: RequestOptions(params, priority, tenant, deadline_s, n, detailed)
+        )
 
     def generate_sync(
         self,
@@ -589,7 +314,9 @@ class ContinuousDecodeLoop:
         **sampling: Any,
     ) -> Iterator[int]:
         """The blocking twin of :meth:`generate`, for threads."""
-        return self._items_sync(prompt_ids, priority, tenant, deadline_s, sampling, detailed=False)
+        return self._submitter.stream_sync(
+            prompt_ids, lambda: self._options(sampling, priority, tenant, deadline_s, False)
+        )
 
     def generate_logprobs_sync(
         self,
@@ -601,34 +328,9 @@ class ContinuousDecodeLoop:
         **sampling: Any,
     ) -> Iterator[TokenLogprobs]:
         """The blocking twin of :meth:`generate_logprobs`, for threads."""
-        _with_logprobs(sampling)
-        return self._items_sync(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
-
-    def _items_sync(
-        self,
-        prompt_ids: Sequence[int],
-        priority: int,
-        tenant: Hashable,
-        deadline_s: float | None,
-        sampling: dict[str, Any],
-        *,
-        detailed: bool,
-    ) -> Iterator[Any]:
-        rid, stream = self._submit(
-            prompt_ids, self._params(sampling), priority, tenant, _Stream(detailed), deadline_s=deadline_s
+        return self._submitter.stream_sync(
+            prompt_ids, lambda: self._options(sampling, priority, tenant, deadline_s, True)
         )
-        try:
-            while True:
-                ready, item, waiter = stream._next_or_park(ThreadWaiter)
-                if not ready:
-                    waiter.wait()
-                    continue
-                if item is None:
-                    return
-                yield item
-        finally:
-            if not stream.done:
-                self.abort(rid)
 
     def submit(
         self,
@@ -644,7 +346,7 @@ class ContinuousDecodeLoop:
 
         Cancelling the future aborts the request.
         """
-        return self._submit_future(prompt_ids, priority, tenant, deadline_s, sampling, detailed=False)
+        return self._submitter.future(prompt_ids, self._options(sampling, priority, tenant, deadline_s, False))
 
     def submit_logprobs(
         self,
@@ -656,31 +358,7 @@ class ContinuousDecodeLoop:
         **sampling: Any,
     ) -> concurrent.futures.Future[list[TokenLogprobs]]:
         """:meth:`submit` whose future resolves to the items :meth:`generate_logprobs` streams."""
-        _with_logprobs(sampling)
-        return self._submit_future(prompt_ids, priority, tenant, deadline_s, sampling, detailed=True)
-
-    def _submit_future(
-        self,
-        prompt_ids: Sequence[int],
-        priority: int,
-        tenant: Hashable,
-        deadline_s: float | None,
-        sampling: dict[str, Any],
-        *,
-        detailed: bool,
-    ) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        stream = _Stream(detailed)
-        stream.future = fut
-        rid, _ = self._submit(prompt_ids, self._params(sampling), priority, tenant, stream, deadline_s)
-        fut.add_done_callback(lambda f: self._future_cancelled(f, rid) if f.cancelled() else None)
-        return fut
-
-    def _future_cancelled(self, fut: concurrent.futures.Future[Any], rid: Hashable) -> None:
-        # A cancelled future counts as done for concurrent.futures.wait() and as_completed() only
-        # once notified; no one else calls set_running_or_notify_cancel() on these futures.
-        fut.set_running_or_notify_cancel()
-        self.abort(rid)
+        return self._submitter.future(prompt_ids, self._options(sampling, priority, tenant, deadline_s, True))
 
     async def agenerate_all(self, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:
         """Await a request's complete output (async twin of :meth:`submit`)."""
@@ -691,28 +369,7 @@ class ContinuousDecodeLoop:
         of :meth:`step_once` (which then reports it as a finished ``"abort"`` event). The ids are
         those of requests added with ``scheduler.add(Request(request_id, ...))``; a ``generate``
         stream is aborted by leaving it, a ``submit`` future by cancelling it."""
-        with self._cond:
-            self._aborts.append(request_id)
-            self._cond.notify()
-
-    def _check_fits(self, prompt_len: int, tenant: Hashable) -> None:
-        """Refuse at submit a prompt that could never be admitted, even with the cache to itself
-        (the scheduler would refuse it too, but only on the engine thread, after the call).
-
-        It counts the prompt and the first token it generates, as the scheduler's admission does
-        (a running request always has room for its next token's K/V): a prompt that exactly
-        fills the cache is refused, whatever its ``max_new_tokens``.
-
-        Raises:
-            KVCacheExhausted: the prompt and its first generated token need more blocks than
-                admission can ever give them, or than its tenant's quota.
-        """
-        problem = self.allocator.never_fits(prompt_len + 1, tenant)
-        if problem is not None:
-            raise KVCacheExhausted(
-                f"a {prompt_len}-token prompt, with its first generated token, {problem}; shorten the prompt "
-                "or give the cache more blocks"
-            )
+        self._inbox.abort(request_id)
 
     # ------------------------------------------------------------------ the engine
 
@@ -723,92 +380,25 @@ class ContinuousDecodeLoop:
             # A fault of the loop itself (not of a step: those fail their requests): no engine
             # is left to serve, so end every request now and refuse new ones, instead of leaving
             # their callers waiting for ever.
-            with self._cond:
-                self._closing = True
-                # The inbox, and what was being taken from it (those the scheduler has not seen).
-                inbox = self._inbox + [(r, s) for r, s in self._admitting if r.request_id not in self._streams]
-                pending = list(self._streams.items()) + [(r.request_id, s) for r, s in inbox]
-                self._streams, self._inbox, self._admitting = {}, [], []
-            failed = BatcherClosed(f"the decode loop's engine failed: {exc!r}")
-            failed.__cause__ = exc
-            wake_all(
-                w for rid, st in pending if (w := st.push(TokenEvent(rid, None, True, "error", failed))) is not None
-            )
-            # As a close would: the blocks back in the pool, statistics() counting them aborted.
-            try:
-                self._abort_all([r for r, _ in inbox if self.scheduler.get(r.request_id) is None])
-            except Exception:  # a scheduler the fault left inconsistent: the fault is what to raise
-                logger.exception("the decode loop could not abort its requests after its engine failed")
+            self.core.fail(self._inbox.fail(self.core.streams), exc)
             raise
         finally:
-            self._stopped.set()
+            self._inbox.stopped.set()
 
     def _serve(self) -> None:
+        core, inbox = self.core, self._inbox
         while True:
-            with self._cond:
-                while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
-                    self._cond.wait()
-                if self._closing:
-                    pending = list(self._streams.items()) + [(r.request_id, s) for r, s in self._inbox]
-                    unadmitted = [r for r, _ in self._inbox]
-                    self._inbox.clear()
-                    self._streams = {}
-                    break
-                inbox, self._inbox = self._inbox, []
-                aborts, self._aborts = self._aborts, []
-                self._admitting = inbox
+            arrivals, aborts, closing = inbox.take(core.scheduler.has_work)
+            if closing:
+                core.shut_down(arrivals)
+                return
             now = self.clock.now()  # the step's time: its arrivals' and its scheduling's
-            if inbox:
-                with self._cond:  # counted by _num_waiting() once, in the inbox or the scheduler
-                    wake = self._add_inbox(inbox, now)
-                    self._admitting = []
-            else:
-                wake = []
-            for rid in aborts:
-                if self.scheduler.abort(rid):
-                    aborted = self._streams.pop(rid, None)
-                    if aborted is not None:
-                        wake.append(aborted.push(TokenEvent(rid, None, True, "abort")))
-            step, events = self._step(now)
-            wake += self._route(events)
+            wake = inbox.hand_over(functools.partial(core.admit, arrivals, now)) if arrivals else []
+            step, events = core.step(now, aborts + inbox.take_aborts())
+            wake += core.route(events)
             wake_all(w for w in wake if w is not None)
-            if not step.requests and not inbox and not aborts:
-                with self._cond:  # nothing could run (e.g. waiting on room): wait for news
-                    self._cond.wait(0.01)
-        self._shut_down(pending, unadmitted)
-
-    def _add_inbox(self, inbox: list[tuple[Request, _Stream]], now: float) -> list[Any]:
-        """Hand the requests taken from the inbox to the scheduler, arrived at ``now``; the
-        waiters to wake of those it refused (their streams get the error)."""
-        wake: list[Any] = []
-        for req, stream in inbox:
-            try:
-                self.scheduler.add(req, now)
-            except Exception as exc:  # noqa: BLE001 - the caller gets it on its stream
-                wake.append(stream.push(TokenEvent(req.request_id, None, True, "error", exc)))
-                continue
-            self._streams[req.request_id] = stream
-        return wake
-
-    def _route(self, events: list[TokenEvent]) -> list[Any]:
-        """Push each event to its request's stream (a finished one leaves); the waiters to wake."""
-        wake: list[Any] = []
-        for ev in events:
-            target = self._streams.get(ev.request_id)
-            if target is None:
-                continue
-            if ev.finished:
-                del self._streams[ev.request_id]
-            wake.append(target.push(ev))
-        return wake
-
-    def _shut_down(self, pending: list[tuple[Hashable, _Stream]], unadmitted: list[Request]) -> None:
-        """End what the closed engine leaves: abort it in the scheduler (this is its thread), so
-        that its blocks go back to the pool and statistics() counts it aborted, not running or
-        waiting for ever; its callers get BatcherClosed."""
-        self._abort_all(unadmitted)
-        closed = BatcherClosed("the decode loop was closed")
-        wake_all(w for rid, s in pending if (w := s.push(TokenEvent(rid, None, True, "abort", closed))) is not None)
+            if not step.requests and not arrivals and not aborts:
+                inbox.wait_for_news(0.01)  # nothing could run (e.g. waiting on room): wait for news
 
     def step_once(self) -> tuple[ScheduledStep, list[TokenEvent]]:
         """Run one iteration in the calling thread: schedule, run the step, sample, update.
@@ -823,83 +413,25 @@ class ContinuousDecodeLoop:
             BatcherClosed: after :meth:`close` of a loop no engine thread ran (close aborted
                 what was left).
         """
-        engine = self._thread
-        if engine is None and self._closing:
-            raise BatcherClosed("the decode loop was closed: step_once() has nothing left to run")
-        if engine is not None and engine is not threading.current_thread() and engine.is_alive():
-            raise RuntimeError(
-                f"the engine runs in thread {engine.name!r}; step_once() drives a loop whose generate()/"
-                "submit() API is unused (add requests with scheduler.add), or use engine='caller'"
-            )
-        return self._step(self.clock.now())
-
-    def _step(self, now: float) -> tuple[ScheduledStep, list[TokenEvent]]:
-        """One iteration that starts at ``now``: the aborts asked for, schedule, run, update."""
-        with self._cond:  # aborts asked for with abort() (the engine thread drains its own first)
-            aborts, self._aborts = self._aborts, []
-        dropped = [TokenEvent(rid, None, True, "abort") for rid in aborts if self.scheduler.abort(rid)]
-        step = self.scheduler.schedule(now)
-        events = dropped + self.scheduler.take_events()
-        if step.requests:
-            try:
-                events += self._run_step(step)
-            except Exception as exc:  # noqa: BLE001 - a failing step fails its requests, not the loop
-                for req in step.requests:
-                    if self.scheduler.abort(req.request_id):
-                        events.append(TokenEvent(req.request_id, None, True, "error", exc))
-        if self._runner.grammars:  # after every way this step ends requests: finished, failed, aborted
-            self._runner.grammars.discard_ended()
-        return step, events
-
-    def _run_step(self, step: ScheduledStep) -> list[TokenEvent]:
-        """Run a scheduled step (:meth:`StepRunner.run`), then the scheduler's update; the
-        requests whose rows failed end with their errors."""
-        out = self._runner.run(step)
-        self._record_step(out.started, out.ended, len(out.tokens))
-        events = self.scheduler.update(step, out.tokens, out.logprobs, out.ended)
-        return self._fail_rows(events, out.failed) if out.failed else events
-
-    def _record_step(self, t0: float, done: float, num_tokens: int) -> None:
-        """Count a step that ran from ``t0`` to ``done`` and sampled ``num_tokens`` tokens."""
-        self._step_time.add(done - t0)
-        self._steps += 1
-        self._generated += num_tokens
-        if self._t_first is None:
-            self._t_first = t0
-        self._t_last = done
-
-    def _fail_rows(self, events: list[TokenEvent], failed: Mapping[Hashable, BaseException]) -> list[TokenEvent]:
-        """``events`` with the requests of ``failed`` (rows no token could be drawn from, a bias
-        past the logits, a grammar, sampling that raised) failed instead, each with its error."""
-        events = [ev for ev in events if ev.request_id not in failed]
-        for rid, error in failed.items():
-            self.scheduler.abort(rid)  # False if the sampled token had finished it: fail it all the same
-            events.append(TokenEvent.ended(rid, "error", error))
-        return events
+        self._inbox.check_stepper()
+        return self.core.step(self.clock.now(), self._inbox.take_aborts())
 
     def build_batch(self, step: ScheduledStep, device: Any = "cpu") -> StepBatch:
         """The :class:`StepBatch` that :meth:`step_once` hands the step function for ``step``
         (a ``Scheduler.schedule()`` result), on ``device``; for profiling and custom drivers."""
-        return self._runner.build_batch(step, device)
+        return self.core.runner.build_batch(step, device)
 
     # ------------------------------------------------------------------ tuning (batchkit.control.TunableTarget)
 
-    def _num_waiting(self) -> int:
-        """Requests not yet running (call under the lock). Those the engine took from the inbox
-        count until they are in the scheduler, which it adds them to under the lock: each is
-        counted once."""
-        return len(self._inbox) + len(self._admitting) + len(self.scheduler.waiting)
-
     def queue_depth(self) -> int:
         """Requests waiting for admission now: submitted or preempted, not running."""
-        with self._cond:
-            return self._num_waiting()
+        return self._inbox.num_waiting()
 
     def free_seats(self) -> int:
         """Seats free now: ``max_num_seqs`` less the running requests. The next step admits
         waiting requests into them (KV blocks allowing): ``max_waiting`` bounds the requests
         waiting beyond them."""
-        return max(0, self.scheduler.max_num_seqs - len(self.scheduler.running))
+        return self._inbox.free_seats()
 
     def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
         """Time-per-output-token samples (seconds) after the first ``since``, and the next count."""
@@ -911,8 +443,7 @@ class ContinuousDecodeLoop:
         Raises:
             ValueError: ``size`` < 1.
         """
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"the batch limit (max_num_seqs) must be an int >= 1, got {size!r}")
+        positive_int("the batch limit (max_num_seqs)", size)
         self.scheduler.max_num_seqs = size  # read once per schedule(): one attribute store is atomic
 
     # ------------------------------------------------------------------ lifecycle
@@ -929,22 +460,8 @@ class ContinuousDecodeLoop:
             RuntimeError: the loop starts its own engine thread, or the engine already runs.
             BatcherClosed: the engine ran and stopped (the loop was closed): make a new loop.
         """
-        self._claim_engine("run_engine")
+        self._inbox.claim("run_engine")
         self._engine()
-
-    def _claim_engine(self, caller: str) -> None:
-        """Make the calling thread the engine's, or raise why it cannot be."""
-        if self.engine != "caller":
-            raise RuntimeError(f"{caller}() needs a loop made with engine='caller'; this one runs its own thread")
-        with self._cond:
-            if self._thread is not None:
-                if self._stopped.is_set():
-                    raise BatcherClosed(
-                        f"the decode loop is closed: its engine ran in thread {self._thread.name!r} and stopped; "
-                        "make a new loop"
-                    )
-                raise RuntimeError(f"the engine already runs in thread {self._thread.name!r}")
-            self._thread = threading.current_thread()
 
     def run_with(self, main: Callable[[], Awaitable[T]], *, backend: str = "asyncio") -> T:
         """Run ``main`` (an async function of yours: a server, a client, a job) on an event loop
@@ -972,7 +489,7 @@ class ContinuousDecodeLoop:
         """
         import anyio
 
-        self._claim_engine("run_with")
+        self._inbox.claim("run_with")
         outcome: list[Any] = []
 
         def app() -> None:
@@ -998,47 +515,14 @@ class ContinuousDecodeLoop:
         Waits up to ``timeout`` seconds (None: as long as it takes) for the engine to finish its
         step, unless called from the engine's own thread.
         """
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-            thread = self._thread
-            # No engine ever ran (engine="caller" before run_engine()): nobody else will end
-            # the requests waiting in the inbox, so end them here.
-            orphans = [] if thread is not None else self._inbox
-            if thread is None:
-                self._inbox = []
+        thread, orphans = self._inbox.close()
         if thread is None:
-            # Nor will anyone step the scheduler again: requests added with scheduler.add() and
-            # driven by step_once() are aborted too, their blocks back in the pool.
-            self._abort_all([r for r, _ in orphans])
-        if orphans:
-            closed = BatcherClosed("the decode loop was closed")
-            wake_all(
-                w
-                for r, s in orphans
-                if (w := s.push(TokenEvent(r.request_id, None, True, "abort", closed))) is not None
-            )
-        if thread is not None and thread is not threading.current_thread():
-            self._stopped.wait(timeout)
-
-    def _abort_all(self, unadmitted: list[Request]) -> None:
-        """Abort every request the scheduler holds, and ``unadmitted`` (taken from the inbox
-        before it saw them), so that their blocks go back to the pool and statistics() counts
-        them aborted. Only the thread that steps the scheduler, or close() when none does."""
-        sched = self.scheduler
-        for req in [*sched.running, *sched.swapped, *sched.waiting]:
-            sched.abort(req.request_id)
-        self._abort_unadmitted(unadmitted)
-
-    def _abort_unadmitted(self, requests: list[Request]) -> None:
-        """Requests that close() ends before the scheduler ever saw them (still in the inbox)
-        are added and aborted there, so that statistics() counts them aborted like the rest."""
-        for req in requests:
-            try:
-                self.scheduler.add(req)
-            except Exception:  # noqa: BLE001 - refused at add: it never ran, nothing to count
-                continue
-            self.scheduler.abort(req.request_id)
+            # No engine ever ran (engine="caller" before run_engine()): nobody else will end the
+            # requests waiting in the inbox, nor step the scheduler again (requests added with
+            # scheduler.add() and driven by step_once()): end them here, their blocks back in the pool.
+            self.core.shut_down(orphans)
+        elif thread is not threading.current_thread():
+            self._inbox.stopped.wait(timeout)
 
     async def aclose(self) -> None:
         import anyio
@@ -1052,14 +536,7 @@ class ContinuousDecodeLoop:
         self.close()
 
     def statistics(self) -> LoopStatistics:
-        span = self._t_last - self._t_first if self._t_first is not None else 0.0
-        return LoopStatistics(
-            scheduler=self.scheduler.statistics(),
-            steps=self._steps,
-            tokens_per_s=self._generated / span if span > 0 else 0.0,
-            step_time=self._step_time.summary(),
-            step_time_recent=self._step_time.recent(),
-        )
+        return self.core.statistics()
 
     def __repr__(self) -> str:
         s = self.scheduler
