@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from batchkit import BatcherClosed, CircuitOpen, DeadlineExceeded, QueueFull
+from batchkit.dynamic._queue_core import QueueCore
 from batchkit.dynamic.ledger import (
     FINAL,
     NO_FALLBACK,
@@ -67,6 +68,30 @@ class TestTheTable:
             Event.CANCEL: Phase.CANCELLED,
             Event.ABANDON: Phase.ABANDONED,
         }
+
+    def test_the_queue_core_takes_a_queued_request_or_lets_it_leave_unserved(self) -> None:
+        """From QUEUED (the queue core's two moves): taken into a batch, or out unserved."""
+        assert TRANSITIONS[Phase.QUEUED] == {Event.TAKE: Phase.WAITING, Event.LEAVE: Phase.LEFT}
+
+    def test_a_request_out_of_the_queue_unserved_is_told_why(self) -> None:
+        """From LEFT: the drop (or the cancel) that took it out names its end."""
+        assert TRANSITIONS[Phase.LEFT] == {
+            Event.CANCEL: Phase.CANCELLED,
+            Event.EXPIRE: Phase.EXPIRED,
+            Event.EVICT: Phase.EVICTED,
+            Event.ABANDON: Phase.ABANDONED,
+        }
+
+    def test_the_queue_core_moves_the_one_phase_of_an_entry(self) -> None:
+        """A queue entry's only state is its phase: QUEUED, then WAITING once taken, or LEFT
+        once expired, evicted, cancelled or discarded; never both at once."""
+        core: QueueCore[str] = QueueCore(4)
+        taken, cancelled = (core.insert(x, 0, None, None, 1, now=0.0)[0] for x in "ab")
+        assert (taken.phase, cancelled.phase) == (Phase.QUEUED, Phase.QUEUED)
+        assert core.take(1, now=0.0) == [taken]
+        assert core.cancel(cancelled)
+        assert (taken.phase, cancelled.phase) == (Phase.WAITING, Phase.LEFT)
+        assert (taken.waiting, cancelled.waiting) == (False, False)
 
     @pytest.mark.parametrize("final", sorted(FINAL, key=str))
     @pytest.mark.parametrize("event", list(Event))

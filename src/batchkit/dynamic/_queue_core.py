@@ -23,15 +23,11 @@ from typing import Any, Generic, Literal, TypeVar
 
 from .._errors import DeadlineExceeded, QueueFull
 from ..metrics import LatencySummary, SampleWindow
+from .ledger import TRANSITIONS, Event, Phase
 
 __all__ = [
     "ANY_KEY",
-    "CANCELLED",
-    "DROPPED",
-    "EXPIRED",
     "ON_FULL_POLICIES",
-    "TAKEN",
-    "WAITING",
     "Drop",
     "OnFull",
     "QueueCore",
@@ -47,9 +43,13 @@ T = TypeVar("T")
 OnFull = Literal["reject", "block", "drop_oldest", "shed_lowest_priority"]
 ON_FULL_POLICIES: tuple[str, ...] = ("reject", "block", "drop_oldest", "shed_lowest_priority")
 
-# Entry states. An entry leaves WAITING exactly once; lazily deleted entries stay in their deque
-# until they reach its head (or a compaction), which keeps cancel and expire O(1).
-WAITING, TAKEN, CANCELLED, EXPIRED, DROPPED = range(5)
+# An entry's one state is the ledger's phase. The core makes the table's two moves out of QUEUED,
+# each exactly once: TAKE (into a batch) and LEAVE (unserved: the Drop or the cancel that took it
+# out says why). Lazily deleted entries stay in their deque until they reach its head (or a
+# compaction), which keeps cancel and expire O(1).
+_QUEUED = Phase.QUEUED
+_TAKEN = TRANSITIONS[_QUEUED][Event.TAKE]
+_LEFT = TRANSITIONS[_QUEUED][Event.LEAVE]
 
 ANY_KEY: Any = object()
 """``QueueCore.take(key=ANY_KEY)``: take from every group."""
@@ -58,7 +58,7 @@ ANY_KEY: Any = object()
 class QueueEntry(Generic[T]):
     """One item in a :class:`BoundedQueue`, as returned by ``put``; pass it to ``cancel``."""
 
-    __slots__ = ("arrival", "cost", "deadline", "item", "key", "priority", "seq", "state")
+    __slots__ = ("arrival", "cost", "deadline", "item", "key", "phase", "priority", "seq")
 
     def __init__(
         self,
@@ -77,16 +77,18 @@ class QueueEntry(Generic[T]):
         self.deadline = deadline
         self.key = key
         self.cost = cost
-        self.state = WAITING
+        self.phase = _QUEUED
+        """Where it stands (:class:`~batchkit.dynamic.ledger.Phase`): ``QUEUED`` while in the
+        queue, ``WAITING`` once taken, ``LEFT`` once out unserved; a batcher's ledger moves it on."""
 
     @property
     def waiting(self) -> bool:
         """Whether the entry is still in the queue."""
-        return self.state == WAITING
+        return self.phase is _QUEUED
 
     def __repr__(self) -> str:
-        states = ("waiting", "taken", "cancelled", "expired", "dropped")
-        return f"<QueueEntry seq={self.seq} priority={self.priority} {states[self.state]}>"
+        where = {_QUEUED: "waiting", _TAKEN: "taken", _LEFT: "removed"}.get(self.phase, self.phase.value)
+        return f"<QueueEntry seq={self.seq} priority={self.priority} {where}>"
 
 
 Drop = tuple[QueueEntry[Any], BaseException]
@@ -256,7 +258,7 @@ class QueueCore(Generic[T]):
                 else "raise maxsize, use on_full='block' to wait, or add serving capacity"
             )
             raise QueueFull(f"queue is full ({self.maxsize} items, on_full={self.on_full!r}); {advice}")
-        self._remove(victim, DROPPED)
+        self._remove(victim)
         self._drops += 1
         return [(victim, QueueFull(f"dropped from a full queue ({self.on_full}) to admit a newer item"))]
 
@@ -276,7 +278,7 @@ class QueueCore(Generic[T]):
         entry.deadline = deadline
         entry.key = key
         entry.cost = cost
-        entry.state = WAITING
+        entry.phase = _QUEUED
         entry.seq = self.seq = self.seq + 1
         level = self._levels.get(priority)
         if level is None:
@@ -340,21 +342,21 @@ class QueueCore(Generic[T]):
             if key is ANY_KEY:
                 while dq and len(out) < max_items:
                     e = dq[0]
-                    if e.state != WAITING:
+                    if e.phase is not _QUEUED:
                         dq.popleft()
                         continue
                     if max_cost is not None and out and total + e.cost > max_cost:
                         full = True
                         break
                     dq.popleft()
-                    e.state = TAKEN
+                    e.phase = _TAKEN
                     out.append(e)
                     total += e.cost
             else:
                 keep: deque[QueueEntry[T]] = deque()
                 while dq:
                     e = dq.popleft()
-                    if e.state != WAITING:
+                    if e.phase is not _QUEUED:
                         continue
                     if full or e.key != key or len(out) >= max_items:
                         keep.append(e)
@@ -362,7 +364,7 @@ class QueueCore(Generic[T]):
                         full = True
                         keep.append(e)
                     else:
-                        e.state = TAKEN
+                        e.phase = _TAKEN
                         out.append(e)
                         total += e.cost
                 self._levels[p] = keep
@@ -379,9 +381,9 @@ class QueueCore(Generic[T]):
     def discard_all(self, now: float) -> list[QueueEntry[T]]:
         """Remove and return every waiting entry, counted as cancellations, not as served (a
         close without drain: none of them runs)."""
-        out = [e for dq in self._levels.values() for e in dq if e.state == WAITING]
+        out = [e for dq in self._levels.values() for e in dq if e.phase is _QUEUED]
         for e in out:
-            e.state = CANCELLED
+            e.phase = _LEFT
         self._levels.clear()
         if out:
             self._release(out)
@@ -396,9 +398,9 @@ class QueueCore(Generic[T]):
         out: list[Drop] = []
         while heap and heap[0][0] <= now:
             _, _, entry = heapq.heappop(heap)
-            if entry.state != WAITING:
+            if entry.phase is not _QUEUED:
                 continue
-            self._remove(entry, EXPIRED)
+            self._remove(entry)
             self._expiries += 1
             waited_ms = (now - entry.arrival) * 1e3
             out.append((entry, DeadlineExceeded(f"deadline passed after {waited_ms:.1f} ms in the queue")))
@@ -406,9 +408,9 @@ class QueueCore(Generic[T]):
 
     def cancel(self, entry: QueueEntry[T]) -> bool:
         """Remove a waiting entry; False if it already left (taken, expired, dropped)."""
-        if entry.state != WAITING:
+        if entry.phase is not _QUEUED:
             return False
-        self._remove(entry, CANCELLED)
+        self._remove(entry)
         self._cancellations += 1
         return True
 
@@ -417,7 +419,7 @@ class QueueCore(Generic[T]):
     def next_deadline(self) -> float | None:
         """The earliest deadline (clock time) among waiting entries, or None."""
         heap = self._deadlines
-        while heap and heap[0][2].state != WAITING:
+        while heap and heap[0][2].phase is not _QUEUED:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
@@ -444,7 +446,7 @@ class QueueCore(Generic[T]):
         :meth:`take` would serve first at ``now`` (best effective priority, FIFO within it)."""
         for p in self._ordered_levels(now):
             for e in self._levels[p]:
-                if e.state == WAITING and e.key in keys:
+                if e.phase is _QUEUED and e.key in keys:
                     return e.key
         raise ValueError(f"no waiting entry in the groups {keys!r}")
 
@@ -488,7 +490,7 @@ class QueueCore(Generic[T]):
             victim: QueueEntry[T] | None = None
             worst = -math.inf
             for p, dq in self._levels.items():
-                tail = next((e for e in reversed(dq) if e.state == WAITING), None)
+                tail = next((e for e in reversed(dq) if e.phase is _QUEUED), None)
                 if tail is None:
                     continue
                 eff = float(p) if aging is None else p - (t - tail.arrival) / aging
@@ -503,19 +505,19 @@ class QueueCore(Generic[T]):
     def _head(dq: deque[QueueEntry[T]]) -> QueueEntry[T] | None:
         while dq:
             head = dq[0]
-            if head.state == WAITING:
+            if head.phase is _QUEUED:
                 return head
             dq.popleft()
         return None
 
-    def _remove(self, entry: QueueEntry[T], state: int) -> None:
-        """Mark a waiting entry as gone (lazy deletion) and free its slot."""
-        entry.state = state
+    def _remove(self, entry: QueueEntry[T]) -> None:
+        """Mark a waiting entry as gone unserved (lazy deletion) and free its slot."""
+        entry.phase = _LEFT
         self._release([entry])
         dq = self._levels.get(entry.priority)
         if dq is not None and len(dq) > 2 * self.maxsize:
             # Many lazily deleted entries: compact so memory stays bounded by capacity.
-            self._levels[entry.priority] = deque(e for e in dq if e.state == WAITING)
+            self._levels[entry.priority] = deque(e for e in dq if e.phase is _QUEUED)
 
     def _ordered_levels(self, now: float) -> list[int]:
         """Priority levels with a waiting head, best effective priority first."""
@@ -536,7 +538,7 @@ class QueueCore(Generic[T]):
         return [p for _, _, p in scored]
 
     def _release(self, gone: list[QueueEntry[T]]) -> None:
-        """Account for entries that just left (their state is already set): depth, loads."""
+        """Account for entries that just left (their phase is already set): depth, loads."""
         n = len(gone)
         self.depth -= n
         loads = self._loads

@@ -35,7 +35,7 @@ from .._errors import BatcherClosed, QueueFull
 from ..control import AdaptiveBatchController, CircuitBreaker
 from ._loop_pump import LoopPump
 from ._offload import OffloadThreads
-from ._queue_core import TAKEN, check_timeout
+from ._queue_core import check_timeout
 from .batcher import BatcherOptions, BatcherShell, LedgerEntry, is_async_callable
 from .former import FormedBatch
 from .ledger import NO_FALLBACK, Phase, Split
@@ -47,7 +47,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _NO_FALLBACK: Any = NO_FALLBACK
-_WAITING = Phase.WAITING  # an enum member read from the class costs more than a global
+# Enum members read from the class cost more than globals.
+_QUEUED, _WAITING, _RUNNING = Phase.QUEUED, Phase.WAITING, Phase.RUNNING
 _get_running_loop = asyncio.get_running_loop
 _running_loop_or_none = asyncio._get_running_loop  # the C function: None outside a loop, no raise
 
@@ -65,7 +66,7 @@ class _Entry(LedgerEntry):
         # LedgerEntry's fields, set here rather than through super(): one call less per request.
         self.item = item
         self.fallback = fallback
-        self.phase = _WAITING
+        self.phase = _QUEUED
         self.value = None
         self.error = None
         self.future = future
@@ -255,11 +256,14 @@ class AsyncBatcher(BatcherShell[T, R]):
 
     def _cancel(self, entry: _Entry) -> None:
         """The caller gave up: its item leaves the queue if it still waits."""
-        if self._core.cancel(entry):
+        phase = entry.phase
+        if phase is _QUEUED:
+            self._core.cancel(entry)  # out of the queue (LEFT); the ledger counts it cancelled
             self.ledger.cancel(entry)
             self._pump.soon()
-        elif entry.state == TAKEN:
+        elif phase is _WAITING or phase is _RUNNING:
             self.ledger.cancel(entry)  # its result will find no one waiting
+        # Otherwise answered, or left unserved: the drop that took it out answers it.
 
     # ------------------------------------------------------------------ running batches
 

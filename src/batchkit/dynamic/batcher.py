@@ -41,7 +41,6 @@ from ..control import AdaptiveBatchController, CircuitBreaker, is_out_of_memory
 from ..metrics import LatencySummary, SampleWindow
 from ._loop_thread import LoopThread
 from ._queue_core import (
-    TAKEN,
     Drop,
     QueueEntry,
     check_number,
@@ -52,7 +51,7 @@ from ._queue_core import (
 )
 from ._threads import BatchThreads
 from .former import FLUSH_REASONS, BatchFormer, BatchInfo, FormedBatch
-from .ledger import FINAL, NO_FALLBACK, Phase, RequestLedger, Split
+from .ledger import NO_FALLBACK, Phase, RequestLedger, Split
 from .queue import BoundedQueue, OnFull
 
 __all__ = [
@@ -75,7 +74,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _NO_FALLBACK: Any = NO_FALLBACK
-_WAITING = Phase.WAITING  # an enum member read from the class costs more than a global
+# Enum members read from the class cost more than globals.
+_QUEUED, _WAITING, _RUNNING = Phase.QUEUED, Phase.WAITING, Phase.RUNNING
 
 Settled = tuple[list[Any], bool] | Split
 """What :meth:`BatcherShell._settle` makes of a call: the entries to wake and whether it
@@ -87,15 +87,16 @@ class LedgerEntry(QueueEntry[Any]):
     shell's request as the :class:`~batchkit.dynamic.ledger.RequestLedger` tracks it.
 
     The queue fields (priority, seq, arrival, ...) are filled in when it is admitted; its
-    ``phase`` is the ledger's, and so are ``value`` and ``error`` once it is answered.
+    ``phase`` (its one state) moves along the ledger's table, and ``value`` and ``error`` are
+    the ledger's once it is answered.
     """
 
-    __slots__ = ("error", "fallback", "phase", "value")
+    __slots__ = ("error", "fallback", "value")
 
     def __init__(self, item: Any, fallback: Any) -> None:
         self.item = item
         self.fallback = fallback
-        self.phase = Phase.WAITING
+        self.phase = _QUEUED
         self.value: Any = None
         self.error: BaseException | None = None
 
@@ -115,7 +116,7 @@ class _Request(LedgerEntry):
         # LedgerEntry's fields, set here rather than through super(): one call less per request.
         self.item = item
         self.fallback = fallback
-        self.phase = _WAITING
+        self.phase = _QUEUED
         self.value = None
         self.error = None
         self.sink = sink  # concurrent.futures.Future, ThreadWaiter, or an async waiter
@@ -838,12 +839,13 @@ class DynamicBatcher(BatcherShell[T, R]):
             self._cancel_locked(req)
 
     def _cancel_locked(self, req: _Request) -> None:
-        if req.phase in FINAL:
-            return
-        # Still queued, or taken (its result will find no one waiting); an entry that left the
-        # queue unserved is answered by its drop instead.
-        if self._core.cancel(req) or req.state == TAKEN:
-            self.ledger.cancel(req)
+        phase = req.phase
+        if phase is _QUEUED:
+            self._core.cancel(req)  # out of the queue (LEFT); the ledger counts it cancelled
+        elif phase is not _WAITING and phase is not _RUNNING:
+            return  # answered, or left unserved: the drop that took it out answers it
+        # Taken or running, its result will find no one waiting.
+        self.ledger.cancel(req)
 
     def _future_cancelled(self, req: _Request) -> None:
         """A submit's Future was cancelled: give the item up, and move the Future on to "cancelled
@@ -963,7 +965,7 @@ class DynamicBatcher(BatcherShell[T, R]):
             batch.runner = threading.current_thread()
             for r in reqs:
                 sink = r.sink
-                if r.phase is Phase.WAITING and isinstance(sink, concurrent.futures.Future):
+                if r.phase is _WAITING and isinstance(sink, concurrent.futures.Future):
                     r.notified = True
                     if not sink.set_running_or_notify_cancel():
                         self.ledger.cancel(r)  # cancelled just now; _future_cancelled finds it final

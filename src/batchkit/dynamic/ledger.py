@@ -2,12 +2,15 @@
 
 A request the queue admitted is in one :class:`Phase` at a time; an :class:`Event` moves it along
 :data:`TRANSITIONS` (one table, as h11's ``_state.py``) and a request in a final phase is never
-answered twice. The ledger owns the counters ``statistics()`` reports, the fallback rule (a
-deadline with a fallback answers with it) and the split-and-retry rule (an out-of-memory, or any
-error under ``isolate_errors``, retries the two halves). It returns what the shell must do (the
-requests to wake, with ``value`` or ``error`` set; the halves to retry) and does nothing itself.
+answered twice. The phase is a request's only state: the queue core
+(:class:`~batchkit.dynamic._queue_core.QueueCore`) makes the two moves out of ``QUEUED`` (``TAKE``
+into a batch, ``LEAVE`` unserved) and the ledger makes the rest. The ledger owns the counters
+``statistics()`` reports, the fallback rule (a deadline with a fallback answers with it) and the
+split-and-retry rule (an out-of-memory, or any error under ``isolate_errors``, retries the two
+halves). It returns what the shell must do (the requests to wake, with ``value`` or ``error`` set;
+the halves to retry) and does nothing itself.
 
-It does not know queues, batches, locks, threads, event loops or clocks: the shells
+It does not know the queue's order, batches, locks, threads, event loops or clocks: the shells
 (:class:`~batchkit.DynamicBatcher`, :class:`~batchkit.AsyncBatcher`, ``batchkit.sim``) call it
 under their own guard and tell it ``now``.
 """
@@ -51,7 +54,9 @@ NO_FALLBACK: Any = _NoFallback()
 class Phase(enum.Enum):
     """Where an admitted request stands."""
 
-    WAITING = "waiting"  # admitted, not yet handed to the batch function
+    QUEUED = "queued"  # in the queue
+    LEFT = "left"  # out of the queue unserved; the drop (or the cancel) that took it out says why
+    WAITING = "waiting"  # taken from the queue, not yet handed to the batch function
     RUNNING = "running"  # in a batch the shell started
     SUCCEEDED = "succeeded"  # answered with a result (or its fallback)
     FAILED = "failed"  # its batch answered it with an exception
@@ -68,6 +73,8 @@ class Phase(enum.Enum):
 class Event(enum.Enum):
     """What can happen to a request."""
 
+    TAKE = "be taken"  # the queue core: into a batch
+    LEAVE = "leave the queue"  # the queue core: expired, evicted, cancelled or discarded
     START = "start"
     SUCCEED = "succeed"
     FAIL = "fail"
@@ -81,6 +88,15 @@ class Event(enum.Enum):
 
 W, R = Phase.WAITING, Phase.RUNNING
 TRANSITIONS: Mapping[Phase, Mapping[Event, Phase]] = {
+    Phase.QUEUED: {Event.TAKE: W, Event.LEAVE: Phase.LEFT},
+    # The queue core took it out unserved, without knowing why; the shell answers it (drop, or
+    # the cancel that took it out) and never cancels one that a drop answers.
+    Phase.LEFT: {
+        Event.CANCEL: Phase.CANCELLED,
+        Event.EXPIRE: Phase.EXPIRED,
+        Event.EVICT: Phase.EVICTED,
+        Event.ABANDON: Phase.ABANDONED,
+    },
     W: {
         Event.START: R,
         Event.CANCEL: Phase.CANCELLED,
