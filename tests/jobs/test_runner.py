@@ -121,7 +121,7 @@ def test_a_batched_function_isolates_a_raising_record_only_with_its_own_isolate_
 
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "x": i} for i in range(20)])
     try:
-        with caplog.at_level(logging.WARNING, logger="batchkit.jobs.runner"):
+        with caplog.at_level(logging.WARNING, logger="batchkit.jobs.target"):
             report = run(fn, src, tmp_path / "out.jsonl", retries=0)
     finally:
         fn.close()

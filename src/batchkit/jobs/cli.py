@@ -408,7 +408,7 @@ _BATCHER_SETTINGS = {
 def _check_batcher_options(args: argparse.Namespace, fn: Any = None) -> None:
     """Refuse the options of the batcher a job builds around a plain batch function (given at
     their default value too) where it builds none: with --model (``fn`` None: checked before the
-    model loads), or a target that batches itself (``runner._make_target`` says which do)."""
+    model loads), or a target that batches itself (``target.make_target`` says which do)."""
     given = [option for option in _BATCHER_SETTINGS if option in args.given]
     if not given:
         return

@@ -14,11 +14,22 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from .._errors import JobStateError
 from .source import Malformed
 
-__all__ = ["Committed", "Fingerprints", "InputCheck", "canonical_json", "content_digest", "is_id", "record_key"]
+__all__ = [
+    "Committed",
+    "Fingerprints",
+    "InputCheck",
+    "canonical_json",
+    "changed_input",
+    "content_digest",
+    "is_id",
+    "record_key",
+]
 
 
 def content_digest(content: bytes) -> str:
@@ -196,3 +207,11 @@ def _canonical(obj: object) -> Any:
 def _jsonable(obj: object) -> Any:
     tolist = getattr(obj, "tolist", None)
     return _canonical(tolist()) if callable(tolist) else repr(obj)
+
+
+def changed_input(output: Path, reason: str) -> JobStateError:
+    """The refusal of a resume whose input no longer holds what the output was computed from."""
+    return JobStateError(
+        f"{output} holds results computed from other input: {reason}: restore the input as it was, or delete the "
+        "output, its dead-letter file and its journal to start over (or choose another output)"
+    )
