@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from typing import Any
 import anyio
 
 from ._errors import QueueFull
+from ._validate import non_negative_float, positive_float, positive_int, positive_int_or_none
 from .dynamic.batcher import DynamicBatcher, is_async_callable
 from .metrics import percentiles
 
@@ -285,6 +286,134 @@ class _ThreadPools:
         self.used = dict(sorted(used.items()))
 
 
+class _Tally:
+    """What a point counts as requests come and go: each latency, the arrivals refused, the
+    first failure, and the area under ``L(t)`` (requests in the system) for Little's law."""
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.rejected = 0
+        self.failure: BaseException | None = None
+        self.area = 0.0
+        self.in_system = 0
+        self.t0 = 0.0
+        self.last = 0.0
+
+    def start(self) -> float:
+        self.t0 = self.last = time.perf_counter()
+        return self.t0
+
+    def arrive(self, at: float) -> None:
+        """A request in the system since ``at``: in the open loop its scheduled time, which its
+        task may start after. L counts it from there, as its latency does."""
+        now = time.perf_counter()
+        self.area += self.in_system * (now - self.last) + (now - at)
+        self.last = now
+        self.in_system += 1
+
+    def leave(self) -> float:
+        now = time.perf_counter()
+        self.area += self.in_system * (now - self.last)
+        self.last = now
+        self.in_system -= 1
+        return now
+
+
+async def _request(
+    b: DynamicBatcher[Any, Any], item: Any, scheduled: float | None, tally: _Tally, tg: anyio.abc.TaskGroup
+) -> None:
+    """One request, from its arrival (``scheduled``, or now) to its answer; a failure of the
+    target stops the run and is kept."""
+    start = time.perf_counter() if scheduled is None else scheduled
+    tally.arrive(start)
+    try:
+        await b.asubmit(item)
+    except QueueFull:
+        tally.rejected += 1
+        return
+    except Exception as exc:  # noqa: BLE001 - the target failed: stop the run, keep the cause
+        if tally.failure is None:
+            tally.failure = exc
+        tg.cancel_scope.cancel()
+        return
+    finally:
+        end = tally.leave()
+    tally.latencies.append(end - start)  # the instant that ended its time in L
+
+
+async def _offer_load(
+    b: DynamicBatcher[Any, Any],
+    items: list[Any],
+    tally: _Tally,
+    *,
+    n_callers: int,
+    rate: float | None,
+    duration_s: float,
+    seed: int,
+) -> None:
+    """``n_callers`` callers in a closed loop, or Poisson arrivals at ``rate``, for ``duration_s``."""
+    t0 = tally.start()
+    stop = t0 + duration_s
+    async with anyio.create_task_group() as tg:
+        if rate is None:
+
+            async def caller(k: int) -> None:
+                i = k
+                while True:
+                    await _request(b, items[i % len(items)], None, tally, tg)
+                    i += n_callers
+                    if time.perf_counter() >= stop:
+                        return
+
+            for k in range(n_callers):
+                tg.start_soon(caller, k)
+            return
+        rng = random.Random(seed)
+        t = t0
+        i = 0
+        while True:
+            t += rng.expovariate(rate)
+            if t >= stop:
+                break
+            # Yield even when behind schedule, so that queued requests reach the batcher.
+            await anyio.sleep(max(t - time.perf_counter(), 0.0))
+            tg.start_soon(_request, b, items[i % len(items)], t, tally, tg)
+            i += 1
+
+
+def _run_within(main: Callable[[], Awaitable[None]], limit: float) -> bool:
+    """Run ``main`` on an event loop of its own for at most ``limit`` seconds: whether it
+    finished. Ctrl-C stops it and raises ``KeyboardInterrupt``."""
+    interrupted = False
+
+    async def on_ctrl_c(scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        # Ctrl-C read by the event loop, not the host task's native cancel that asyncio's runner
+        # sends: anyio's cancel scopes can swallow that one, leaving the run hanging.
+        nonlocal interrupted
+        with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
+            async for _ in signals:
+                interrupted = True
+                scope.cancel()
+                return
+
+    async def guarded() -> bool:
+        async with anyio.create_task_group() as tg:
+            if threading.current_thread() is threading.main_thread() and sys.platform != "win32":
+                await tg.start(on_ctrl_c, tg.cancel_scope)
+            with anyio.move_on_after(limit):
+                await main()
+                tg.cancel_scope.cancel()
+                return True
+            tg.cancel_scope.cancel()
+        return False
+
+    finished = anyio.run(guarded)
+    if interrupted:
+        raise KeyboardInterrupt
+    return finished
+
+
 def run_point(
     fn: Callable[[list[Any]], Any],
     make_item: Callable[[int], Any],
@@ -307,15 +436,13 @@ def run_point(
         TimeoutError: the point did not finish within ``duration_s`` plus the waits it allows.
         Exception: the first exception ``fn`` (or ``make_item``) raised.
     """
-    _check_positive("duration_s", duration_s)
-    _check_positive("timeout_s", timeout_s)
+    positive_float("duration_s", duration_s)
+    positive_float("timeout_s", timeout_s)
     n_callers = 0
     if rate is None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1 (or pass rate), got {concurrency!r}")
-        n_callers = concurrency
+        n_callers = positive_int("concurrency", concurrency, note="(or pass rate)")
     else:
-        _check_positive("rate", rate)
+        positive_float("rate", rate)
     b = DynamicBatcher(
         fn,
         max_batch_size=batch_size,
@@ -323,114 +450,16 @@ def run_point(
         max_queue=MAX_QUEUE,
         batch_timeout_s=timeout_s,
     )
-    lat: list[float] = []
-    area = 0.0
-    in_system = 0
-    rejected = 0
-    last = 0.0
-    t0 = 0.0
-    failure: list[BaseException] = []
-
-    def arrive(at: float) -> None:
-        """A request in the system since ``at``: in the open loop its scheduled time, which its
-        task may start after. L counts it from there, as its latency does."""
-        nonlocal area, in_system, last
-        now = time.perf_counter()
-        area += in_system * (now - last) + (now - at)
-        last = now
-        in_system += 1
-
-    def leave() -> float:
-        nonlocal area, in_system, last
-        now = time.perf_counter()
-        area += in_system * (now - last)
-        last = now
-        in_system -= 1
-        return now
-
+    tally = _Tally()
+    # Every request is bounded by the queue wait and timeout_s per batch; this guard is the last resort.
+    limit = duration_s + max_wait_ms / 1e3 + 3 * timeout_s + 10.0
     try:
         items = [make_item(i) for i in range(256)]
-
-        async def main() -> None:
-            nonlocal t0, last
-            t0 = last = time.perf_counter()
-            stop = t0 + duration_s
-            async with anyio.create_task_group() as tg:
-
-                async def one(i: int, scheduled: float | None) -> None:
-                    nonlocal rejected
-                    start = time.perf_counter() if scheduled is None else scheduled
-                    arrive(start)
-                    try:
-                        await b.asubmit(items[i % len(items)])
-                    except QueueFull:
-                        rejected += 1
-                        return
-                    except Exception as exc:  # noqa: BLE001 - the target failed: stop the run, keep the cause
-                        if not failure:
-                            failure.append(exc)
-                        tg.cancel_scope.cancel()
-                        return
-                    finally:
-                        end = leave()
-                    lat.append(end - start)  # the instant that ended its time in L
-
-                if rate is None:
-
-                    async def caller(k: int) -> None:
-                        i = k
-                        while True:
-                            await one(i, None)
-                            i += n_callers
-                            if time.perf_counter() >= stop:
-                                return
-
-                    for k in range(n_callers):
-                        tg.start_soon(caller, k)
-                else:
-                    rng = random.Random(seed)
-                    t = t0
-                    i = 0
-                    while True:
-                        t += rng.expovariate(rate)
-                        if t >= stop:
-                            break
-                        # Yield even when behind schedule, so that queued requests reach the batcher.
-                        await anyio.sleep(max(t - time.perf_counter(), 0.0))
-                        tg.start_soon(one, i, t)
-                        i += 1
-
-        # Every request is bounded by the queue wait and timeout_s per batch; this guard is the last resort.
-        limit = duration_s + max_wait_ms / 1e3 + 3 * timeout_s + 10.0
-
-        interrupted = False
-
-        async def on_ctrl_c(scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-            # Ctrl-C read by the event loop, not the host task's native cancel that asyncio's runner
-            # sends: anyio's cancel scopes can swallow that one, leaving the run hanging.
-            nonlocal interrupted
-            with anyio.open_signal_receiver(signal.SIGINT) as signals:
-                task_status.started()
-                async for _ in signals:
-                    interrupted = True
-                    scope.cancel()
-                    return
-
-        async def guarded() -> bool:
-            async with anyio.create_task_group() as tg:
-                if threading.current_thread() is threading.main_thread() and sys.platform != "win32":
-                    await tg.start(on_ctrl_c, tg.cancel_scope)
-                with anyio.move_on_after(limit):
-                    await main()
-                    tg.cancel_scope.cancel()
-                    return True
-                tg.cancel_scope.cancel()
-            return False
-
-        finished = anyio.run(guarded)
-        if interrupted:
-            raise KeyboardInterrupt
-        seconds = time.perf_counter() - t0
+        load = functools.partial(
+            _offer_load, b, items, tally, n_callers=n_callers, rate=rate, duration_s=duration_s, seed=seed
+        )
+        finished = _run_within(load, limit)
+        seconds = time.perf_counter() - tally.t0
         stats = b.statistics()
     except BaseException:
         # Interrupted (Ctrl-C) or broken: leave now. A call that never returns keeps its worker
@@ -438,41 +467,65 @@ def run_point(
         b.close(drain=False, timeout=0)
         raise
     b.close(drain=False, timeout=timeout_s)
-    if failure:
-        raise failure[0]
+    if tally.failure is not None:
+        raise tally.failure
     if not finished:
         raise TimeoutError(f"the run at batch size {batch_size} did not finish within {limit:g} s")
+    batch_time = stats.batch_time.mean_ms if stats.batch_time is not None and stats.batches else None
+    return _point(
+        tally,
+        seconds,
+        batch_size=batch_size,
+        max_wait_ms=max_wait_ms,
+        load=rate,
+        n_callers=n_callers,
+        mean_batch_size=stats.mean_batch_size,
+        batch_time_ms=batch_time,
+        batches=stats.batches,
+    )
+
+
+def _point(
+    tally: _Tally,
+    seconds: float,
+    *,
+    batch_size: int,
+    max_wait_ms: float,
+    load: float | None,
+    n_callers: int,
+    mean_batch_size: float,
+    batch_time_ms: float | None,
+    batches: int,
+) -> BenchPoint:
+    """The point's figures from what was counted (``load``: the open loop's rate, or None;
+    ``batch_time_ms``: the mean time of a batch, None when none ran)."""
+    lat = tally.latencies
     p50, p90, p99 = percentiles(lat, [50, 90, 99])
     mean_lat = sum(lat) / len(lat) if lat else float("nan")
     thr = len(lat) / seconds
-    if stats.batch_time is not None and stats.batches:
-        t_batch = stats.batch_time.mean_ms
-        utilisation = min(1.0, (t_batch / 1e3) * stats.batches / seconds)
+    if batch_time_ms is not None:
+        t_batch = batch_time_ms
+        utilisation = min(1.0, (t_batch / 1e3) * batches / seconds)
     else:
         t_batch, utilisation = float("nan"), 0.0  # no batch ran: nothing was busy
     return BenchPoint(
         batch_size=batch_size,
         max_wait_ms=max_wait_ms,
-        mode="closed" if rate is None else "open",
-        load=float(n_callers) if rate is None else float(rate),
+        mode="closed" if load is None else "open",
+        load=float(n_callers) if load is None else float(load),
         requests=len(lat),
         seconds=seconds,
         throughput=thr,
         p50_ms=p50 * 1e3,
         p90_ms=p90 * 1e3,
         p99_ms=p99 * 1e3,
-        mean_batch_size=stats.mean_batch_size,
+        mean_batch_size=mean_batch_size,
         t_batch_ms=t_batch,
         utilisation=utilisation,
-        little_l=area / seconds,
+        little_l=tally.area / seconds,
         little_lambda_w=thr * mean_lat,
-        rejected=rejected,
+        rejected=tally.rejected,
     )
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def sweep(
@@ -504,23 +557,43 @@ def sweep(
             finite number >= 0, a ``threads`` that is not an int >= 1 (checked before anything
             runs), and what :func:`run_point` raises.
     """
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be an int >= 1 (or None: leave the thread pools as they are), got {threads!r}")
+    positive_int_or_none("threads", threads, note="(None: leave the thread pools as they are)")
     if sla_ms is not None:
-        _check_positive("sla_ms", sla_ms)
-    _check_positive("tokens_per_item", tokens_per_item)
-    if price_per_hour is not None and (
-        isinstance(price_per_hour, bool)
-        or not isinstance(price_per_hour, (int, float))
-        or not 0 <= price_per_hour < math.inf
-    ):
-        raise ValueError(f"price_per_hour must be a finite number >= 0, got {price_per_hour!r}")
+        positive_float("sla_ms", sla_ms)
+    positive_float("tokens_per_item", tokens_per_item)
+    if price_per_hour is not None:
+        non_negative_float("price_per_hour", price_per_hour)
     for bsz in batch_sizes:
-        if isinstance(bsz, bool) or not isinstance(bsz, int) or bsz < 1:
-            raise ValueError(f"batch sizes must be ints >= 1, got {bsz!r}")
+        positive_int("batch size", bsz)
     sizes = sorted(set(batch_sizes))
     if not sizes:
         raise ValueError("batch_sizes is empty")
+    point = functools.partial(
+        run_point,
+        max_wait_ms=max_wait_ms,
+        concurrency=concurrency,
+        rate=rate,
+        duration_s=duration_s,
+        timeout_s=timeout_s,
+    )
+    points, pools = _measure(fn, make_item, sizes, point, threads=threads, progress=progress)
+    report = BenchReport(points, sla_ms=sla_ms, price_per_hour=price_per_hour, threads=threads, thread_pools=pools)
+    _note_the_load(report, rate=rate, concurrency=concurrency)
+    _recommend(report, rate=rate, tokens_per_item=tokens_per_item)
+    return report
+
+
+def _measure(
+    fn: Callable[[list[Any]], Any],
+    make_item: Callable[[int], Any],
+    sizes: list[int],
+    point: Callable[..., BenchPoint],
+    *,
+    threads: int | None,
+    progress: bool,
+) -> tuple[list[BenchPoint], dict[str, int]]:
+    """One point per batch size, in order, with the thread pools ``threads`` asks for: the
+    points and the pools the target ran with."""
     bar = None
     if progress:
         from .dynamic._progress import progress_bar
@@ -531,46 +604,46 @@ def sweep(
         with _ThreadPools(threads) as pools:
             target = pools.wrap(fn)
             for bsz in sizes:
-                points.append(
-                    run_point(
-                        target,
-                        make_item,
-                        bsz,
-                        max_wait_ms=max_wait_ms,
-                        concurrency=concurrency,
-                        rate=rate,
-                        duration_s=duration_s,
-                        timeout_s=timeout_s,
-                    )
-                )
+                points.append(point(target, make_item, bsz))
                 if bar is not None:
                     bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    report = BenchReport(points, sla_ms=sla_ms, price_per_hour=price_per_hour, threads=threads, thread_pools=pools.used)
-    if rate is None and concurrency is not None and sizes[-1] > concurrency:
+    return points, pools.used
+
+
+def _note_the_load(report: BenchReport, *, rate: float | None, concurrency: int | None) -> None:
+    """Notes on what the load itself limited: sizes the callers cannot fill, arrivals refused."""
+    largest = report.points[-1].batch_size
+    if rate is None and concurrency is not None and largest > concurrency:
         report.notes.append(
             f"batch sizes above the concurrency ({concurrency}) cannot fill: each batch holds at most "
             f"{concurrency} requests"
         )
-    for p in points:
+    for p in report.points:
         if p.rejected:
             report.notes.append(
                 f"B={p.batch_size}: {p.rejected:,} arrivals refused (more than {MAX_QUEUE:,} waiting): "
                 "the offered rate exceeds what this batch size serves"
             )
+
+
+def _recommend(report: BenchReport, *, rate: float | None, tokens_per_item: float) -> None:
+    """B_knee, B_SLA, B_opt, QPS_max and the cost per token from the report's points, with a
+    note where one cannot be given or needs care."""
+    points, sla_ms = report.points, report.sla_ms
     served = [p for p in points if p.requests > 0]
     if not served:
         report.notes.append("no request completed: lengthen the duration or raise the rate")
-        return report
+        return
     best = max(p.throughput for p in served)
     report.b_knee = min(p.batch_size for p in served if p.throughput >= 0.9 * best)
     meets = [p.batch_size for p in served if sla_ms is None or p.p99_ms <= sla_ms]
     report.b_sla = max(meets) if meets else None
     if report.b_sla is None:
         report.notes.append("no batch size met the SLA: add capacity or relax the SLA")
-        return report
+        return
     b_opt = min(report.b_knee, report.b_sla)
     if b_opt not in meets:
         # P99 is not monotone in B (small batches queue): the knee itself may miss the SLA.
@@ -594,6 +667,5 @@ def sweep(
             f"{_significant(at.throughput)}/s was measured (the callers or the overhead around each request "
             "limited it); plan with the lower figure"
         )
-    if price_per_hour is not None:
-        report.cost_per_token = price_per_hour / 3600 * at.seconds / (at.requests * tokens_per_item)
-    return report
+    if report.price_per_hour is not None:
+        report.cost_per_token = report.price_per_hour / 3600 * at.seconds / (at.requests * tokens_per_item)
