@@ -1,7 +1,7 @@
 """Scheduler: the request state machine, each phase of ``schedule()`` on exact told times, and
 the invariants of any sequence of adds, steps, aborts and limit changes (hypothesis).
 
-The phases are driven one at a time on a ``_StepPlan``, as ``schedule()`` drives them in turn;
+The phases are driven one at a time on a ``StepPlan``, as ``schedule()`` drives them in turn;
 the scheduler's clock fails any test that reads it while the time is told.
 """
 
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from batchkit import DeadlineExceeded, KVCacheExhausted, PagedKVAllocator, SamplingParams
-from batchkit.continuous.request import Request, RequestStatus, ScheduledStep, Transition
-from batchkit.continuous.scheduler import Scheduler, _StepPlan
+from batchkit.continuous.request import Request, RequestStatus, ScheduledStep, StepPlan, Transition
+from batchkit.continuous.scheduler import Scheduler
 from batchkit.testing import MockClock
 
 BS = 4  # tokens per block
@@ -86,7 +86,7 @@ class TestTransitionTable:
         r = request("r")
         s.add(r, 0.0)
         with pytest.raises(RuntimeError, match="no 'swap_in' transition from 'waiting'"):
-            s._move(r, Transition.SWAP_IN)
+            s.queues.move(r, Transition.SWAP_IN)
         assert r.status is RequestStatus.WAITING
         assert s.waiting == [r]
 
@@ -173,8 +173,8 @@ class TestPreemptOverLimit:
             s.add(request(rid), 0.0)
         step(s, 0.0)
         s.max_num_seqs = 2
-        plan = _StepPlan(100)
-        s._preempt_over_limit(plan)
+        plan = StepPlan(100)
+        s.preemption.over_limit(plan, s.max_num_seqs)
         assert statuses(s, "a", "b", "c") == {
             "a": RequestStatus.RUNNING,
             "b": RequestStatus.RUNNING,
@@ -192,7 +192,7 @@ class TestPreemptOverLimit:
         s.add(request("c"), 0.0)
         step(s, 0.0)
         s.max_num_seqs = 2
-        s._preempt_over_limit(_StepPlan(100))
+        s.preemption.over_limit(StepPlan(100), s.max_num_seqs)
         assert [r.request_id for r in s.waiting] == ["worse"]
 
     def test_in_swap_mode_the_victim_is_swapped_out(self) -> None:
@@ -203,8 +203,8 @@ class TestPreemptOverLimit:
         s.add(request("b"), 0.0)
         step(s, 0.0)
         s.max_num_seqs = 1
-        plan = _StepPlan(100)
-        s._preempt_over_limit(plan)
+        plan = StepPlan(100)
+        s.preemption.over_limit(plan, s.max_num_seqs)
         assert statuses(s, "b")["b"] is RequestStatus.SWAPPED
         assert s.allocator.is_swapped("b")
         assert len(plan.swap_out) == 1
@@ -215,8 +215,8 @@ class TestPreemptOverLimit:
         s = scheduler(max_num_seqs=2)
         s.add(request("a"), 0.0)
         step(s, 0.0)
-        plan = _StepPlan(100)
-        s._preempt_over_limit(plan)
+        plan = StepPlan(100)
+        s.preemption.over_limit(plan, s.max_num_seqs)
         assert [r.request_id for r in s.running] == ["a"]
         assert not plan.preempted
 
@@ -229,8 +229,8 @@ class TestPreemptForWaiting:
         s.add(request("low", priority=1), 0.0)
         step(s, 0.0)
         s.add(request("high", priority=0), 1.0)
-        plan = _StepPlan(100)
-        s._preempt_for_waiting(plan)
+        plan = StepPlan(100)
+        s.preemption.for_waiting(plan, s.max_num_seqs)
         assert statuses(s, "low", "high") == {"low": RequestStatus.WAITING, "high": RequestStatus.WAITING}
         assert s.running == []
         assert not plan.preempted
@@ -241,7 +241,7 @@ class TestPreemptForWaiting:
         s.add(request("first"), 0.0)
         step(s, 0.0)
         s.add(request("second"), 1.0)
-        s._preempt_for_waiting(_StepPlan(100))
+        s.preemption.for_waiting(StepPlan(100), s.max_num_seqs)
         assert statuses(s, "first")["first"] is RequestStatus.RUNNING
 
     def test_its_victims_are_recomputed_even_in_swap_mode(self) -> None:
@@ -250,8 +250,8 @@ class TestPreemptForWaiting:
         s.add(request("low", priority=1), 0.0)
         step(s, 0.0)
         s.add(request("high", priority=0), 1.0)
-        plan = _StepPlan(100)
-        s._preempt_for_waiting(plan)
+        plan = StepPlan(100)
+        s.preemption.for_waiting(plan, s.max_num_seqs)
         assert statuses(s, "low")["low"] is RequestStatus.WAITING
         assert plan.swap_out == []
 
@@ -345,7 +345,7 @@ class TestPreemptForWaiting:
         s.add(request("other", priority=1), 0.0)
         step(s, 0.0)
         s.add(request("t-waiting", tenant="t", priority=0), 1.0)
-        s._preempt_for_waiting(_StepPlan(100))
+        s.preemption.for_waiting(StepPlan(100), s.max_num_seqs)
         assert statuses(s, "other")["other"] is RequestStatus.RUNNING
 
 
@@ -359,7 +359,7 @@ class TestGrowRunning:
         s.add(request("a"), 0.0)
         s.add(request("b"), 0.0)
         step(s, 0.0)
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._grow_running(plan)
         assert [r.request_id for r in plan.requests] == ["a", "b"]
         assert plan.counts == [1, 1]
@@ -371,7 +371,7 @@ class TestGrowRunning:
         s = scheduler(max_num_batched_tokens=4)
         s.add(request("r", 10), 0.0)
         step(s, 0.0)
-        plan = _StepPlan(4)
+        plan = StepPlan(4)
         s._grow_running(plan)
         assert plan.counts == [4]
         assert plan.budget == 0
@@ -382,7 +382,7 @@ class TestGrowRunning:
         s.add(request("worse", priority=1), 0.0)
         s.add(request("better", priority=0), 0.0)
         step(s, 0.0)
-        plan = _StepPlan(1)
+        plan = StepPlan(1)
         s._grow_running(plan)
         assert [r.request_id for r in plan.requests] == ["better"]
 
@@ -393,7 +393,7 @@ class TestGrowRunning:
         for rid in "abc":
             s.add(request(rid, 4), 0.0)
         step(s, 0.0)
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._grow_running(plan)
         assert [r.request_id for r in plan.requests] == ["a", "b"]
         assert statuses(s, "c")["c"] is RequestStatus.WAITING
@@ -405,7 +405,7 @@ class TestGrowRunning:
         s.add(request("r", 7), 0.0)
         step(s, 0.0)
         step(s, 1.0)  # the eighth token fills the second block
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._grow_running(plan)
         assert plan.requests == []
         [event] = s.take_events()
@@ -423,7 +423,7 @@ class TestBringBackSwapped:
         """With a seat and blocks free, the swapped request runs again: its swap-in copies are
         in the plan and it is scheduled in the same step."""
         s = with_b_swapped_out()
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._bring_back_swapped(plan)
         assert statuses(s, "b")["b"] is RequestStatus.RUNNING
         assert not s.allocator.is_swapped("b")
@@ -433,7 +433,7 @@ class TestBringBackSwapped:
     def test_nothing_comes_back_in_a_step_that_preempted(self) -> None:
         """A step that had to preempt leaves swapped requests where they are."""
         s = with_b_swapped_out()
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         plan.preempted = True
         s._bring_back_swapped(plan)
         assert statuses(s, "b")["b"] is RequestStatus.SWAPPED
@@ -444,7 +444,7 @@ class TestBringBackSwapped:
         s = with_b_swapped_out()
         a = s.allocator
         a.allocate("filler", a.num_free_blocks * BS)  # another sequence takes every free block
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._bring_back_swapped(plan)
         assert statuses(s, "b")["b"] is RequestStatus.SWAPPED
         assert plan.requests == []
@@ -460,7 +460,7 @@ class TestAdmitWaiting:
         s.add(request("worse", priority=1), 0.0)
         s.add(request("a"), 0.0)
         s.add(request("b"), 0.0)
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._admit_waiting(plan, 0.0)
         assert [r.request_id for r in plan.requests] == ["a", "b"]
         assert [r.request_id for r in s.waiting] == ["worse"]
@@ -470,14 +470,14 @@ class TestAdmitWaiting:
         s = scheduler()
         r = request("r")
         s.add(r, 0.0)
-        s._admit_waiting(_StepPlan(100), 4.0)
+        s._admit_waiting(StepPlan(100), 4.0)
         assert r.t_first_scheduled == 4.0
 
     def test_a_prompt_is_reserved_whole_and_computed_within_the_budget(self) -> None:
         """A 10-token prompt with a budget of 4: slots for all 10, 4 of them in this step."""
         s = scheduler()
         s.add(request("r", 10), 0.0)
-        plan = _StepPlan(4)
+        plan = StepPlan(4)
         s._admit_waiting(plan, 0.0)
         assert s.allocator.num_tokens("r") == 10
         assert plan.counts == [4]
@@ -486,7 +486,7 @@ class TestAdmitWaiting:
         """Swapped requests come back before any waiting one is let in."""
         s = with_b_swapped_out()
         s.add(request("new"), 1.0)
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._admit_waiting(plan, 1.0)
         assert statuses(s, "new")["new"] is RequestStatus.WAITING
         assert plan.requests == []
@@ -495,7 +495,7 @@ class TestAdmitWaiting:
         """A step short of blocks admits nothing."""
         s = scheduler()
         s.add(request("r"), 0.0)
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         plan.preempted = True
         s._admit_waiting(plan, 0.0)
         assert statuses(s, "r")["r"] is RequestStatus.WAITING
@@ -507,7 +507,7 @@ class TestAdmitWaiting:
         step(s, 0.0)
         s.add(request("t-waiting", tenant="t"), 1.0)
         s.add(request("other"), 1.0)
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._admit_waiting(plan, 1.0)
         assert [r.request_id for r in plan.requests] == ["other"]
         assert statuses(s, "t-waiting")["t-waiting"] is RequestStatus.WAITING
@@ -519,7 +519,7 @@ class TestAdmitWaiting:
         step(s, 0.0)
         s.add(request("long", 12), 1.0)
         s.add(request("short", 1), 1.0)
-        plan = _StepPlan(100)
+        plan = StepPlan(100)
         s._admit_waiting(plan, 1.0)
         assert plan.requests == []
         assert [r.request_id for r in s.waiting] == ["long", "short"]
@@ -531,7 +531,7 @@ class TestAdmitWaiting:
         r = request("r", 3)
         s.add(r, 0.0)
         r.tokens.extend([5] * 6)  # as if it had generated 6 tokens before a preemption
-        s._admit_waiting(_StepPlan(100), 0.0)
+        s._admit_waiting(StepPlan(100), 0.0)
         [event] = s.take_events()
         assert isinstance(event.error, KVCacheExhausted)
         assert s.get("r") is None
@@ -547,8 +547,8 @@ class TestRecomputeLoneSwaps:
         s = scheduler(cpu=8, preemption_mode="swap")
         s.add(request("a"), 0.0)
         step(s, 0.0)
-        plan = _StepPlan(100)
-        s._preempt(s.running[0], plan)
+        plan = StepPlan(100)
+        s.preemption.preempt(s.running[0], plan)
         assert plan.swap_out
         s._recompute_lone_swaps(plan)
         assert statuses(s, "a")["a"] is RequestStatus.WAITING
@@ -562,8 +562,8 @@ class TestRecomputeLoneSwaps:
         s.add(request("a"), 0.0)
         s.add(request("b"), 0.0)
         step(s, 0.0)
-        plan = _StepPlan(100)
-        s._preempt(s.running[1], plan)
+        plan = StepPlan(100)
+        s.preemption.preempt(s.running[1], plan)
         s._grow_running(plan)
         s._recompute_lone_swaps(plan)
         assert statuses(s, "b")["b"] is RequestStatus.SWAPPED
@@ -581,7 +581,7 @@ class TestSeal:
     def test_an_empty_step_is_not_counted(self) -> None:
         """A step that runs nothing leaves ``steps`` alone."""
         s = scheduler()
-        assert s._seal(_StepPlan(100)).requests == ()
+        assert s._seal(StepPlan(100)).requests == ()
         assert s.statistics().steps == 0
 
 

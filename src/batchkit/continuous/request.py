@@ -24,6 +24,7 @@ from .stops import DecodedText, StopStrings
 
 __all__ = [
     "HOLDS_BLOCKS",
+    "StepPlan",
     "TRANSITIONS",
     "Request",
     "RequestStatus",
@@ -242,3 +243,27 @@ class TokenEvent:
         """The event of a request that ended without a token: ``reason`` is ``"abort"`` or
         ``"error"``, ``error`` what its caller raises (None: an abort asked for)."""
         return cls(request_id, None, True, reason, error)
+
+
+@dataclass(eq=False, slots=True)
+class StepPlan:
+    """The step ``Scheduler.schedule()`` is deciding, filled in by its phases in turn (it becomes a
+    :class:`ScheduledStep` once sealed)."""
+
+    budget: int  # tokens left of max_num_batched_tokens
+    requests: list[Request] = field(default_factory=list)  # scheduled, in order
+    counts: list[int] = field(default_factory=list)  # each one's new tokens
+    slots: list[np.ndarray] = field(default_factory=list)  # the slots of each one's new tokens
+    scheduled: set[int] = field(default_factory=set)  # id() of each one, for the victim search
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swapped_here: list[Request] = field(default_factory=list)  # swapped out by this step
+    preempted: bool = False  # by the limit or for blocks: then nothing comes back or is admitted
+
+    def take(self, req: Request, n: int, slots: np.ndarray) -> None:
+        """Schedule ``n`` new tokens of ``req`` into ``slots``."""
+        self.requests.append(req)
+        self.counts.append(n)
+        self.slots.append(slots)
+        self.scheduled.add(id(req))
+        self.budget -= n

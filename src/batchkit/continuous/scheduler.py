@@ -14,40 +14,31 @@ Nothing here calls the model, sleeps, takes a lock or reads a clock of its own: 
 (``ContinuousDecodeLoop``) does, and tells ``add``, ``schedule`` and ``update`` the time (``now``;
 left out, they read the scheduler's ``clock``). A request's life is :data:`TRANSITIONS`, one
 table (``continuous/request.py``): it starts ``WAITING`` in ``add``, and from then on
-:meth:`Scheduler._move` alone moves it (through :meth:`Request.move`).
+:meth:`RequestQueues.move` (``continuous/queues.py``) alone moves it (through :meth:`Request.move`).
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
-import itertools
 import math
 import numbers
-from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import numpy as np
 
 from .._clock import Clock, checked_clock
-from .._errors import DeadlineExceeded, KVCacheExhausted
+from .._errors import KVCacheExhausted
+from .._validate import positive_int, positive_int_or_none
 from ..kv.allocator import PagedKVAllocator
 from ..metrics import LatencySummary, SampleWindow
 from .logprobs import TokenLogprobs
-from .request import HOLDS_BLOCKS, Request, RequestStatus, ScheduledStep, TokenEvent, Transition
+from .preemption import Preemption, PreemptionMode, is_held
+from .queues import RequestQueues
+from .request import Request, RequestStatus, ScheduledStep, StepPlan, TokenEvent, Transition
 from .sampling import SamplingParams
 from .stops import DecodedText, StopStrings
 
-__all__ = ["Scheduler", "SchedulerStatistics"]
-
-PreemptionMode = Literal["recompute", "swap"]
-
-
-def _held(req: Request) -> bool:
-    """Whether ``req`` waits while the better request that pushed it out runs in its seat."""
-    return req.displaced_by is not None and req.displaced_by.status is RequestStatus.RUNNING
+__all__ = ["PreemptionMode", "Scheduler", "SchedulerStatistics"]
 
 
 @dataclass(frozen=True)
@@ -73,29 +64,6 @@ class SchedulerStatistics:
     ttft_recent: LatencySummary
     tpot_recent: LatencySummary
     queue_wait_recent: LatencySummary
-
-
-@dataclass(eq=False, slots=True)
-class _StepPlan:
-    """The step :meth:`Scheduler.schedule` is deciding, filled in by its phases in turn."""
-
-    budget: int  # tokens left of max_num_batched_tokens
-    requests: list[Request] = field(default_factory=list)  # scheduled, in order
-    counts: list[int] = field(default_factory=list)  # each one's new tokens
-    slots: list[np.ndarray] = field(default_factory=list)  # the slots of each one's new tokens
-    scheduled: set[int] = field(default_factory=set)  # id() of each one, for the victim search
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    swapped_here: list[Request] = field(default_factory=list)  # swapped out by this step
-    preempted: bool = False  # by the limit or for blocks: then nothing comes back or is admitted
-
-    def take(self, req: Request, n: int, slots: np.ndarray) -> None:
-        """Schedule ``n`` new tokens of ``req`` into ``slots``."""
-        self.requests.append(req)
-        self.counts.append(n)
-        self.slots.append(slots)
-        self.scheduled.add(id(req))
-        self.budget -= n
 
 
 class Scheduler:
@@ -129,47 +97,36 @@ class Scheduler:
     ) -> None:
         if not isinstance(allocator, PagedKVAllocator):
             raise TypeError(f"allocator must be a batchkit.PagedKVAllocator, got {allocator!r}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        positive_int("max_num_seqs", max_num_seqs)
+        positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and allocator.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs an allocator with num_cpu_blocks > 0")
-        if sliding_window is not None and (
-            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-        ):
-            raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+        positive_int_or_none("sliding_window", sliding_window)
         self.sliding_window = sliding_window
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.preemption_mode: PreemptionMode = preemption_mode
         self.clock: Clock = checked_clock(clock)
         self.detokenize = detokenize
-        self.waiting: list[Request] = []  # sorted by (priority, arrival order)
-        self.running: list[Request] = []
-        self.swapped: list[Request] = []
-        self._queues: dict[RequestStatus, list[Request]] = {
-            RequestStatus.WAITING: self.waiting,
-            RequestStatus.RUNNING: self.running,
-            RequestStatus.SWAPPED: self.swapped,
-        }
-        self._requests: dict[Hashable, Request] = {}  # the live requests: in exactly one of the lists
-        self._order = 0
+        self.queues = RequestQueues(allocator)  # the live requests and their one writer of moves
+        self.waiting = self.queues.waiting  # sorted by (priority, arrival order)
+        self.running = self.queues.running
+        self.swapped = self.queues.swapped
+        self.preemption = Preemption(self.queues, preemption_mode)  # who leaves when room runs out
         self._steps = 0
-        self._preemptions = 0
         self._generated = 0
         self._prompt_computed = 0
         self._batch_tokens = 0
-        self._finished = 0
-        self._aborted = 0
         self._ttft = SampleWindow()
         self._tpot = SampleWindow()
         self._queue_wait = SampleWindow()
-        self._pending_events: list[TokenEvent] = []
-        self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests leave lazily
-        self._expired = 0
+
+    @property
+    def preemption_mode(self) -> PreemptionMode:
+        """``"recompute"`` or ``"swap"``: how a preempted request leaves (the :class:`Preemption`'s)."""
+        return self.preemption.mode
 
     # ------------------------------------------------------------------ requests
 
@@ -183,18 +140,7 @@ class Scheduler:
             KVCacheExhausted: the prompt can never be admitted (cache or tenant quota too small).
         """
         self._check_request(request)
-        request.arrival = self.clock.now() if now is None else now
-        self._order += 1
-        request.order = self._order
-        request.status = RequestStatus.WAITING
-        if request.params.seed is not None:
-            import torch
-
-            request.generator = torch.Generator().manual_seed(request.params.seed)
-        self._requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=Request.sort_key)
-        if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, request.order, request))
+        self.queues.add(request, self.clock.now() if now is None else now)
 
     def _check_request(self, request: Request) -> None:
         """Refuse, as :meth:`add` documents, a request this scheduler could never serve."""
@@ -215,7 +161,7 @@ class Scheduler:
                 f"request {rid!r}: deadline must be a time on the scheduler's clock (a number) "
                 f"or None, got {deadline!r}"
             )
-        if rid in self._requests:
+        if self.queues.get(rid) is not None:
             raise ValueError(f"request id {rid!r} is already in use")
         if not request.tokens:
             raise ValueError("a prompt needs at least one token")
@@ -227,145 +173,25 @@ class Scheduler:
             )
         # The prompt must fit the cache above the watermark; a request that later outgrows the
         # whole cache on its own ends with KVCacheExhausted then.
-        problem = self._never_fits(request, request.prompt_len)
+        problem = self.queues.never_fits(request, request.prompt_len)
         if problem is not None:
             raise KVCacheExhausted(f"{problem}; shorten the prompt or give the cache more blocks")
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a request wherever it is and free its blocks. False if it is not known (done)."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return False
-        self._move(req, Transition.ABORT)
-        req.finish_reason = "abort"
-        return True
-
-    def _move(self, req: Request, transition: Transition) -> None:
-        """Apply ``transition`` to a live request (:meth:`Request.move`): move it to the list of
-        its new status (none when it ends), free its blocks when it leaves :data:`HOLDS_BLOCKS`
-        for a status outside it, and count it when it ends. Block moves (swap out, swap in) are
-        the caller's, before the move; so is ``num_computed`` past a (re)start from 0.
-
-        Raises:
-            RuntimeError: the table has no such transition from the request's status (a bug).
-        """
-        old, new = req.move(transition)
-        self._queues[old].remove(req)
-        if old in HOLDS_BLOCKS and new not in HOLDS_BLOCKS:
-            self.allocator.free(req.request_id)
-        if new is RequestStatus.WAITING:
-            req.num_computed = 0
-            bisect.insort(self.waiting, req, key=Request.sort_key)
-        elif new in self._queues:
-            self._queues[new].append(req)
-        else:
-            del self._requests[req.request_id]
-            if new is RequestStatus.FINISHED:
-                self._finished += 1
-            else:
-                self._aborted += 1
+        return self.queues.abort(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return self.queues.has_work()
 
     def get(self, request_id: Hashable) -> Request | None:
-        return self._requests.get(request_id)
+        return self.queues.get(request_id)
 
     def take_events(self) -> list[TokenEvent]:
         """Events produced outside ``update`` (requests failed while scheduling)."""
-        out, self._pending_events = self._pending_events, []
-        return out
+        return self.queues.take_events()
 
     # ------------------------------------------------------------------ scheduling
-
-    def _never_fits(self, req: Request, num_tokens: int) -> str | None:
-        """Why a request holding ``num_tokens`` tokens (and about to take one more) could never be
-        admitted again, even with the cache to itself; None if it could."""
-        problem = self.allocator.never_fits(num_tokens + 1, req.tenant)
-        return None if problem is None else f"request {req.request_id!r} with {num_tokens} tokens {problem}"
-
-    def _outgrown(self, req: Request) -> None:
-        """End a running request that no longer fits the cache even on its own."""
-        problem = self._never_fits(req, len(req.tokens)) or f"request {req.request_id!r} alone no longer fits"
-        self._fail(
-            req,
-            KVCacheExhausted(
-                f"{problem}; it outgrew the KV cache while generating after {len(req.output)} tokens. Lower "
-                "max_new_tokens or give the cache more blocks"
-            ),
-        )
-
-    def _victim(
-        self, exclude: set[int], *, tenant_of: Request | None = None, for_better: bool = False
-    ) -> Request | None:
-        """The running request to preempt: worst priority, then most recent arrival (with
-        ``tenant_of``, only among the requests of that request's tenant).
-
-        With ``for_better`` (a better-priority arrival pushes one out): worst priority, then the
-        one preempted fewest times, then the earliest arrival. A stream of better arrivals thus
-        takes its seats from each worse request in turn, and the victims come back in the order
-        they left (the waiting queue is in arrival order): none is pushed out again and again or
-        waits behind the others' returns (it would starve, and a set of equal requests would end
-        with it running alone). The earliest holds the most blocks, so with prefix caching off
-        its recompute costs the most; with it, its full blocks come back from the cache.
-        """
-        key: Callable[[Request], tuple[int, ...]] = (
-            (lambda r: (r.priority, -r.num_preemptions, -r.order)) if for_better else (lambda r: (r.priority, r.order))
-        )
-        candidates = (
-            r for r in self.running if id(r) not in exclude and (tenant_of is None or r.tenant == tenant_of.tenant)
-        )
-        return max(candidates, key=key, default=None)
-
-    def _room_without(self, requests: list[Request]) -> int:
-        """Blocks admission could hand out if these running requests gave theirs back: the
-        blocks no other sequence shares with them."""
-        a = self.allocator
-        held: Counter[int] = Counter()
-        for r in requests:
-            held.update(a.block_table(r.request_id).tolist())
-        held.pop(0, None)  # the null block: where a sliding window gave blocks back
-        freed = sum(1 for block, n in held.items() if a.ref_count(block) == n)
-        return a.num_free_blocks + freed - a.watermark_blocks
-
-    def _preempt(self, req: Request, plan: _StepPlan, *, allow_swap: bool = True) -> None:
-        """Take ``req`` off the running list: swapped out (its copies added to the plan's
-        ``swap_out``) or, without CPU room or ``allow_swap``, back to the waiting queue."""
-        self._preemptions += 1
-        req.num_preemptions += 1
-        if self.preemption_mode == "swap" and allow_swap:
-            try:
-                copies = self.allocator.swap_out(req.request_id)
-            except KVCacheExhausted:
-                pass  # no CPU room: recompute instead
-            else:
-                plan.swap_out.extend(copies)
-                plan.swapped_here.append(req)
-                self._move(req, Transition.SWAP_OUT)
-                return
-        self._move(req, Transition.RECOMPUTE)
-
-    def _fail(self, req: Request, error: BaseException) -> None:
-        """End a live request with an error (its blocks freed); its event waits in :meth:`take_events`."""
-        self._move(req, Transition.FAIL)
-        req.finish_reason = "error"
-        self._pending_events.append(TokenEvent.ended(req.request_id, "error", error))
-
-    def _expire(self, now: float) -> None:
-        """Drop every request whose deadline has passed at ``now``, wherever it is; free its blocks."""
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            _, _, req = heapq.heappop(heap)
-            if self._requests.get(req.request_id) is not req:
-                continue  # finished or aborted already
-            self._expired += 1
-            self._fail(
-                req,
-                DeadlineExceeded(
-                    f"request {req.request_id!r} passed its deadline ({now - req.arrival:.3f} s after arrival, "
-                    f"{len(req.output)} tokens generated); give it a longer deadline or add capacity"
-                ),
-            )
 
     def schedule(self, now: float | None = None) -> ScheduledStep:
         """Decide the work of a step that starts at ``now`` (None: the scheduler's clock): it may
@@ -378,87 +204,19 @@ class Scheduler:
         out), swapped requests come back, and waiting ones are admitted.
         """
         now = self.clock.now() if now is None else now
-        if self._deadlines:
-            self._expire(now)
-        plan = _StepPlan(self.max_num_batched_tokens)
-        self._preempt_over_limit(plan)
-        self._preempt_for_waiting(plan)
+        self.queues.expire(now)
+        plan = StepPlan(self.max_num_batched_tokens)
+        self.preemption.over_limit(plan, self.max_num_seqs)
+        self.preemption.for_waiting(plan, self.max_num_seqs)
         self._grow_running(plan)
         self._bring_back_swapped(plan)
         self._admit_waiting(plan, now)
         self._recompute_lone_swaps(plan)
         return self._seal(plan)
 
-    def _preempt_over_limit(self, plan: _StepPlan) -> None:
-        """Preempt the worst running requests over ``max_num_seqs``.
-
-        A ``max_num_seqs`` lowered while requests run (``set_batch_limit``, an AdaptiveTuner)
-        holds from this step on, as when blocks run out; they come back when there is room under
-        the limit.
-        """
-        while len(self.running) > self.max_num_seqs:
-            victim = self._victim(set())
-            assert victim is not None  # running is not empty
-            self._preempt(victim, plan)
-            plan.preempted = True
-
-    def _preempt_for_waiting(self, plan: _StepPlan) -> None:
-        """Let the head of the waiting queue push out worse-priority running requests, for a seat
-        under ``max_num_seqs`` (or, with one free, when :meth:`_seat_owed`) or for KV room, when
-        that lets it in. Each request pushed out waits while the head runs (:func:`_held`).
-
-        Not past its tenant's quota (other tenants' blocks would not help), not while swapped
-        requests wait to come back first (admission waits for them), not if it can never fit, not
-        if preempting every worse request would still leave too little room (the better ones
-        hold the blocks). Victims are recomputed, not swapped, so that they do not block
-        admission in turn.
-        """
-        if not (self.waiting and self.running and not self.swapped):
-            return
-        a = self.allocator
-        head = self.waiting[0]
-        total = len(head.tokens)
-        worse = [r for r in self.running if r.priority > head.priority]
-        if not (
-            worse
-            and a.within_quota(total, head.tenant)
-            and self._never_fits(head, total) is None
-            and self._room_without(worse) >= a.blocks_needed(total)
-        ):
-            return
-        worst = self._victim(set(), for_better=True)
-        if (
-            worst is not None
-            and worst.priority > head.priority
-            and (len(self.running) >= self.max_num_seqs or self._seat_owed(head, worst))
-        ):
-            self._preempt(worst, plan, allow_swap=False)
-            worst.displaced_by = head
-        while len(self.running) < self.max_num_seqs and not a.can_allocate(total, tenant=head.tenant):
-            worst = self._victim(set(), for_better=True)
-            if worst is None or worst.priority <= head.priority:
-                break
-            self._preempt(worst, plan, allow_swap=False)
-            worst.displaced_by = head
-
-    def _seat_owed(self, head: Request, victim: Request) -> bool:
-        """Whether ``head`` should push out ``victim`` (worse, running) even with a seat free:
-        when a worse request waits behind ``head`` to take that seat (one not :func:`_held`), and
-        ``victim`` was never pushed out, or less often than that one. ``victim`` then waits while
-        ``head`` runs, and the seat goes to the one waiting.
-
-        So each better request's tokens delay the worse one it pushes out, not the queue behind
-        it. 8 chats of 16 tokens among 24 requests of 96 tokens on 8 seats need 304 steps; when
-        each chat took the seat the one before it freed, they all delayed the same place in the
-        queue, and the request at that place ended the run alone (384 steps, 96 of them thin).
-        """
-        behind = itertools.islice(self.waiting, 1, None)
-        taker = next((r for r in behind if r.priority > head.priority and not _held(r)), None)
-        return taker is not None and (victim.num_preemptions == 0 or victim.num_preemptions < taker.num_preemptions)
-
-    def _grow_running(self, plan: _StepPlan) -> None:
+    def _grow_running(self, plan: StepPlan) -> None:
         """Give each running request, best first, its next tokens within the budget, preempting
-        the worst when blocks run out (:meth:`_make_room`)."""
+        the worst when blocks run out (:meth:`Preemption.make_room`)."""
         self.running.sort(key=Request.sort_key)
         if self._grow_decodes_at_once(plan):
             return
@@ -468,7 +226,7 @@ class Scheduler:
                 i += 1
             # else the list changed (the request ended, or a later one was preempted): look again
 
-    def _grow_decodes_at_once(self, plan: _StepPlan) -> bool:
+    def _grow_decodes_at_once(self, plan: StepPlan) -> bool:
         """The common case as one vectorised allocator call: every running request decodes one
         token, and there is room for all. False (nothing done) when it is not the case."""
         a = self.allocator
@@ -491,46 +249,19 @@ class Scheduler:
         plan.budget -= len(decoding)
         return True
 
-    def _grow_one(self, plan: _StepPlan, req: Request) -> bool:
+    def _grow_one(self, plan: StepPlan, req: Request) -> bool:
         """Schedule a running request's next tokens (a decode, or its prompt's next chunk); False
-        if it did not fit and :meth:`_make_room` changed the running list instead."""
+        if it did not fit and :meth:`Preemption.make_room` changed the running list instead."""
         a = self.allocator
         n = min(len(req.tokens) - req.num_computed, plan.budget)
         need = req.num_computed + n - a.num_tokens(req.request_id)
         if need > 0 and not a.can_append_slots([req.request_id], need):
-            self._make_room(plan, req, need)
+            self.preemption.make_room(plan, req, need)
             return False
         plan.take(req, n, self._reserve(req, n, need))
         return True
 
-    def _make_room(self, plan: _StepPlan, req: Request, need: int) -> None:
-        """Running request ``req`` needs ``need`` more slots than the blocks give: preempt the
-        worst request not yet scheduled (perhaps ``req`` itself), or end ``req`` if it could
-        never fit."""
-        a = self.allocator
-        held = a.num_tokens(req.request_id)
-        quota = a.quota_of(req.tenant)
-        if quota is not None and a.blocks_needed(held + need) > quota:
-            # Its tenant's quota can never hold it: preempting others would not help.
-            self._outgrown(req)
-            return
-        # With room in the pool, what is short is the tenant's quota: only that tenant's own
-        # blocks can give it back, and only freed ones (a swapped-out sequence still counts
-        # against its quota), so the victim is one of its requests, recomputed.
-        short_of_quota = quota is not None and a.blocks_needed(held + need) - a.blocks_needed(held) <= a.num_free_blocks
-        victim = self._victim(plan.scheduled | {id(req)}, tenant_of=req if short_of_quota else None) or req
-        # Preempting a request that could never be admitted again would park it in the waiting
-        # queue for ever (and block the queue behind it): end it instead.
-        if victim is req and (
-            (not short_of_quota and len(self.running) == 1 and not plan.requests)
-            or self._never_fits(req, len(req.tokens)) is not None
-        ):
-            self._outgrown(req)
-            return
-        self._preempt(victim, plan, allow_swap=not short_of_quota)
-        plan.preempted = True
-
-    def _bring_back_swapped(self, plan: _StepPlan) -> None:
+    def _bring_back_swapped(self, plan: StepPlan) -> None:
         """Swap requests back in, oldest swapped first, unless this step preempted any."""
         if plan.preempted:
             return
@@ -538,7 +269,7 @@ class Scheduler:
             if not self._bring_back_one(plan, self.swapped[0]):
                 break
 
-    def _bring_back_one(self, plan: _StepPlan, req: Request) -> bool:
+    def _bring_back_one(self, plan: StepPlan, req: Request) -> bool:
         """Swap ``req`` in and schedule its next tokens, or, when its tenant's quota stands in
         the way, recompute or end it; False if the blocks have no room for it yet."""
         a = self.allocator
@@ -555,8 +286,8 @@ class Scheduler:
             # A swapped-out sequence keeps its blocks' share of its tenant's quota; the blocks
             # its next tokens take must fit the quota too.
             if a.blocks_needed(held + need) > quota:  # never: end it, as a running one
-                why = self._never_fits(req, len(req.tokens)) or f"request {req.request_id!r}"
-                self._fail(
+                why = self.queues.never_fits(req, len(req.tokens)) or f"request {req.request_id!r}"
+                self.queues.fail(
                     req,
                     KVCacheExhausted(
                         f"{why}; it outgrew its tenant's quota while generating after "
@@ -567,14 +298,14 @@ class Scheduler:
             if not a.quotas.allows(req.tenant, a.blocks_needed(held + need) - a.blocks_needed(held)):
                 # Its tenant's other requests hold the rest of the quota: give its share back
                 # (recompute) rather than hold it while waiting for theirs.
-                self._move(req, Transition.RECOMPUTE)
+                self.queues.move(req, Transition.RECOMPUTE)
                 return True
         plan.swap_in.extend(a.swap_in(req.request_id))
-        self._move(req, Transition.SWAP_IN)
+        self.queues.move(req, Transition.SWAP_IN)
         plan.take(req, n, self._reserve(req, n, need, with_ids=False))
         return True
 
-    def _admit_waiting(self, plan: _StepPlan, now: float) -> None:
+    def _admit_waiting(self, plan: StepPlan, now: float) -> None:
         """Admit waiting requests, best first, each with room for its whole prompt, unless this
         step preempted any or swapped requests wait to come back. A request whose tenant is at
         its quota waits without holding up other tenants' requests behind it."""
@@ -583,22 +314,24 @@ class Scheduler:
         if self._admit_from(plan, now, held=False):
             self._admit_from(plan, now, held=True)  # the seats no one else took
 
-    def _admit_from(self, plan: _StepPlan, now: float, *, held: bool) -> bool:
-        """Admit, best first, the waiting requests that are (or are not) :func:`_held`; whether
+    def _admit_from(self, plan: StepPlan, now: float, *, held: bool) -> bool:
+        """Admit, best first, the waiting requests that are (or are not) :func:`is_held`; whether
         it passed over one of the others."""
         a = self.allocator
         j = 0
         passed = False
         while j < len(self.waiting) and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[j]
-            if _held(req) is not held:
+            if is_held(req) is not held:
                 passed = True
                 j += 1
                 continue
             total = len(req.tokens)
-            problem = self._never_fits(req, total)
+            problem = self.queues.never_fits(req, total)
             if problem is not None:  # grown while others preempted it: it can never come back
-                self._fail(req, KVCacheExhausted(f"{problem}; lower max_new_tokens or give the cache more blocks"))
+                self.queues.fail(
+                    req, KVCacheExhausted(f"{problem}; lower max_new_tokens or give the cache more blocks")
+                )
                 continue
             if not a.within_quota(total, req.tenant):
                 j += 1
@@ -618,11 +351,11 @@ class Scheduler:
         return (
             lead is not None
             and self.allocator.enable_prefix_caching
-            and self._requests.get(lead.request_id) is lead
+            and self.queues.is_live(lead)
             and lead.num_computed < lead.prompt_len
         )
 
-    def _admit(self, plan: _StepPlan, req: Request, now: float) -> None:
+    def _admit(self, plan: StepPlan, req: Request, now: float) -> None:
         """Allocate a waiting request's prompt, start it at ``now`` and schedule its first chunk."""
         a = self.allocator
         # Cached tokens have no logits: a request that wants its prompt's logprobs neither hits
@@ -630,7 +363,7 @@ class Scheduler:
         prompt: Sequence[int] | int = len(req.tokens) if req.needs_prompt_logits else req.tokens
         cached = a.allocate(req.request_id, prompt, tenant=req.tenant)
         req.after = req.displaced_by = None
-        self._move(req, Transition.ADMIT)
+        self.queues.move(req, Transition.ADMIT)
         req.num_computed = cached
         if req.t_first_scheduled is None:
             req.t_first_scheduled = now
@@ -638,7 +371,7 @@ class Scheduler:
         n = min(len(req.tokens) - cached, plan.budget)
         plan.take(req, n, a.slot_mapping(req.request_id, cached, cached + n))
 
-    def _recompute_lone_swaps(self, plan: _StepPlan) -> None:
+    def _recompute_lone_swaps(self, plan: StepPlan) -> None:
         """Recompute, instead, the requests this step swapped out when it runs no request.
 
         A step that runs no request carries no block moves: a runtime skips such a step
@@ -649,10 +382,10 @@ class Scheduler:
         if not plan.swap_out or plan.requests:
             return
         for req in plan.swapped_here:
-            self._move(req, Transition.RECOMPUTE)
+            self.queues.move(req, Transition.RECOMPUTE)
         plan.swap_out.clear()
 
-    def _seal(self, plan: _StepPlan) -> ScheduledStep:
+    def _seal(self, plan: StepPlan) -> ScheduledStep:
         """The step ``plan`` holds, with the allocator's pending copies; counted if it runs anything."""
         samples = tuple(r.num_computed + n == len(r.tokens) for r, n in zip(plan.requests, plan.counts, strict=True))
         copies = tuple(self.allocator.take_copies())
@@ -759,10 +492,10 @@ class Scheduler:
         try:
             reason = self._stop_reason(req, token)
         except Exception as exc:  # noqa: BLE001 - the detokenize hook failed on this output: fail it alone
-            self._fail(req, exc)
+            self.queues.fail(req, exc)
             return None
         if reason is not None:
-            self._move(req, Transition.FINISH)
+            self.queues.move(req, Transition.FINISH)
             req.finish_reason = reason
         if token_lp is None and not req.prompt_logprobs:
             return TokenEvent(req.request_id, token, reason is not None, reason)
@@ -803,11 +536,11 @@ class Scheduler:
             waiting=len(self.waiting),
             running=len(self.running),
             swapped=len(self.swapped),
-            finished=self._finished,
-            aborted=self._aborted,
-            expired=self._expired,
+            finished=self.queues.finished,
+            aborted=self.queues.aborted,
+            expired=self.queues.expired,
             steps=self._steps,
-            preemptions=self._preemptions,
+            preemptions=self.preemption.count,
             generated_tokens=self._generated,
             prompt_tokens_computed=self._prompt_computed,
             kv_usage=s.usage,
