@@ -254,6 +254,163 @@ def _in_order(arrivals: Iterable[float]) -> Iterator[float]:
         yield float(t)
 
 
+_DONE, _ARRIVAL, _TIMER = 0, 1, 2  # event kinds, in the order events at one instant are handled
+
+
+class _Simulation:
+    """One run on virtual time: the event heap, the former and ledger it drives, and what it
+    records (each served request's arrival, latency and batch size; each batch's start and size;
+    the busy time and the area under the number of requests in the system)."""
+
+    def __init__(
+        self,
+        former: BatchFormer[_Request],
+        cost: CostFn,
+        *,
+        deadline_ms: float | None,
+        circuit_breaker: CircuitBreaker | None,
+        fails: Callable[[float], bool] | None,
+    ) -> None:
+        self.former = former
+        self.ledger = RequestLedger()  # the same counting rules as a batcher's statistics()
+        self.cost = cost
+        self.deadline_ms = deadline_ms
+        self.circuit_breaker = circuit_breaker
+        self.fails = fails
+        self.events: list[tuple[float, int, int, Any]] = []  # (time, kind, tiebreak, payload)
+        self.counter = 0
+        self.closed: ClosedLoop | None = None
+        self.arrival_iter: Iterator[float] | None = None
+        self.end_time = math.inf
+        self.records: list[tuple[float, float, int]] = []  # (arrival, latency, batch size)
+        self.arrival_times: list[float] = []
+        self.batch_sizes: list[tuple[float, int]] = []
+        self.busy = 0.0  # time at least one batch ran: concurrent batches overlap
+        self.busy_until = 0.0
+        self.in_system_area = 0.0
+        self.in_system = 0
+        self.last_t = 0.0
+        self.timers: set[float] = set()
+
+    def push(self, t: float, kind: int, payload: Any = None) -> None:
+        self.counter += 1
+        heapq.heappush(self.events, (t, kind, self.counter, payload))
+
+    def start(self, arrivals: Iterable[float] | ClosedLoop) -> None:
+        """The first arrivals: each closed-loop caller's at 0, or the first of the times."""
+        if isinstance(arrivals, ClosedLoop):
+            self.closed = arrivals
+            for _ in range(arrivals.concurrency):
+                self.push(0.0, _ARRIVAL)
+            self.end_time = arrivals.duration_s
+            return
+        self.arrival_iter = _in_order(arrivals)
+        first = next(self.arrival_iter, None)
+        if first is not None:
+            self.push(first, _ARRIVAL)
+
+    def run(self) -> None:
+        """Handle every event in time order; after each, expire and start what is due."""
+        while self.events:
+            t, kind, _, payload = heapq.heappop(self.events)
+            self.in_system_area += self.in_system * (t - self.last_t)
+            self.last_t = t
+            if kind == _DONE:
+                self._finished(t, payload)
+            elif kind == _ARRIVAL:
+                if self.closed is not None and t >= self.end_time:
+                    continue
+                self._arrive(t)
+            else:
+                self.timers.discard(t)
+            drops = self.former.expire(t)
+            self.ledger.drop(drops)
+            self.in_system -= len(drops)
+            self._start_due(t)
+
+    def _finished(self, t: float, payload: tuple[FormedBatch[_Request], int, float, bool]) -> None:
+        batch, size, took, ok = payload
+        self.former.complete(batch)
+        if ok:
+            served, lat = self.ledger.answer(batch.entries, [None] * size, t)
+            for r, x in zip(served, lat, strict=True):
+                self.records.append((r.arrival, x, size))
+            self.former.observe_latencies(lat, t)
+        else:
+            self.ledger.fail(batch.entries, _BATCH_FAILED, t)
+        self.former.record(batch, size, took, ok, t)
+        self.in_system -= size
+        if self.closed is not None and t < self.end_time:
+            for _ in range(size):
+                self.push(t, _ARRIVAL)
+
+    def _arrive(self, t: float) -> None:
+        self.arrival_times.append(t)
+        try:
+            if self.circuit_breaker is not None:
+                self.circuit_breaker.check(t)
+            self.former.add(_Request(t), t, 0, self.deadline_ms)
+            self.ledger.admitted(t)
+            self.in_system += 1
+        except (QueueFull, CircuitOpen):
+            self.ledger.refused()
+        if self.arrival_iter is not None:
+            nxt = next(self.arrival_iter, None)
+            if nxt is not None:
+                self.push(nxt, _ARRIVAL)
+
+    def _start_due(self, t: float) -> None:
+        """Start every batch the former has due at ``t``, and set a timer for its next wake."""
+        while True:
+            formed, wake_at = self.former.next_batch(t)
+            if formed is None:
+                break
+            size = len(self.ledger.start(formed.entries))
+            dt = _seconds(self.cost(size), size)
+            self.busy += max(0.0, t + dt - max(t, self.busy_until))
+            self.busy_until = max(self.busy_until, t + dt)
+            self.batch_sizes.append((t, size))
+            self.push(t + dt, _DONE, (formed, size, dt, self.fails is None or not self.fails(t)))
+        if wake_at is not None and wake_at > t and wake_at not in self.timers:
+            self.timers.add(wake_at)
+            self.push(wake_at, _TIMER)
+
+    def phase(self, start: float, end: float) -> PhaseResult:
+        """What happened to the requests that arrived in ``[start, end)``."""
+        sel = [(lat, size) for arr, lat, size in self.records if start <= arr < end]
+        finished_in = sum(1 for arr, lat, _ in self.records if start <= arr + lat < end)
+        return PhaseResult(
+            start=start,
+            end=end,
+            arrivals=sum(1 for a in self.arrival_times if start <= a < end),
+            completed=len(sel),
+            throughput=finished_in / (end - start) if end > start else 0.0,
+            latency=summarize([lat for lat, _ in sel]),
+            mean_batch_size=sum(s for _, s in sel) / len(sel) if sel else 0.0,
+        )
+
+    def result(self, phases: Sequence[tuple[float, float]]) -> SimResult:
+        duration = self.last_t
+        done = self.records
+        n_batches = len(self.batch_sizes)
+        return SimResult(
+            duration=duration,
+            arrivals=len(self.arrival_times),
+            completed=len(done),
+            rejected=self.ledger.rejected,
+            expired=self.ledger.expired,
+            failed=self.ledger.failed,
+            throughput=len(done) / duration if duration else 0.0,
+            latency=summarize([lat for _, lat, _ in done]),  # exact: the run keeps every latency anyway
+            mean_batch_size=sum(s for _, s in self.batch_sizes) / n_batches if n_batches else 0.0,
+            batches=n_batches,
+            utilisation=self.busy / duration if duration else 0.0,
+            mean_in_system=self.in_system_area / duration if duration else 0.0,
+            phases=[self.phase(start, end) for start, end in phases],
+            batch_sizes=self.batch_sizes,
+        )
+
+
 def simulate(
     cost: CostFn,
     arrivals: Iterable[float] | ClosedLoop,
@@ -295,7 +452,6 @@ def simulate(
         start, end = window
         if not (_is_number(start) and _is_number(end) and start < end):
             raise ValueError(f"each phase must be a (start, end) window of times with start < end, got {window!r}")
-    ledger = RequestLedger()  # the same counting rules as a batcher's statistics()
     former: BatchFormer[_Request] = BatchFormer(
         QueueCore(max_queue, "reject"),
         max_batch_size=max_batch_size,
@@ -304,126 +460,7 @@ def simulate(
         controller=controller,
         circuit_breaker=circuit_breaker,
     )
-    closed = arrivals if isinstance(arrivals, ClosedLoop) else None
-    events: list[
-        tuple[float, int, int, Any]
-    ] = []  # (time, kind, tiebreak, payload); kind 0 = done, 1 = arrival, 2 = timer
-    counter = 0
-
-    def push(t: float, kind: int, payload: Any = None) -> None:
-        nonlocal counter
-        counter += 1
-        heapq.heappush(events, (t, kind, counter, payload))
-
-    arrival_iter: Iterator[float] | None = None
-    if closed is not None:
-        for _ in range(closed.concurrency):
-            push(0.0, 1)
-        end_time = closed.duration_s
-    else:
-        arrival_iter = _in_order(arrivals)  # type: ignore[arg-type]
-        first = next(arrival_iter, None)
-        if first is not None:
-            push(first, 1)
-        end_time = float("inf")
-    records: list[tuple[float, float, int]] = []  # (arrival, latency, batch size)
-    arrival_times: list[float] = []
-    batch_sizes: list[tuple[float, int]] = []
-    n_arrivals = 0
-    busy = 0.0  # time at least one batch ran: concurrent batches overlap
-    busy_until = 0.0
-    in_system_area = 0.0
-    in_system = 0
-    last_t = 0.0
-    timers: set[float] = set()
-    while events:
-        t, kind, _, payload = heapq.heappop(events)
-        in_system_area += in_system * (t - last_t)
-        last_t = t
-        if kind == 0:  # a batch finished
-            batch: FormedBatch[_Request]
-            batch, size, took, ok = payload
-            former.complete(batch)
-            if ok:
-                served, lat = ledger.answer(batch.entries, [None] * size, t)
-                for r, x in zip(served, lat, strict=True):
-                    records.append((r.arrival, x, size))
-                former.observe_latencies(lat, t)
-            else:
-                ledger.fail(batch.entries, _BATCH_FAILED, t)
-            former.record(batch, size, took, ok, t)
-            in_system -= size
-            if closed is not None and t < end_time:
-                for _ in range(size):
-                    push(t, 1)
-        elif kind == 1:  # an arrival
-            if closed is not None and t >= end_time:
-                continue
-            n_arrivals += 1
-            arrival_times.append(t)
-            try:
-                if circuit_breaker is not None:
-                    circuit_breaker.check(t)
-                former.add(_Request(t), t, 0, deadline_ms)
-                ledger.admitted(t)
-                in_system += 1
-            except (QueueFull, CircuitOpen):
-                ledger.refused()
-            if arrival_iter is not None:
-                nxt = next(arrival_iter, None)
-                if nxt is not None:
-                    push(nxt, 1)
-        else:
-            timers.discard(t)
-        drops = former.expire(t)
-        ledger.drop(drops)
-        in_system -= len(drops)
-        while True:
-            formed, wake_at = former.next_batch(t)
-            if formed is None:
-                break
-            size = len(ledger.start(formed.entries))
-            dt = _seconds(cost(size), size)
-            busy += max(0.0, t + dt - max(t, busy_until))
-            busy_until = max(busy_until, t + dt)
-            batch_sizes.append((t, size))
-            push(t + dt, 0, (formed, size, dt, fails is None or not fails(t)))
-        if wake_at is not None and wake_at > t and wake_at not in timers:
-            timers.add(wake_at)
-            push(wake_at, 2)
-    duration = last_t
-    done = [x for x in records]
-    summary = summarize([lat for _, lat, _ in done])  # exact: the run keeps every latency anyway
-    phase_results = []
-    for start, end in phases or []:
-        sel = [(lat, size) for arr, lat, size in done if start <= arr < end]
-        finished_in = sum(1 for arr, lat, _ in done if start <= arr + lat < end)
-        n_arr = sum(1 for a in arrival_times if start <= a < end)
-        phase_results.append(
-            PhaseResult(
-                start=start,
-                end=end,
-                arrivals=n_arr,
-                completed=len(sel),
-                throughput=finished_in / (end - start) if end > start else 0.0,
-                latency=summarize([lat for lat, _ in sel]),
-                mean_batch_size=sum(s for _, s in sel) / len(sel) if sel else 0.0,
-            )
-        )
-    n_batches = len(batch_sizes)
-    return SimResult(
-        duration=duration,
-        arrivals=n_arrivals,
-        completed=len(done),
-        rejected=ledger.rejected,
-        expired=ledger.expired,
-        failed=ledger.failed,
-        throughput=len(done) / duration if duration else 0.0,
-        latency=summary,
-        mean_batch_size=sum(s for _, s in batch_sizes) / n_batches if n_batches else 0.0,
-        batches=n_batches,
-        utilisation=busy / duration if duration else 0.0,
-        mean_in_system=in_system_area / duration if duration else 0.0,
-        phases=phase_results,
-        batch_sizes=batch_sizes,
-    )
+    run = _Simulation(former, cost, deadline_ms=deadline_ms, circuit_breaker=circuit_breaker, fails=fails)
+    run.start(arrivals)
+    run.run()
+    return run.result(phases or [])
