@@ -36,10 +36,11 @@ from ..control import AdaptiveBatchController, CircuitBreaker
 from ._loop_pump import LoopPump
 from ._offload import OffloadThreads
 from ._queue_core import check_timeout
-from .batcher import BatcherOptions, BatcherShell, LedgerEntry, is_async_callable
+from .batch_function import is_async_callable
 from .former import FormedBatch
 from .ledger import NO_FALLBACK, Phase, Split
 from .queue import OnFull
+from .shell import BatcherOptions, BatcherShell, LedgerEntry
 
 __all__ = ["AsyncBatcher"]
 
@@ -96,7 +97,7 @@ class AsyncBatcher(BatcherShell[T, R]):
             ``offload=True`` with an ``async def`` ``fn``.
         TypeError: ``fn``, ``size_fn`` or ``group_by`` is not callable, ``controller`` or
             ``circuit_breaker`` is not of its type, or ``clock`` has no ``now()`` (see
-            :func:`~batchkit.dynamic.batcher.check_batcher_options`).
+            :func:`~batchkit.dynamic.shell.check_batcher_options`).
     """
 
     def __init__(

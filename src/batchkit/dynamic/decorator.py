@@ -37,8 +37,10 @@ from typing_extensions import Self, Unpack
 from .._errors import BatcherClosed, QueueFull
 from ._progress import progress_bar
 from .async_batcher import AsyncBatcher, enter, withdraw
-from .batcher import BatcherOptions, BatcherStatistics, DynamicBatcher, check_batcher_options, is_async_callable
+from .batch_function import is_async_callable
+from .batcher import DynamicBatcher
 from .ledger import NO_FALLBACK
+from .shell import BatcherOptions, BatcherStatistics, check_batcher_options
 
 __all__ = ["AsyncBatchedFunction", "BatchedFunction", "batched", "progress_bar"]
 
@@ -525,7 +527,7 @@ def batched(
 
     Raises:
         ValueError, TypeError: at decoration time, for options the batcher would refuse (see
-            :func:`~batchkit.dynamic.batcher.check_batcher_options`).
+            :func:`~batchkit.dynamic.shell.check_batcher_options`).
     """
     if "max_batch_size" in options:
         raise TypeError("@batched takes max_batch=..., not max_batch_size=...")
