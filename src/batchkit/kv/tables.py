@@ -147,6 +147,22 @@ class BlockTables:
         out: np.ndarray = self.table[idx, pos // bs].astype(np.int64) * bs + pos % bs
         return out
 
+    def padded(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
+        """The rows' block tables as one ``[len(rows), width]`` int32 array (a copy), padded
+        with the null block 0; ``width`` defaults to the longest.
+
+        Raises:
+            ValueError: ``width`` is narrower than the longest of the rows.
+        """
+        need = int(self.num_blocks[rows].max()) if rows.size else 0
+        width = need if width is None else width
+        if width < need:
+            raise ValueError(f"width={width} is narrower than the longest block table ({need})")
+        out = np.zeros((rows.size, width), dtype=np.int32)
+        k = min(width, self.table.shape[1])
+        out[:, :k] = self.table[rows, :k]
+        return out
+
     def __repr__(self) -> str:
         return f"<BlockTables rows={self._next_row - len(self._free_rows)} block_size={self.block_size}>"
 
