@@ -192,8 +192,17 @@ class ContinuousDecodeLoop:
 
     @property
     def max_waiting(self) -> int | None:
-        """Most requests waiting beyond the free seats (None: unbounded)."""
+        """Most requests waiting beyond the free seats (None: unbounded); settable, from the next
+        submit on (the :class:`Inbox` holds it).
+
+        Raises:
+            ValueError: (on setting) not an int >= 1 nor None.
+        """
         return self._inbox.max_waiting
+
+    @max_waiting.setter
+    def max_waiting(self, max_waiting: int | None) -> None:
+        self._inbox.max_waiting = positive_int_or_none("max_waiting", max_waiting, note="(None: unbounded)")
 
     @property
     def step_fn(self) -> StepFn:
