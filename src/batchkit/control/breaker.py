@@ -7,6 +7,7 @@ import enum
 
 from .._clock import Clock, checked_clock
 from .._errors import CircuitOpen
+from .._validate import positive_int
 from .controller import is_finite
 
 __all__ = ["BreakerState", "CircuitBreaker"]
@@ -58,8 +59,7 @@ class CircuitBreaker:
     """
 
     def __init__(self, failure_threshold: int = 5, reset_timeout_s: float = 10.0, clock: Clock | None = None) -> None:
-        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int) or failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be an int >= 1, got {failure_threshold!r}")
+        positive_int("failure_threshold", failure_threshold)
         # A NaN or infinite cool-down would keep an open circuit open for good.
         if not (is_finite(reset_timeout_s) and reset_timeout_s > 0):
             raise ValueError(f"reset_timeout_s must be a finite number of seconds > 0, got {reset_timeout_s!r}")

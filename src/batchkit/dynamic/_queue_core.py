@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from .._errors import DeadlineExceeded, QueueFull
+from .._validate import positive_int
 from ..metrics import LatencySummary, SampleWindow
 from .ledger import TRANSITIONS, Event, Phase
 
@@ -120,8 +121,7 @@ def check_queue_options(maxsize: object, on_full: object = "reject", aging_s: ob
     Raises:
         ValueError: ``maxsize`` not an int >= 1, an unknown ``on_full``, or ``aging_s`` <= 0.
     """
-    if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-        raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}: every queue is bounded")
+    positive_int("maxsize", maxsize, note="(every queue is bounded)")
     if on_full not in ON_FULL_POLICIES:
         raise ValueError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
     if aging_s is not None and not (isinstance(aging_s, (int, float)) and aging_s > 0):

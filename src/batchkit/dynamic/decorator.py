@@ -35,6 +35,7 @@ import anyio.to_thread
 from typing_extensions import Self, Unpack
 
 from .._errors import BatcherClosed, QueueFull
+from .._validate import positive_int
 from ._progress import progress_bar
 from .async_batcher import AsyncBatcher, enter, withdraw
 from .batch_function import is_async_callable
@@ -198,8 +199,7 @@ class _BatchedBase(Generic[T, R]):
         b = self.batcher
         if window is None:
             window = min(4 * b.max_batch_size, b.queue.maxsize)
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        positive_int("window", window)
         if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
             raise ValueError(f"total must be an int >= 0 or None, got {total!r}")
         if total is None and hasattr(items, "__len__"):
@@ -531,8 +531,7 @@ def batched(
     """
     if "max_batch_size" in options:
         raise TypeError("@batched takes max_batch=..., not max_batch_size=...")
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    positive_int("max_batch", max_batch)
     settings = _Settings(max_batch, max_wait_ms, options)
     if fn is None:
         return _Decorator(settings)

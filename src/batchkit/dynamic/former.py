@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .._errors import CircuitOpen
+from .._validate import positive_int
 from ..control import AdaptiveBatchController, BreakerState, CircuitBreaker
 from ._queue_core import ANY_KEY, Drop, QueueCore, QueueEntry, check_number
 
@@ -127,8 +128,7 @@ class BatchFormer(Generic[E]):
         circuit_breaker: CircuitBreaker | None = None,
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_concurrent_batches", max_concurrent_batches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            positive_int(name, value)
         check_number("max_wait_ms", max_wait_ms, unit="milliseconds")
         if max_batch_cost is not None:
             check_number("max_batch_cost", max_batch_cost, unit="cost units", positive=True, optional=True)

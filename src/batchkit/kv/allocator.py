@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import InvalidBlock, KVCacheExhausted, UnknownSequence
+from .._validate import positive_int
 from .blocks import BlockPool
 from .growth import Growth
 from .prefix import PrefixCache
@@ -137,8 +138,7 @@ class PagedKVAllocator:
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        positive_int("block_size", block_size)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         if num_cpu_blocks < 0:

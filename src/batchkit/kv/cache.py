@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from .._validate import positive_int
 from . import ops
 
 __all__ = ["Backend", "PagedKVCache", "choose_backend"]
@@ -119,8 +120,7 @@ class PagedKVCache:
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            positive_int(name, v)
         if backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'cuda', got {backend!r}")
         device = torch.device(device)
