@@ -371,7 +371,7 @@ def test_version_prints_the_installed_distributions_version(capsys: pytest.Captu
 
 def test_demo_warns_when_the_load_average_says_its_timings_will_not_hold() -> None:
     """A load of half the CPUs or more (at least 1) is other work on the CPUs the demo times."""
-    from batchkit.cli import _busy_machine_warning
+    from batchkit.demo.cli import busy_machine_warning as _busy_machine_warning
 
     warning = _busy_machine_warning(cpus=2, load=1.5)
     assert warning is not None
