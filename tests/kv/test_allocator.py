@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import batchkit
 from batchkit import BatchkitError, KVCacheExhausted, PagedKVAllocator, UnknownSequence
 from batchkit.kv.prefix import PrefixCache
 
@@ -562,3 +563,29 @@ class TestReleaseBefore:
         alloc.allocate("s", 4)
         with pytest.raises(ValueError, match="num_tokens must be >= 0"):
             alloc.release_before("s", -1)
+
+
+def test_a_swapped_out_sequence_refuses_appends_with_batchkit_error_and_keeps_the_pool() -> None:
+    alloc = batchkit.PagedKVAllocator(8, 4, num_cpu_blocks=8)
+    alloc.allocate("s", 6)
+    alloc.swap_out("s")
+    before = alloc.statistics()
+    with pytest.raises(batchkit.BatchkitError, match="swapped out"):
+        alloc.append_slots("s", 1)
+    assert alloc.statistics() == before
+    alloc.swap_in("s")
+    assert alloc.num_tokens("s") == 6
+
+
+def test_a_negative_token_count_and_a_quota_fraction_above_one_are_refused() -> None:
+    """blocks_needed(-1) is a mistake, not 0 blocks; a float quota is a fraction of the pool, so
+    1.5 means nothing (an int names blocks)."""
+    alloc = batchkit.PagedKVAllocator(8, 4)
+    assert alloc.blocks_needed(0) == 0
+    assert alloc.blocks_needed(5) == 2
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        alloc.blocks_needed(-1)
+    with pytest.raises(ValueError, match="fraction of the pool"):
+        batchkit.PagedKVAllocator(8, 4, tenant_quotas={"a": 1.5})
+    ok = batchkit.PagedKVAllocator(8, 4, tenant_quotas={"a": 0.5, "b": 3})
+    assert (ok.quota_of("b"), ok.quota_of("c")) == (3, None)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+import batchkit
 from batchkit import PagedKVAllocator, PagedKVCache
 from batchkit.kv import ops
 
@@ -232,3 +233,18 @@ def test_a_failed_allocation_is_a_memory_error_with_the_size(monkeypatch: pytest
     with pytest.raises(MemoryError, match=r"needs 0\.2 MiB; allocating it failed: DefaultCPUAllocator") as info:
         PagedKVCache(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=4096)
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_gather_refuses_a_total_tokens_that_is_not_the_sum_of_seq_lens() -> None:
+    """total_tokens is sum(seq_lens): a different value is a ValueError on the torch path too (the
+    CUDA kernels refuse it), never a silently ignored argument."""
+    kv = batchkit.PagedKVCache(1, 8, 4, 1, 8, dtype=torch.float32)
+    k = torch.randn(5, 1, 8)
+    kv.scatter(0, k, k, torch.arange(4, 9))
+    tables = torch.tensor([[1, 2]], dtype=torch.int32)
+    lens = torch.tensor([5])
+    with pytest.raises(ValueError, match="total_tokens"):
+        kv.gather(0, tables, lens, total_tokens=4)
+    got_k, got_v = kv.gather(0, tables, lens, total_tokens=5)
+    assert torch.equal(got_k, k)
+    assert torch.equal(got_v, k)
