@@ -39,16 +39,17 @@ Importing this module does not import Ray; the functions that need it import it 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import QueueFull
+from .._validate import positive_int
 from ..control import CircuitBreaker
 from ..dynamic.batcher import BatcherShell, DynamicBatcher
 from ..dynamic.decorator import AsyncBatchedFunction, BatchedFunction
+from .ray_options import default_max_queue, deployment_options, merge_options, require_ray
 
 __all__ = [
     "deployment_options",
@@ -74,19 +75,7 @@ RUNNING_BATCHES_METRIC = "batchkit_running_batches"
 RUNNING_REQUESTS_METRIC = "batchkit_running_requests"
 """The ``record_autoscaling_stats`` key for a decode loop's requests running now (each an item)."""
 
-_INSTALL_HINT = 'batchkit.integrations.ray needs Ray: pip install "batchkit[ray]"'
 _DEFAULT = object()  # "not given", distinct from None
-
-
-def _require_ray() -> None:
-    if importlib.util.find_spec("ray") is None:
-        raise ModuleNotFoundError(_INSTALL_HINT, name="ray")
-
-
-def _check_int(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
 
 
 def _batchers(targets: Sequence[Any]) -> list[BatcherShell[Any, Any]]:
@@ -103,134 +92,6 @@ def _batchers(targets: Sequence[Any]) -> list[BatcherShell[Any, Any]]:
     if not out:
         raise TypeError("pass at least one DynamicBatcher or @batched function")
     return out
-
-
-# ---------------------------------------------------------------------- sizing a replica
-
-
-def default_max_queue(max_batch: int, max_concurrent_batches: int = 1) -> int:
-    """A replica's batcher queue when none is given: five full batches per batch slot (one
-    running, four waiting)."""
-    return 5 * max_batch * max_concurrent_batches
-
-
-def deployment_options(
-    *,
-    max_batch: int,
-    b_opt: int | None = None,
-    max_concurrent_batches: int = 1,
-    max_queue: int | None = None,
-    num_replicas: int | None = None,
-    min_replicas: int | None = None,
-    max_replicas: int | None = None,
-    autoscale_on_queue_depth: bool = False,
-    upscale_delay_s: float | None = None,
-    downscale_delay_s: float | None = None,
-) -> dict[str, Any]:
-    """Ray Serve deployment options for a replica that holds one batcher.
-
-    Ray Serve sends a replica at most ``max_ongoing_requests`` requests at a time (default **5**)
-    and holds the rest at the caller's handle. A batcher only sees what the replica holds, so with
-    the default no batch ever exceeds 5 items, however many callers wait. Worse, requests held at
-    a handle are not woken when a replica frees up: the router polls replicas with a backoff of up
-    to a second. Measured (benchmarks/ray_replicas.py, 128 callers, a sleep-bound batch function
-    that serves 194 req/s in one process): 6 req/s with a mean batch of 1.4 at the default,
-    still only 28 req/s at ``max_ongoing_requests = 2 * max_batch``, and 181 req/s with the value
-    derived here. So the replica should hold everything its batcher can admit, and the handle
-    only true overload:
-
-    - ``max_ongoing_requests = max_queue``, the batcher's queue capacity: everything a replica is
-      sent may have to wait in its queue at once (a batch that started small leaves the rest
-      waiting), so a replica is never sent more than its queue admits, and
-      :func:`batched_deployment` gives its batcher that ``max_queue``. It defaults to ``5 *
-      max_batch * max_concurrent_batches`` (a running batch and four waiting per slot: enough to
-      keep every slot full while callers come and go); size it to the concurrency one replica
-      must absorb (Little's law: ``L = lambda * W`` per replica).
-    - ``target_ongoing_requests = b_opt * max_concurrent_batches`` (autoscaling only): the
-      autoscaler adds replicas when each holds more than ``B_opt`` items per batch slot (the batch
-      size ``batchkit bench`` found best: past it, more waiting buys latency and no throughput),
-      and removes them when batches run under it. Without ``b_opt``, ``max_batch`` stands in.
-
-    Args:
-        max_batch: the batcher's ``max_batch_size`` (>= 1).
-        b_opt: ``B_opt`` from ``batchkit bench`` (1 <= b_opt <= max_batch).
-        max_concurrent_batches: the batcher's batch slots (>= 1).
-        max_queue: the batcher's queue capacity (default ``5 * max_batch * max_concurrent_batches``;
-            at least ``max_batch * max_concurrent_batches``, or no batch could fill).
-        num_replicas: a fixed replica count (default 1 when no min/max is given).
-        min_replicas, max_replicas: autoscale between these (either one turns autoscaling on; a
-            missing ``min_replicas`` is 1, a missing ``max_replicas`` is ``max(min_replicas, 1)``).
-        autoscale_on_queue_depth: scale on batchkit's own queue depth (:class:`QueueDepthPolicy`,
-            fed by each replica's ``record_autoscaling_stats``) instead of Serve's request count.
-            Choose it when one request can carry many items (:meth:`BatchkitReplica.batch`), since
-            Serve counts requests, not items.
-        upscale_delay_s, downscale_delay_s: passed to the autoscaling config when given (finite
-            seconds >= 0; only with autoscaling).
-
-    Returns:
-        Keyword arguments for ``serve.deployment(...)`` or ``Deployment.options(...)``.
-
-    Raises:
-        ValueError: a bound below 1, ``b_opt`` above ``max_batch``, ``num_replicas`` together with
-            ``min_replicas``/``max_replicas``, ``min_replicas > max_replicas``, or an autoscaling
-            delay that is not finite seconds >= 0 or comes without autoscaling.
-    """
-    _check_int("max_batch", max_batch, 1)
-    _check_int("max_concurrent_batches", max_concurrent_batches, 1)
-    if b_opt is not None and _check_int("b_opt", b_opt, 1) > max_batch:
-        raise ValueError(f"b_opt ({b_opt}) cannot exceed max_batch ({max_batch}): pass the B_opt batchkit bench found")
-    slots = max_batch * max_concurrent_batches
-    if max_queue is None:
-        max_queue = default_max_queue(max_batch, max_concurrent_batches)
-    elif _check_int("max_queue", max_queue, 1) < slots:
-        raise ValueError(
-            f"max_queue ({max_queue}) is below max_batch * max_concurrent_batches ({slots}): a replica would never "
-            "hold a full batch; raise max_queue or lower max_batch"
-        )
-    options: dict[str, Any] = {"max_ongoing_requests": max_queue}
-    autoscaling = min_replicas is not None or max_replicas is not None or autoscale_on_queue_depth
-    for name, delay in (("upscale_delay_s", upscale_delay_s), ("downscale_delay_s", downscale_delay_s)):
-        if delay is None:
-            continue
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
-            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {delay!r}")
-        if not autoscaling:
-            raise ValueError(
-                f"{name} is an autoscaling setting and this deployment does not autoscale: pass min_replicas / "
-                "max_replicas (or autoscale_on_queue_depth) instead of a fixed num_replicas"
-            )
-    if not autoscaling:
-        options["num_replicas"] = _check_int("num_replicas", num_replicas if num_replicas is not None else 1, 1)
-        return options
-    if num_replicas is not None:
-        raise ValueError("pass either num_replicas (a fixed count) or min_replicas/max_replicas (autoscaling)")
-    lo = _check_int("min_replicas", min_replicas if min_replicas is not None else 1, 0)
-    hi = _check_int("max_replicas", max_replicas if max_replicas is not None else max(lo, 1), 1)
-    if lo > hi:
-        raise ValueError(f"min_replicas ({lo}) cannot exceed max_replicas ({hi})")
-    target = (b_opt if b_opt is not None else max_batch) * max_concurrent_batches
-    config: dict[str, Any] = {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": target}
-    if upscale_delay_s is not None:
-        config["upscale_delay_s"] = upscale_delay_s
-    if downscale_delay_s is not None:
-        config["downscale_delay_s"] = downscale_delay_s
-    if autoscale_on_queue_depth:
-        config["policy"] = {
-            "policy_function": f"{__name__}:QueueDepthPolicy",
-            "policy_kwargs": {"target_items_per_replica": target, "items_per_batch": b_opt or max_batch},
-        }
-    options["autoscaling_config"] = config
-    return options
-
-
-def _merge_options(options: dict[str, Any], overrides: Mapping[str, Any] | None) -> None:
-    """``options.update(overrides)``, merging an ``autoscaling_config`` dict into the derived one."""
-    for key, value in (overrides or {}).items():
-        derived = options.get(key)
-        if key == "autoscaling_config" and isinstance(derived, dict) and isinstance(value, Mapping):
-            options[key] = {**derived, **value}
-        else:
-            options[key] = value
 
 
 # ---------------------------------------------------------------------- replica hooks
@@ -472,7 +333,34 @@ def batched_deployment(
             a ``queue`` is given (pass ``max_queue`` and ``on_full``).
         ValueError: see :func:`deployment_options`.
     """
-    _require_ray()
+    require_ray()
+    options = _replica_batcher_options(target, max_batch, max_wait_ms, name, circuit_breaker, batcher_options)
+    serve_options = deployment_options(
+        max_batch=max_batch,
+        b_opt=b_opt,
+        max_concurrent_batches=options.get("max_concurrent_batches", 1),
+        max_queue=options["max_queue"],
+        num_replicas=num_replicas,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        autoscale_on_queue_depth=autoscale_on_queue_depth,
+    )
+    deployment_name: str = name or str(getattr(target, "__name__", "BatchkitReplica"))
+    return _deployment(
+        BatchkitReplica, (target, options), deployment_name, serve_options, ray_actor_options, deployment_kwargs
+    )
+
+
+def _replica_batcher_options(
+    target: Callable[..., Any],
+    max_batch: int,
+    max_wait_ms: float,
+    name: str | None,
+    circuit_breaker: Any,
+    batcher_options: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The ``DynamicBatcher`` options each replica builds its batcher with (a queue sized by
+    :func:`default_max_queue` unless given), after refusing what cannot be shipped to replicas."""
     if isinstance(target, (BatchedFunction, AsyncBatchedFunction, DynamicBatcher)):
         raise TypeError(
             "pass the plain batch function (or a class building it), not a @batched function or a "
@@ -485,8 +373,6 @@ def batched_deployment(
             "a BoundedQueue cannot be shipped to replicas (each replica builds its own): "
             "pass max_queue and on_full instead"
         )
-    from ray import serve
-
     cb = CircuitBreaker() if circuit_breaker is _DEFAULT else circuit_breaker
     if cb is not None and not isinstance(cb, CircuitBreaker):
         raise TypeError(f"circuit_breaker must be a batchkit.CircuitBreaker or None, got {cb!r}")
@@ -494,27 +380,30 @@ def batched_deployment(
     options.update(max_batch_size=max_batch, max_wait_ms=max_wait_ms, circuit_breaker=cb)
     options.setdefault("max_queue", default_max_queue(max_batch, options.get("max_concurrent_batches", 1)))
     options.setdefault("name", name or getattr(target, "__name__", "batch_fn"))
-    serve_options = deployment_options(
-        max_batch=max_batch,
-        b_opt=b_opt,
-        max_concurrent_batches=options.get("max_concurrent_batches", 1),
-        max_queue=options["max_queue"],
-        num_replicas=num_replicas,
-        min_replicas=min_replicas,
-        max_replicas=max_replicas,
-        autoscale_on_queue_depth=autoscale_on_queue_depth,
-    )
+    return options
+
+
+def _deployment(
+    base: type[Any],
+    base_args: tuple[Any, ...],
+    name: str,
+    serve_options: dict[str, Any],
+    ray_actor_options: Mapping[str, Any] | None,
+    deployment_kwargs: Mapping[str, Any] | None,
+) -> Any:
+    """``serve.deployment`` of a subclass of ``base`` named ``name``: each replica is
+    ``base(*base_args, args, kwargs)``, with ``.bind(*args, **kwargs)``'s arguments."""
+    from ray import serve
+
     if ray_actor_options is not None:
         serve_options["ray_actor_options"] = dict(ray_actor_options)
-    _merge_options(serve_options, deployment_kwargs)
-    deployment_name: str = name or str(getattr(target, "__name__", "BatchkitReplica"))
+    merge_options(serve_options, deployment_kwargs)
 
-    class Replica(BatchkitReplica):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(target, options, args, kwargs)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *base_args, args, kwargs)
 
-    Replica.__name__ = Replica.__qualname__ = deployment_name
-    return serve.deployment(Replica, name=deployment_name, **serve_options)
+    replica = type(name, (base,), {"__init__": __init__, "__module__": __name__})
+    return serve.deployment(replica, name=name, **serve_options)
 
 
 # ---------------------------------------------------------------------- a decode loop per replica
@@ -597,18 +486,16 @@ def decode_deployment(
         ModuleNotFoundError: Ray is not installed.
         ValueError: see :func:`deployment_options`.
     """
-    _require_ray()
+    require_ray()
     if not callable(make_loop):
         raise TypeError(f"make_loop must be a callable that builds a ContinuousDecodeLoop, got {make_loop!r}")
     # This function's names, not deployment_options' (max_batch / max_queue), in its errors.
-    _check_int("max_num_seqs", max_num_seqs, 1)
-    if max_waiting is not None and _check_int("max_waiting", max_waiting, 1) < max_num_seqs:
+    positive_int("max_num_seqs", max_num_seqs)
+    if max_waiting is not None and positive_int("max_waiting", max_waiting) < max_num_seqs:
         raise ValueError(
             f"max_waiting ({max_waiting}) is below max_num_seqs ({max_num_seqs}): a replica would never be sent "
             "enough requests to fill its seats; raise max_waiting or lower max_num_seqs"
         )
-    from ray import serve
-
     serve_options = deployment_options(
         max_batch=max_num_seqs,
         max_queue=max_waiting,
@@ -620,17 +507,10 @@ def decode_deployment(
     if autoscale_on_queue_depth:
         # A running request is one item, reported as such (not as batches of B_opt).
         serve_options["autoscaling_config"]["policy"]["policy_kwargs"]["items_per_batch"] = 1
-    if ray_actor_options is not None:
-        serve_options["ray_actor_options"] = dict(ray_actor_options)
-    _merge_options(serve_options, deployment_kwargs)
     deployment_name: str = name or str(getattr(make_loop, "__name__", "DecodeReplica"))
-
-    class Replica(DecodeReplica):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(make_loop, args, kwargs)
-
-    Replica.__name__ = Replica.__qualname__ = deployment_name
-    return serve.deployment(Replica, name=deployment_name, **serve_options)
+    return _deployment(
+        DecodeReplica, (make_loop,), deployment_name, serve_options, ray_actor_options, deployment_kwargs
+    )
 
 
 # ---------------------------------------------------------------------- Ray Data
@@ -680,7 +560,8 @@ class BatchkitMapper:
         fn_kwargs: Mapping[str, Any] | None = None,
         **batcher_options: Any,
     ) -> None:
-        _check_int("retries", retries, 0)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         if isinstance(fn, (BatchedFunction, AsyncBatchedFunction, DynamicBatcher)):
             raise TypeError("pass the plain batch function: each Ray Data actor builds its own batcher")
         self.fn = fn(*fn_args, **(fn_kwargs or {})) if isinstance(fn, type) else fn
@@ -783,11 +664,11 @@ def map_records(
     Returns:
         The mapped dataset (lazy: ``write_json``, ``take_all``... run it).
     """
-    _require_ray()
+    require_ray()
     import ray.data
 
-    _check_int("replicas", replicas, 1)
-    _check_int("block_rows", block_rows, 1)
+    positive_int("replicas", replicas)
+    positive_int("block_rows", block_rows)
     return ds.map_batches(
         BatchkitMapper,
         fn_constructor_args=(fn,),
