@@ -231,3 +231,33 @@ class TestAControllerThatFailsNeverStrandsCallers:
         s = asyncio.run(main())
         assert s.submitted == s.succeeded == 10
         assert loop_errors == []
+
+
+@pytest.mark.parametrize("quantile", [-1.0, 100.5, 150.0])
+def test_controller_refuses_a_quantile_that_is_not_a_percentile(quantile: float) -> None:
+    """slo_quantile is a percentile: out of [0, 100] it fails at construction, not at the first update."""
+    with pytest.raises(ValueError, match="slo_quantile"):
+        batchkit.AdaptiveBatchController(target_queue=1, latency_slo_ms=10, slo_quantile=quantile)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"eta": 1.5},
+        {"max_batch": 8.0},
+        {"initial": 2.5},
+        {"eta": True},
+        {"target_queue": float("nan")},
+        {"cooldown_s": float("nan")},
+        {"deadband": float("inf")},
+        {"latency_slo_ms": float("nan")},
+        {"min_headroom": 2.0},
+        {"min_headroom": -0.1},
+    ],
+)
+def test_controller_refuses_fractional_batch_sizes_and_numbers_that_are_not_finite(bad: dict[str, object]) -> None:
+    """Batch sizes are whole numbers and limits are finite: a bad one fails at construction with
+    ValueError naming it, not later as a fractional batch size or a guard that never fires."""
+    kwargs: dict[str, object] = {"target_queue": 1.0, **bad}
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        batchkit.AdaptiveBatchController(**kwargs)  # type: ignore[arg-type]
