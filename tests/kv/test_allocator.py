@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import random
 from collections import Counter
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -589,3 +593,159 @@ def test_a_negative_token_count_and_a_quota_fraction_above_one_are_refused() -> 
         batchkit.PagedKVAllocator(8, 4, tenant_quotas={"a": 1.5})
     ok = batchkit.PagedKVAllocator(8, 4, tenant_quotas={"a": 0.5, "b": 3})
     assert (ok.quota_of("b"), ok.quota_of("c")) == (3, None)
+
+
+def test_a_token_lives_in_the_slot_its_block_table_gives() -> None:
+    """slot = block_table[p // block_size] * block_size + p % block_size, for every position."""
+    alloc = PagedKVAllocator(num_blocks=64, block_size=4)
+    alloc.allocate("s", 10)
+    alloc.append_slots("s", 5)
+    table, slots = alloc.block_table("s"), alloc.slot_mapping("s")
+    assert len(slots) == 15
+    assert all(slots[p] == table[p // 4] * 4 + p % 4 for p in range(15))
+    assert 0 not in set(table.tolist())  # block 0 is the null block
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 5, 16, 17])
+def test_waste_is_at_most_block_size_minus_one_slots_per_sequence(length: int) -> None:
+    """Only the last block can be partly empty: fragmentation = unused slots in last blocks over
+    allocated slots, at most (block_size - 1) per sequence."""
+    alloc = PagedKVAllocator(num_blocks=64, block_size=4)
+    alloc.allocate("a", length)
+    alloc.allocate("b", 4)
+    s = alloc.statistics()
+    unused = -length % 4
+    assert s.used_blocks == math.ceil(length / 4) + 1
+    assert s.fragmentation == pytest.approx(unused / (s.used_blocks * 4))
+    assert unused <= 4 - 1
+
+
+def _snapshot(alloc: PagedKVAllocator, names: list[str]) -> tuple[Any, ...]:
+    tables: dict[str, Any] = {}
+    for name in names:
+        try:
+            swapped = alloc.is_swapped(name)
+            table = None if swapped else tuple(alloc.block_table(name).tolist())
+            tables[name] = (swapped, alloc.num_tokens(name), table)
+        except batchkit.UnknownSequence:
+            tables[name] = None
+    return (alloc.statistics(), tables, alloc.num_free_blocks)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_errors_leave_the_pool_as_it_was_and_blocks_always_add_up(seed: int) -> None:
+    """Random operations (many of them invalid: unknown ids, double frees, too-long prompts,
+    swaps without CPU room, over-quota tenants): every refused one changes nothing, and
+    free + used + cached == total after each."""
+    rng = random.Random(seed)
+    quotas: list[dict[Hashable, int | float] | None] = [None, {"t": 3}, {"t": 0.5}]
+    alloc = PagedKVAllocator(
+        num_blocks=rng.randint(4, 24),
+        block_size=rng.choice([1, 2, 4]),
+        watermark=rng.choice([0.0, 0.1]),
+        enable_prefix_caching=rng.random() < 0.7,
+        num_cpu_blocks=rng.choice([0, 4, 16]),
+        tenant_quotas=rng.choice(quotas),
+    )
+    names = [f"s{i}" for i in range(6)]
+    refused = 0
+    for _ in range(120):
+        op = rng.choice(["allocate", "append", "append_batch", "free", "fork", "mark", "swap_out", "swap_in", "copies"])
+        seq, other = rng.choice(names), rng.choice(names)
+        before = _snapshot(alloc, names)
+        try:
+            if op == "allocate":
+                prompt = [rng.randint(0, 3) for _ in range(rng.randint(0, 20))]
+                alloc.allocate(seq, prompt, tenant=rng.choice([None, "t"]))
+            elif op == "append":
+                alloc.append_slots(seq, rng.randint(0, 3))
+            elif op == "append_batch":
+                alloc.append_slots_batch(rng.sample(names, rng.randint(1, 3)))
+            elif op == "free":
+                alloc.free(seq)
+            elif op == "fork":
+                alloc.fork(seq, other)
+            elif op == "mark":
+                alloc.mark_computed(seq, rng.randint(0, 25))
+            elif op == "swap_out":
+                alloc.swap_out(seq)
+            elif op == "swap_in":
+                alloc.swap_in(seq)
+            else:
+                alloc.take_copies()
+        except (batchkit.BatchkitError, ValueError):
+            refused += 1
+            changed = _snapshot(alloc, names) != before
+            assert not changed, f"a refused {op} changed the pool"
+        s = alloc.statistics()
+        assert s.free_blocks + s.used_blocks + s.cached_blocks == s.total_blocks
+    assert refused > 0
+
+
+def test_an_error_is_one_of_the_named_types() -> None:
+    """KVCacheExhausted, UnknownSequence (unknown or freed twice), InvalidBlock, ValueError."""
+    alloc = PagedKVAllocator(num_blocks=8, block_size=4)
+    with pytest.raises(KVCacheExhausted):
+        alloc.allocate("big", 1000)
+    alloc.allocate("s", 3)
+    alloc.free("s")
+    with pytest.raises(batchkit.UnknownSequence):
+        alloc.free("s")
+    with pytest.raises(batchkit.InvalidBlock):
+        alloc.ref_count(99)
+    alloc.allocate("t", 3)
+    with pytest.raises(ValueError, match="already allocated"):
+        alloc.allocate("t", 3)
+
+
+def test_a_prompt_entirely_in_the_cache_still_leaves_a_token_to_compute() -> None:
+    """At least one prompt token is always left to compute, so that the step yields logits: a
+    block-aligned prompt whose every block is cached reuses all but its last block."""
+    alloc = PagedKVAllocator(num_blocks=64, block_size=16, enable_prefix_caching=True)
+    prompt = list(range(32))
+    alloc.allocate("a", prompt)
+    alloc.mark_computed("a", 32)
+    cached = alloc.allocate("b", prompt)
+    assert 0 < cached < len(prompt)
+    assert cached == 16
+    longer = [*prompt, 99]
+    assert alloc.allocate("c", longer) == 32
+
+
+def test_the_guide_example_reuses_two_full_blocks() -> None:
+    """req-2 (req-1's 40 tokens and two more) reuses req-1's two full blocks: 32 tokens."""
+    alloc = PagedKVAllocator(num_blocks=4096, block_size=16, watermark=0.01, enable_prefix_caching=True)
+    alloc.allocate("req-1", list(range(40)))
+    alloc.mark_computed("req-1", 40)
+    assert alloc.allocate("req-2", [*range(40), 7, 7]) == 32
+    assert alloc.statistics().prefix_hits == 32
+
+
+def test_swap_out_frees_device_blocks_and_swap_in_returns_cpu_to_device_copies() -> None:
+    """swap_out returns (device, cpu) pairs and frees the device blocks; swap_in returns
+    (cpu, device) pairs onto the sequence's new block table."""
+    alloc = PagedKVAllocator(num_blocks=16, block_size=4, num_cpu_blocks=8)
+    alloc.allocate("s", 10)
+    table = alloc.block_table("s").tolist()
+    used = alloc.statistics().used_blocks
+    out = alloc.swap_out("s")
+    assert [d for d, _ in out] == table
+    assert alloc.is_swapped("s")
+    s = alloc.statistics()
+    assert (s.used_blocks, s.cpu_free_blocks) == (used - 3, 8 - 3)
+    back = alloc.swap_in("s")
+    assert [c for c, _ in back] == [c for _, c in out]
+    assert [d for _, d in back] == alloc.block_table("s").tolist()
+    assert alloc.num_tokens("s") == 10
+    s = alloc.statistics()
+    assert (s.swaps_out, s.swaps_in, s.cpu_free_blocks) == (1, 1, 8)
+
+
+def test_a_quota_is_an_int_or_a_fraction_of_the_pool_and_binds_only_its_tenant() -> None:
+    alloc = PagedKVAllocator(num_blocks=17, block_size=4, tenant_quotas={"paid": 2, "free-tier": 0.25})
+    assert (alloc.quota_of("paid"), alloc.quota_of("free-tier"), alloc.quota_of("other")) == (2, 4, None)
+    with pytest.raises(KVCacheExhausted):
+        alloc.allocate("p", 9, tenant="paid")  # 3 blocks over a quota of 2
+    alloc.allocate("p", 8, tenant="paid")
+    alloc.allocate("o", 9, tenant="other")
+    assert alloc.statistics().tenant_usage["paid"] == 2

@@ -248,3 +248,28 @@ def test_gather_refuses_a_total_tokens_that_is_not_the_sum_of_seq_lens() -> None
     got_k, got_v = kv.gather(0, tables, lens, total_tokens=5)
     assert torch.equal(got_k, k)
     assert torch.equal(got_v, k)
+
+
+def test_the_cache_takes_the_allocators_numpy_slots_and_tables_as_they_come() -> None:
+    """The guide's flow: the allocator's slot_mapping (numpy int64) goes to kv.scatter, its
+    block_tables (numpy int32) and the lengths to gather and paged_attention, without conversion."""
+    torch = pytest.importorskip("torch")
+    np = pytest.importorskip("numpy")
+    alloc = PagedKVAllocator(num_blocks=16, block_size=4)
+    cache = batchkit.PagedKVCache(num_layers=1, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
+    alloc.allocate("a", 6)
+    alloc.allocate("b", 3)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    slots = np.concatenate([alloc.slot_mapping("a"), alloc.slot_mapping("b")])
+    cache.scatter(0, k, v, slots)
+    tables = alloc.block_tables(["a", "b"])
+    lens = np.array([6, 3])
+    gk, gv = cache.gather(0, tables, lens)
+    assert torch.equal(gk, k)
+    assert torch.equal(gv, v)
+    assert torch.equal(cache.gather(0, tables, [6, 3])[0], k)  # a list of lengths too
+    query = torch.randn(9, 4, 8, generator=g)
+    as_tensors = cache.paged_attention(0, query, torch.from_numpy(tables), torch.tensor([6, 3]), torch.tensor([6, 3]))
+    assert torch.equal(cache.paged_attention(0, query, tables, lens, lens), as_tensors)
+    cache.scatter(0, k[:0], v[:0], [])  # nothing to write

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from batchkit import ModelShape, kv_cache_bytes
+import batchkit
+from batchkit import ModelShape, kv, kv_cache_bytes
 from batchkit.cli import main
 from batchkit.kv.planner import PRESETS, plan
 
@@ -255,3 +257,81 @@ def test_a_layer_that_is_not_attention_is_refused_by_the_planner() -> None:
     }
     with pytest.raises(ValueError, match=r"layer type 'linear_attention'"):
         ModelShape.from_hf_config(config)
+
+
+GIB = 1024**3
+
+
+def test_the_plan_follows_the_guide_formulas() -> None:
+    """blocks = budget // (kv_bytes_per_token * block_size) and sequences =
+    num_blocks // ceil(L / block_size), for lengths that are not a multiple of the block."""
+    shape = batchkit.ModelShape(num_layers=32, num_kv_heads=32, head_dim=128, num_params=6_740_000_000)
+    assert shape.kv_bytes_per_token == 2 * 1 * 32 * 32 * 128 * 2
+    for mean_len in (1, 17, 1000, 1024):
+        p = kv.plan(shape, device_bytes=80 * GIB, activation_bytes=2 * GIB, mean_seq_len=mean_len)
+        budget = 80 * GIB * 0.9 - 6.74e9 * 2 - 2 * GIB
+        assert p.num_blocks == int(budget // (shape.kv_bytes_per_token * 16)) == 7353
+        assert p.max_tokens == 7353 * 16
+        assert p.max_num_seqs == 7353 // math.ceil(mean_len / 16)
+
+
+def test_grouped_query_attention_holds_four_times_the_tokens_per_byte() -> None:
+    """Llama-3-8B (8 KV heads) against Llama-2-7B (32): a quarter of the KV bytes per token, so
+    four times the tokens in the same cache."""
+    l2 = batchkit.ModelShape(num_layers=32, num_kv_heads=32, head_dim=128)
+    l3 = batchkit.ModelShape(num_layers=32, num_kv_heads=8, head_dim=128)
+    assert l2.kv_bytes_per_token == 4 * l3.kv_bytes_per_token
+    p2 = kv.plan(l2, device_bytes=80 * GIB, weight_bytes=13 * GIB)
+    p3 = kv.plan(l3, device_bytes=80 * GIB, weight_bytes=13 * GIB)
+    assert p3.max_tokens == pytest.approx(4 * p2.max_tokens, rel=1e-3)
+
+
+def test_plan_config_reads_a_hugging_face_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`batchkit plan --config config.json` on Llama-2-7B's own config (no parameter count in it)
+    prints the numbers of the guide's worked example."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "vocab_size": 32000,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--config", str(path), "--device-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "32 layers, 32 KV heads x 128, 2 bytes per value" in out
+    for row in ("weights                                     12.55 GiB", "7,353 x 16", "117,648", "114"):
+        assert row in out
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "model_type": "gpt2"},
+        {"model_type": "llava", "text_config": {"num_hidden_layers": 32, "num_attention_heads": 32}},
+    ],
+    ids=["gpt2-names", "nested-text-config"],
+)
+def test_plan_config_refuses_a_config_without_the_names_it_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, Any]
+) -> None:
+    """A config that does not name num_hidden_layers / num_attention_heads at its top level is
+    refused (exit status 2, naming what it needs), not planned from guesses."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--config", str(path)]) == 2
+    assert "num_hidden_layers" in capsys.readouterr().err
+
+
+def test_plan_config_defaults_the_kv_heads_to_the_attention_heads() -> None:
+    config = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32, "torch_dtype": "float16"}
+    shape = batchkit.ModelShape.from_hf_config(config)
+    assert (shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (32, 128, 2)
