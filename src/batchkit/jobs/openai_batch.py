@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import KVCacheExhausted
 from ..continuous.sampling import nth_seed
 from ..serve.admission import PromptRoom
-from ..serve.errors import ApiError
+from ..serve.errors import ApiError, answer_for
 from ..serve.protocol import (
     MAX_PROMPTS_PER_REQUEST,
     GenerationRequest,
@@ -366,8 +366,9 @@ class OpenAIBatchFunction(LoopFunction):
         return f"<OpenAIBatchFunction model={self.model_name!r} errors={self.num_errors} loop={self.loop!r}>"
 
 
-def _refusal(exc: BaseException) -> ApiError:
-    """The status a request earns for an exception of its own (as the server answers it)."""
-    if isinstance(exc, KVCacheExhausted):
-        return ApiError(400, str(exc), code="context_length_exceeded")
-    return ApiError(400, str(exc), code="invalid_value")
+def _refusal(exc: ValueError | TypeError | KVCacheExhausted) -> ApiError:
+    """The answer a request earns for an exception of its own, as the server answers it
+    (:func:`~batchkit.serve.errors.answer_for`). A ``TypeError`` (a sampling field of the wrong
+    type) is answered as the ``ValueError`` it stands for: serve/errors.py has no row for it."""
+    answer = answer_for(ValueError(exc) if isinstance(exc, TypeError) else exc, "generation")
+    return answer.error(exc, retry_after_s=0)  # no row of these three asks the client to retry
