@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import batchkit
 from _support import DUE_BY_REASON, DUE_BY_REASON_OPTIONS, wait_until
 from batchkit import (
     BatchSizeMismatch,
@@ -344,3 +345,31 @@ def test_a_threaded_batcher_recovers_when_its_probe_batch_is_due_for_any_reason(
     b.close(timeout=WAIT)
     assert b.recent_batches()[-1].reason == reason
     assert fn.batches[-1] == items
+
+
+def test_the_circuit_breaker_example_arguments_are_its_defaults() -> None:
+    """CircuitBreaker(failure_threshold=5, reset_timeout_s=10), as the guide writes it, is the default."""
+    cb = batchkit.CircuitBreaker()
+    assert (cb.failure_threshold, cb.reset_timeout_s, cb.state) == (5, 10.0, "closed")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"failure_threshold": 0}, "failure_threshold"),
+        ({"failure_threshold": 2.5}, "failure_threshold"),
+        ({"failure_threshold": True}, "failure_threshold"),
+        ({"failure_threshold": "3"}, "failure_threshold"),
+        ({"reset_timeout_s": 0}, "reset_timeout_s"),
+        ({"reset_timeout_s": float("nan")}, "reset_timeout_s"),
+        ({"reset_timeout_s": float("inf")}, "reset_timeout_s"),
+        ({"reset_timeout_s": "10"}, "reset_timeout_s"),
+    ],
+)
+def test_a_circuit_breaker_refuses_settings_that_would_never_open_or_never_probe(
+    kwargs: dict[str, object], match: str
+) -> None:
+    """failure_threshold is a count (an int >= 1); reset_timeout_s a finite number of seconds > 0:
+    a NaN or infinite cool-down would keep an open circuit open for good."""
+    with pytest.raises(ValueError, match=match):
+        batchkit.CircuitBreaker(**kwargs)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -261,3 +262,28 @@ def test_controller_refuses_fractional_batch_sizes_and_numbers_that_are_not_fini
     kwargs: dict[str, object] = {"target_queue": 1.0, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
         batchkit.AdaptiveBatchController(**kwargs)  # type: ignore[arg-type]
+
+
+def test_latencies_older_than_the_window_no_longer_shrink_the_batch() -> None:
+    """The latency guard reads the P99 over the last window_s: a slow minute long past does not
+    keep stepping the batch down."""
+    clock = MockClock()
+    ctl = AdaptiveBatchController(
+        target_queue=1, eta=1, min_batch=1, max_batch=64, initial=8, latency_slo_ms=80, window_s=5.0, clock=clock
+    )
+    ctl.observe_latencies([0.079] * 20)
+    assert ctl.update(queue_depth=1).reason == "latency"
+    clock.advance(6.0)
+    assert math.isnan(ctl.latency_ms())
+    assert ctl.update(queue_depth=1).reason != "latency"
+
+
+def test_an_out_of_memory_error_lowers_the_ceiling_to_half_the_failed_batch() -> None:
+    """A batch of 8 that ran out of memory puts the ceiling at 4, whatever it was (64 here), and
+    the batch size under it; later steps up stop there."""
+    clock = MockClock()
+    ctl = AdaptiveBatchController(target_queue=1, eta=4, min_batch=1, max_batch=64, initial=8, clock=clock)
+    ctl.on_oom(8)
+    assert (ctl.ceiling, ctl.batch_size) == (4, 4)
+    clock.advance(1)
+    assert ctl.update(queue_depth=100).batch_size == 4

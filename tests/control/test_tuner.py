@@ -215,3 +215,60 @@ def test_a_failing_step_is_logged_and_the_timer_goes_on(caplog: pytest.LogCaptur
     assert b.max_batch_size == 7
     assert [r.getMessage() for r in caplog.records if "metrics source is down" in r.getMessage()] != []
     b.close()
+
+
+def test_a_tuned_batcher_gives_the_controller_the_backlog_a_batch_leaves_behind() -> None:
+    """Q_t is the backlog a batch of the current size would leave behind, whether the controller
+    runs inside the batcher or through AdaptiveTuner: 3 items waiting for a batch of 8 are no
+    backlog (step down); 20 waiting for a batch of 7 leave 13 behind (step up)."""
+    clock = MockClock()
+    release, started = threading.Event(), threading.Event()
+
+    def gated(xs: list[int]) -> list[int]:
+        started.set()
+        assert release.wait(WAIT)
+        return xs
+
+    ctl = AdaptiveBatchController(target_queue=1, eta=1, min_batch=1, max_batch=64, initial=8, clock=clock)
+    b = DynamicBatcher(gated, max_batch_size=8, max_wait_ms=1e6, clock=clock)
+    try:
+        tuner = AdaptiveTuner(b, ctl, clock=clock)
+        futures = [b.submit(i) for i in range(3)]
+        assert tuner.step() == 7
+        assert ctl.decisions[-1].queue_depth == 0
+        b.flush()
+        assert started.wait(WAIT)  # the slot is busy: what comes now waits
+        futures += [b.submit(i) for i in range(3, 23)]
+        clock.advance(1.0)
+        assert tuner.step() == 8
+        assert ctl.decisions[-1].queue_depth == 20 - 7
+        release.set()
+        b.flush()
+        assert sorted(f.result(WAIT) for f in futures) == list(range(23))
+    finally:
+        release.set()
+        b.close()
+
+
+def test_a_tuned_decode_loop_gives_the_controller_its_waiting_requests() -> None:
+    """A decode loop's waiting requests are already the backlog (the running ones hold their
+    seats): the tuner passes them to the controller as they are."""
+
+    class Target:
+        def __init__(self) -> None:
+            self.limit = 0
+
+        def queue_depth(self) -> int:
+            return 5
+
+        def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
+            return [], since
+
+        def set_batch_limit(self, size: int) -> None:
+            self.limit = size
+
+    ctl = AdaptiveBatchController(target_queue=1, eta=2, min_batch=1, max_batch=64, initial=8, clock=MockClock())
+    target = Target()
+    assert AdaptiveTuner(target, ctl).step() == 10
+    assert target.limit == 10
+    assert ctl.decisions[-1].queue_depth == 5

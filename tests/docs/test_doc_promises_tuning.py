@@ -8,15 +8,13 @@ import math
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-import batchkit
-from batchkit import AdaptiveBatchController, AdaptiveTuner, DynamicBatcher, bench, sim
+from batchkit import bench, sim
 from batchkit.cli import main
-from batchkit.testing import MockClock, echo_batch
+from batchkit.testing import echo_batch
 
 WAIT = 10.0
 
@@ -135,101 +133,6 @@ def test_bench_threads_default_leaves_the_callers_a_core_and_the_report_names_th
     assert "(blas)" in pools  # numpy's BLAS is loaded with batchkit
 
 
-def test_latencies_older_than_the_window_no_longer_shrink_the_batch() -> None:
-    """The latency guard reads the P99 over the last window_s: a slow minute long past does not
-    keep stepping the batch down."""
-    clock = MockClock()
-    ctl = AdaptiveBatchController(
-        target_queue=1, eta=1, min_batch=1, max_batch=64, initial=8, latency_slo_ms=80, window_s=5.0, clock=clock
-    )
-    ctl.observe_latencies([0.079] * 20)
-    assert ctl.update(queue_depth=1).reason == "latency"
-    clock.advance(6.0)
-    assert math.isnan(ctl.latency_ms())
-    assert ctl.update(queue_depth=1).reason != "latency"
-
-
-def test_a_cuda_out_of_memory_error_splits_the_batch_and_lowers_the_ceiling() -> None:
-    """torch.cuda.OutOfMemoryError, like MemoryError, always splits and retries (no isolate_errors
-    needed) and lowers the controller's ceiling."""
-    torch = pytest.importorskip("torch")
-
-    def fn(xs: list[int]) -> list[int]:
-        if len(xs) > 2:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return [2 * x for x in xs]
-
-    clock = MockClock()
-    ctl = AdaptiveBatchController(target_queue=0, max_batch=8, initial=8, clock=clock)
-    with DynamicBatcher(fn, max_batch_size=8, max_wait_ms=1e6, controller=ctl, clock=clock) as b:
-        futures = [b.submit(i) for i in range(8)]
-        assert [f.result(WAIT) for f in futures] == [2 * i for i in range(8)]
-    assert ctl.ceiling <= 4
-
-
-def test_a_tuned_batcher_gives_the_controller_the_backlog_a_batch_leaves_behind() -> None:
-    """Q_t is the backlog a batch of the current size would leave behind, whether the controller
-    runs inside the batcher or through AdaptiveTuner: 3 items waiting for a batch of 8 are no
-    backlog (step down); 20 waiting for a batch of 7 leave 13 behind (step up)."""
-    clock = MockClock()
-    release, started = threading.Event(), threading.Event()
-
-    def gated(xs: list[int]) -> list[int]:
-        started.set()
-        assert release.wait(WAIT)
-        return xs
-
-    ctl = AdaptiveBatchController(target_queue=1, eta=1, min_batch=1, max_batch=64, initial=8, clock=clock)
-    b = DynamicBatcher(gated, max_batch_size=8, max_wait_ms=1e6, clock=clock)
-    try:
-        tuner = AdaptiveTuner(b, ctl, clock=clock)
-        futures = [b.submit(i) for i in range(3)]
-        assert tuner.step() == 7
-        assert ctl.decisions[-1].queue_depth == 0
-        b.flush()
-        assert started.wait(WAIT)  # the slot is busy: what comes now waits
-        futures += [b.submit(i) for i in range(3, 23)]
-        clock.advance(1.0)
-        assert tuner.step() == 8
-        assert ctl.decisions[-1].queue_depth == 20 - 7
-        release.set()
-        b.flush()
-        assert sorted(f.result(WAIT) for f in futures) == list(range(23))
-    finally:
-        release.set()
-        b.close()
-
-
-def test_a_tuned_decode_loop_gives_the_controller_its_waiting_requests() -> None:
-    """A decode loop's waiting requests are already the backlog (the running ones hold their
-    seats): the tuner passes them to the controller as they are."""
-
-    class Target:
-        def __init__(self) -> None:
-            self.limit = 0
-
-        def queue_depth(self) -> int:
-            return 5
-
-        def latency_samples(self, since: int = 0) -> tuple[list[float], int]:
-            return [], since
-
-        def set_batch_limit(self, size: int) -> None:
-            self.limit = size
-
-    ctl = AdaptiveBatchController(target_queue=1, eta=2, min_batch=1, max_batch=64, initial=8, clock=MockClock())
-    target = Target()
-    assert AdaptiveTuner(target, ctl).step() == 10
-    assert target.limit == 10
-    assert ctl.decisions[-1].queue_depth == 5
-
-
-def test_the_circuit_breaker_example_arguments_are_its_defaults() -> None:
-    """CircuitBreaker(failure_threshold=5, reset_timeout_s=10), as the guide writes it, is the default."""
-    cb = batchkit.CircuitBreaker()
-    assert (cb.failure_threshold, cb.reset_timeout_s, cb.state) == (5, 10.0, "closed")
-
-
 def test_simulated_utilisation_is_the_share_of_time_the_model_was_busy() -> None:
     """Two batches running side by side (max_concurrent_batches=2) keep the model busy once, not
     twice: utilisation is a share of the run, at most 1."""
@@ -242,36 +145,3 @@ def test_simulated_utilisation_is_the_share_of_time_the_model_was_busy() -> None
     r = sim.simulate(cost, sim.trace([0, 0, 0, 0, 0.03]), max_batch_size=2, max_concurrent_batches=2)
     assert r.duration == pytest.approx(0.045)
     assert r.utilisation == pytest.approx(0.020 / 0.045)
-
-
-def test_an_out_of_memory_error_lowers_the_ceiling_to_half_the_failed_batch() -> None:
-    """A batch of 8 that ran out of memory puts the ceiling at 4, whatever it was (64 here), and
-    the batch size under it; later steps up stop there."""
-    clock = MockClock()
-    ctl = AdaptiveBatchController(target_queue=1, eta=4, min_batch=1, max_batch=64, initial=8, clock=clock)
-    ctl.on_oom(8)
-    assert (ctl.ceiling, ctl.batch_size) == (4, 4)
-    clock.advance(1)
-    assert ctl.update(queue_depth=100).batch_size == 4
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"failure_threshold": 0}, "failure_threshold"),
-        ({"failure_threshold": 2.5}, "failure_threshold"),
-        ({"failure_threshold": True}, "failure_threshold"),
-        ({"failure_threshold": "3"}, "failure_threshold"),
-        ({"reset_timeout_s": 0}, "reset_timeout_s"),
-        ({"reset_timeout_s": float("nan")}, "reset_timeout_s"),
-        ({"reset_timeout_s": float("inf")}, "reset_timeout_s"),
-        ({"reset_timeout_s": "10"}, "reset_timeout_s"),
-    ],
-)
-def test_a_circuit_breaker_refuses_settings_that_would_never_open_or_never_probe(
-    kwargs: dict[str, object], match: str
-) -> None:
-    """failure_threshold is a count (an int >= 1); reset_timeout_s a finite number of seconds > 0:
-    a NaN or infinite cool-down would keep an open circuit open for good."""
-    with pytest.raises(ValueError, match=match):
-        batchkit.CircuitBreaker(**kwargs)  # type: ignore[arg-type]

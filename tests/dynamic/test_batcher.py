@@ -16,6 +16,7 @@ import trio
 
 import batchkit
 from batchkit import (
+    AdaptiveBatchController,
     AsyncBatcher,
     BatcherClosed,
     BatchSizeMismatch,
@@ -1448,3 +1449,21 @@ class TestBlockedWritersAndTheBreaker:
             b.close(drain=False, timeout=WAIT)
         with pytest.raises(BatcherClosed):  # close(drain=False) fails what still waits
             waiting.result(WAIT)
+
+
+def test_a_cuda_out_of_memory_error_splits_the_batch_and_lowers_the_ceiling() -> None:
+    """torch.cuda.OutOfMemoryError, like MemoryError, always splits and retries (no isolate_errors
+    needed) and lowers the controller's ceiling."""
+    torch = pytest.importorskip("torch")
+
+    def fn(xs: list[int]) -> list[int]:
+        if len(xs) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return [2 * x for x in xs]
+
+    clock = MockClock()
+    ctl = AdaptiveBatchController(target_queue=0, max_batch=8, initial=8, clock=clock)
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_ms=1e6, controller=ctl, clock=clock) as b:
+        futures = [b.submit(i) for i in range(8)]
+        assert [f.result(WAIT) for f in futures] == [2 * i for i in range(8)]
+    assert ctl.ceiling <= 4
