@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import batchkit
 from batchkit import collate
 
 torch = pytest.importorskip("torch")
@@ -163,3 +164,16 @@ def test_pad_keeps_the_dtype_of_items_that_agree() -> None:
 def test_pad_refuses_0d_items_with_value_error() -> None:
     with pytest.raises(ValueError, match="0-d"):
         collate.pad([np.float32(1.0), np.float32(2.0)])
+
+
+@pytest.mark.parametrize("pad_value", [None, "0"])
+def test_pad_refuses_a_pad_value_that_is_not_a_number(pad_value: Any) -> None:
+    """A ``pad_value`` that is not a number is a ValueError naming it, for float items too
+    (None would otherwise fill their padding with NaN, silently)."""
+    np = pytest.importorskip("numpy")
+    for items in ([np.arange(3), np.arange(5)], [np.ones(2), np.ones(3)]):
+        with pytest.raises(ValueError, match="pad_value"):
+            batchkit.collate.pad(items, pad_value=pad_value)
+    padded = batchkit.collate.pad([np.ones(2), np.ones(3)], pad_value=np.float32(-1))
+    assert padded.batch.tolist() == [[1.0, 1.0, -1.0], [1.0, 1.0, 1.0]]
+    assert batchkit.collate.pad([np.array([True]), np.array([False, True])], pad_value=False).batch.dtype == bool

@@ -373,3 +373,26 @@ def test_a_circuit_breaker_refuses_settings_that_would_never_open_or_never_probe
     a NaN or infinite cool-down would keep an open circuit open for good."""
     with pytest.raises(ValueError, match=match):
         batchkit.CircuitBreaker(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_circuit_breaker_reads_half_open_once_its_cool_down_has_passed() -> None:
+    """api.md: after ``reset_timeout_s`` one probe batch runs; ``state`` says so when read,
+    without a ``check()`` or ``allow_dispatch()`` first."""
+    clock = MockClock()
+    breaker = batchkit.CircuitBreaker(failure_threshold=2, reset_timeout_s=5.0, clock=clock)
+    breaker.record(False)
+    assert breaker.state == "closed"
+    breaker.record(False)
+    assert breaker.state == "open"
+    assert breaker.half_open_at == 5.0
+    with pytest.raises(batchkit.CircuitOpen):
+        breaker.check()
+    clock.advance(5.0)
+    assert breaker.state == "half_open"
+    breaker.check()  # new work is admitted again, to make the probe
+    assert breaker.allow_dispatch()
+    assert not breaker.allow_dispatch()  # one probe only
+    breaker.release_probe()  # it did not run: the next batch probes
+    assert breaker.allow_dispatch()
+    breaker.record(True)
+    assert breaker.state == "closed"

@@ -287,3 +287,27 @@ def test_an_out_of_memory_error_lowers_the_ceiling_to_half_the_failed_batch() ->
     assert (ctl.ceiling, ctl.batch_size) == (4, 4)
     clock.advance(1)
     assert ctl.update(queue_depth=100).batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "name", "error"),
+    [
+        ({"target_queue": -1}, "target_queue", ValueError),
+        ({"deadband": -0.5}, "deadband", ValueError),
+        ({"cooldown_s": -1}, "cooldown_s", ValueError),
+        ({"window_s": 0}, "window_s", ValueError),
+        ({"slo_margin": "0.8"}, "slo_margin", ValueError),
+        ({"slo_quantile": "99"}, "slo_quantile", ValueError),
+        ({"memory_headroom": 0.5}, "memory_headroom", TypeError),
+    ],
+)
+def test_the_controller_names_the_argument_it_refuses(
+    options: dict[str, Any], name: str, error: type[Exception]
+) -> None:
+    """Each refused setting is named in the error (not a shared sentence about four of them, nor
+    a TypeError from a comparison, nor a memory_headroom that only fails while serving)."""
+    settings: dict[str, Any] = {"target_queue": 1, **options}
+    with pytest.raises(error, match=name) as refused:
+        batchkit.AdaptiveBatchController(**settings)
+    others = {"target_queue", "deadband", "cooldown_s", "window_s"} - {name}
+    assert not any(other in str(refused.value) for other in others)

@@ -689,3 +689,73 @@ class TestStatistics:
             return s.in_flight, s.running_batches
 
         assert asyncio.run(main()) == (4, 1)
+
+
+def test_an_async_batcher_caller_cancelled_after_its_wake_for_room_passes_the_room_on() -> None:
+    """On a full ``"block"`` queue, a waiting caller that is cancelled just after a slot was
+    freed for it hands the slot to the next waiting caller, which is then admitted."""
+    asyncio.run(_cancelled_after_its_wake_for_room())
+
+
+async def _cancelled_after_its_wake_for_room() -> None:
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def fn(xs: list[int]) -> list[int]:
+        if xs == [1]:
+            started.set()
+            await gate.wait()
+        return xs
+
+    b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block")
+    first = asyncio.create_task(b.submit(1))
+    await asyncio.wait_for(started.wait(), WAIT)
+    queued = asyncio.create_task(b.submit(2))
+    await asyncio.sleep(0)  # one loop turn: it is admitted and fills the queue
+    assert b.queue_depth() == 1
+    wakeful = asyncio.create_task(b.submit(3))
+    patient = asyncio.create_task(b.submit(4))
+    await asyncio.sleep(0)  # one loop turn: both wait for room
+    assert not wakeful.done()
+    assert not patient.done()
+    # The queued caller gives up: its slot goes to `wakeful`, which is cancelled before it can
+    # run (call_soon runs after the wake-up is scheduled, before the task resumes).
+    queued.cancel()
+    asyncio.get_running_loop().call_soon(wakeful.cancel)
+    gate.set()
+    assert await asyncio.wait_for(patient, WAIT) == 4
+    assert await asyncio.wait_for(first, WAIT) == 1
+    assert wakeful.cancelled()
+    assert queued.cancelled()
+    await b.aclose(timeout=WAIT)
+    stats = b.statistics()
+    assert (stats.submitted, stats.succeeded, stats.cancelled) == (3, 2, 1)
+
+
+def test_aclose_without_drain_during_a_draining_aclose_fails_what_waits_at_once() -> None:
+    """The same on an AsyncBatcher: ``aclose(drain=False)`` during a draining ``aclose()``."""
+
+    async def main() -> None:
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def fn(xs: list[int]) -> list[int]:
+            started.set()
+            await release.wait()
+            return xs
+
+        b = batchkit.AsyncBatcher(fn, max_batch_size=1, max_wait_ms=0)
+        running = asyncio.create_task(b.submit(0))
+        await asyncio.wait_for(started.wait(), WAIT)
+        waiting = [asyncio.create_task(b.submit(i)) for i in (1, 2)]
+        await asyncio.sleep(0)  # both are queued
+        draining = asyncio.create_task(b.aclose(timeout=WAIT))
+        await asyncio.sleep(0)  # the draining aclose() has begun
+        hurry = asyncio.create_task(b.aclose(drain=False))  # waits for the running batch too
+        for t in waiting:
+            with pytest.raises(batchkit.BatcherClosed):
+                await asyncio.wait_for(t, WAIT)
+        assert not running.done()
+        release.set()
+        assert await asyncio.wait_for(running, WAIT) == 0
+        await asyncio.wait_for(asyncio.gather(draining, hurry), WAIT)
+
+    asyncio.run(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import random
 import threading
 import time
@@ -1467,3 +1468,477 @@ def test_a_cuda_out_of_memory_error_splits_the_batch_and_lowers_the_ceiling() ->
         futures = [b.submit(i) for i in range(8)]
         assert [f.result(WAIT) for f in futures] == [2 * i for i in range(8)]
     assert ctl.ceiling <= 4
+
+
+def test_a_queue_that_is_not_a_bounded_queue_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"queue must be a batchkit\.BoundedQueue"):
+        batchkit.DynamicBatcher(echo_batch, queue=[])  # type: ignore[arg-type]
+
+
+def test_a_deadline_that_is_not_a_number_is_a_value_error_naming_it() -> None:
+    """``deadline_ms`` is checked at submit (the batcher's and the queue's), with its name."""
+    with batchkit.DynamicBatcher(echo_batch) as b:
+        with pytest.raises(ValueError, match="deadline_ms"):
+            b.submit(1, deadline_ms="100")  # type: ignore[arg-type]
+        assert b.statistics().submitted == 0
+        assert b.submit(2).result(timeout=WAIT) == 2
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+    with pytest.raises(ValueError, match="deadline_ms"):
+        q.put_nowait(1, deadline_ms="100")  # type: ignore[arg-type]
+    assert len(q) == 0
+
+
+def test_a_zero_deadline_has_passed_on_arrival_and_the_item_never_runs() -> None:
+    """api.md: ``deadline_ms=0`` has passed on arrival: DeadlineExceeded (or the fallback), and
+    the batch function never sees the item, even with a greedy batcher (``max_wait_ms=0``)."""
+    seen: list[object] = []
+
+    def fn(xs: list[object]) -> list[object]:
+        seen.extend(xs)
+        return xs
+
+    with batchkit.DynamicBatcher(fn, max_wait_ms=0) as b:
+        for _ in range(3):
+            with pytest.raises(batchkit.DeadlineExceeded):
+                b.submit(1, deadline_ms=0).result(timeout=WAIT)
+        assert b.submit(2, deadline_ms=0, fallback="late").result(timeout=WAIT) == "late"
+        assert b.submit(3).result(timeout=WAIT) == 3
+    assert seen == [3]
+    assert b.statistics().expired == 4
+
+
+@pytest.mark.parametrize("cost", [None, "3", math.inf, math.nan, -1])
+def test_a_size_fn_cost_that_is_not_a_finite_number_at_least_zero_fails_that_submit(cost: object) -> None:
+    """api.md: a cost that is not a number >= 0 fails that submit. An infinite cost is refused
+    too: it would leave its group's running total NaN, and ``max_batch_cost`` would stop
+    dispatching full batches of that group."""
+
+    def size_fn(x: object) -> Any:
+        return cost if x == "bad" else 1
+
+    b: batchkit.DynamicBatcher[object, object] = batchkit.DynamicBatcher(echo_batch, size_fn=size_fn, max_batch_cost=10)
+    with b:
+        with pytest.raises(ValueError, match="size_fn"):
+            b.submit("bad")
+        assert b.statistics().submitted == 0
+        assert b.submit("good").result(timeout=WAIT) == "good"
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+    with pytest.raises(ValueError, match="cost"):
+        q.put_nowait(1, cost=math.inf)
+
+
+class _WatchClock:
+    """The real clock, recording the queue depth each time the batcher's dispatcher thread
+    reads it (the dispatcher reads the clock, under the batcher's lock, before it decides and
+    sleeps; a call that needs that lock afterwards runs once it sleeps)."""
+
+    def __init__(self) -> None:
+        self.batcher: batchkit.DynamicBatcher[Any, Any] | None = None
+        self.depths: list[int] = []
+        self._cond = threading.Condition()
+
+    def now(self) -> float:
+        t = time.monotonic()
+        b = self.batcher
+        if b is not None and threading.current_thread().name.startswith("batchkit-dispatch"):
+            with self._cond:
+                self.depths.append(b.queue_depth())
+                self._cond.notify_all()
+        return t
+
+    def wait_for(self, predicate: Callable[[list[int]], bool]) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: predicate(self.depths), timeout=WAIT)
+
+
+def test_an_infinite_max_wait_ms_leaves_batches_to_size_and_flush() -> None:
+    """``max_wait_ms=math.inf`` (a number >= 0): a lone item waits for company or a flush; the
+    dispatcher sleeps until told instead of dying on a wait the platform cannot time."""
+    clock = _WatchClock()
+    b = batchkit.DynamicBatcher(echo_batch, max_batch_size=4, max_wait_ms=math.inf, clock=clock)
+    clock.batcher = b
+    fut = b.submit(1)
+    clock.wait_for(lambda depths: 1 in depths)  # the dispatcher has seen the item and sleeps
+    b.flush()
+    assert fut.result(timeout=WAIT) == 1
+    b.close(timeout=WAIT)
+    assert b.statistics().flush_reasons == {"flush": 1}
+
+
+@pytest.mark.parametrize("infinite", ["deadline_ms", "batch_timeout_s"])
+def test_an_infinite_deadline_or_batch_timeout_keeps_the_dispatcher_alive(infinite: str) -> None:
+    """An item with ``deadline_ms=math.inf`` waiting behind a busy batch, or a running batch
+    under ``batch_timeout_s=math.inf``, has no time to wake for: later deadlines still expire."""
+    clock = _WatchClock()
+    started, gate = threading.Event(), threading.Event()
+
+    def fn(xs: list[str]) -> list[str]:
+        if "slow" in xs:
+            started.set()
+            gate.wait(WAIT)
+        return xs
+
+    b = batchkit.DynamicBatcher(
+        fn,
+        max_batch_size=1,
+        max_wait_ms=0,
+        batch_timeout_s=math.inf if infinite == "batch_timeout_s" else None,
+        clock=clock,
+    )
+    clock.batcher = b
+    try:
+        slow = b.submit("slow")
+        assert started.wait(WAIT)
+        if infinite == "deadline_ms":
+            clock.depths.clear()
+            patient = b.submit("patient", deadline_ms=math.inf)
+            clock.wait_for(lambda depths: 1 in depths)  # the dispatcher has seen it and sleeps
+        else:
+            clock.wait_for(lambda depths: 0 in depths[depths.index(1) :] if 1 in depths else False)
+        hurried = b.submit("hurried", deadline_ms=1, fallback="too late")
+        assert hurried.result(timeout=WAIT) == "too late"  # expired while "slow" still runs
+        assert not slow.done()
+    finally:
+        gate.set()
+    assert slow.result(timeout=WAIT) == "slow"
+    if infinite == "deadline_ms":
+        assert patient.result(timeout=WAIT) == "patient"
+    b.close(timeout=WAIT)
+    assert b.statistics().expired == 1
+
+
+def test_an_infinite_timeout_means_no_limit() -> None:
+    """``timeout=math.inf`` waits without a limit (``close``, the queue's ``get``, ``put`` and
+    ``wait_for_room``) instead of raising OverflowError."""
+    b = batchkit.DynamicBatcher(echo_batch)
+    assert b.submit(1).result(timeout=WAIT) == 1
+    b.close(timeout=math.inf)
+    assert b.closed
+    with pytest.raises(batchkit.BatcherClosed):
+        b.submit(2)
+
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(1, "block")
+    writer = threading.Thread(target=lambda: q.put(7, timeout=math.inf))
+    writer.start()
+    assert q.get(timeout=math.inf) == 7  # waits for the writer (or finds its item)
+    writer.join(WAIT)
+    assert q.wait_for_room(math.inf)
+    q.put_nowait(8)
+    filler = threading.Thread(target=lambda: q.put(9, timeout=math.inf))  # waits for room
+    filler.start()
+    assert q.get(timeout=WAIT) == 8
+    filler.join(WAIT)
+    assert not filler.is_alive()
+    assert q.get_nowait() == 9
+
+
+def test_the_blocking_call_takes_the_arguments_of_submit() -> None:
+    """``batcher(item)`` and ``f(x)`` block for one result, with ``submit``'s ``fallback`` and
+    ``timeout`` as ``acall`` has them."""
+    with batchkit.DynamicBatcher(echo_batch) as b:
+        assert b(1, deadline_ms=0, fallback="fallback") == "fallback"  # expired at once
+        assert b(2, priority=-1) == 2
+
+    @batchkit.batched(max_batch=4, max_wait_ms=1)
+    def f(xs: list[int]) -> list[int]:
+        return xs
+
+    assert f(1, deadline_ms=0, fallback=None) is None
+    f.close()
+
+    started, gate = threading.Event(), threading.Event()
+
+    def slow(xs: list[int]) -> list[int]:
+        started.set()
+        gate.wait(WAIT)
+        return xs
+
+    b2 = batchkit.DynamicBatcher(slow, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block")
+    try:
+        running = b2.submit(1)
+        assert started.wait(WAIT)
+        waiting = b2.submit(2)  # fills the queue
+        with pytest.raises(batchkit.QueueFull, match="timeout"):
+            b2(3, timeout=0.01)
+        assert b2.statistics().rejected == 1
+    finally:
+        gate.set()
+    assert (running.result(timeout=WAIT), waiting.result(timeout=WAIT)) == (1, 2)
+    b2.close(timeout=WAIT)
+
+
+def test_a_queue_with_its_own_on_drop_is_refused_with_the_reason() -> None:
+    """A ``queue=`` that comes with an ``on_drop`` of its user is refused for what it is (the
+    batcher needs that hook to answer dropped callers), not as a queue of another batcher."""
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4, on_drop=lambda entry, error: None)
+    with pytest.raises(ValueError, match="queue has an on_drop callback") as refused:
+        batchkit.DynamicBatcher(echo_batch, queue=q)
+    assert "another batcher" not in str(refused.value)
+    owned: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(4)
+    b = batchkit.DynamicBatcher(echo_batch, queue=owned)
+    with pytest.raises(ValueError, match="queue already belongs to a batcher"):
+        batchkit.DynamicBatcher(echo_batch, queue=owned)
+    b.close()
+
+
+def test_close_without_drain_fails_an_item_with_a_fallback_with_batcher_closed() -> None:
+    """``fallback`` answers a deadline that passed; ``close(drain=False)`` fails what waits with
+    BatcherClosed, fallback or not (and counts it as cancelled)."""
+    b = batchkit.DynamicBatcher(echo_batch, max_batch_size=4, max_wait_ms=1000, clock=MockClock())
+    waiting = b.submit(1, deadline_ms=5000, fallback="fallback")
+    b.close(drain=False)
+    with pytest.raises(batchkit.BatcherClosed):
+        waiting.result(timeout=WAIT)
+    assert (b.statistics().cancelled, b.statistics().expired) == (1, 0)
+    asyncio.run(_async_close_without_drain_with_a_fallback())
+
+
+async def _async_close_without_drain_with_a_fallback() -> None:
+    b = batchkit.AsyncBatcher(echo_batch, max_batch_size=4, max_wait_ms=1000, clock=MockClock())
+    waiting = asyncio.create_task(b.submit(1, deadline_ms=5000, fallback="fallback"))
+    await asyncio.sleep(0)  # one loop turn: it is admitted
+    assert b.queue_depth() == 1
+    await b.aclose(drain=False)
+    with pytest.raises(batchkit.BatcherClosed):
+        await asyncio.wait_for(waiting, WAIT)
+    assert (b.statistics().cancelled, b.statistics().expired) == (1, 0)
+
+
+def test_a_queue_and_a_batcher_clock_that_differ_are_refused() -> None:
+    """The batcher runs on its queue's clock: a ``clock=`` other than the queue's would set
+    deadlines on one clock and read them on the other (the queue's own statistics() expired a
+    caller at once). The same clock, on the queue alone or on both, is taken."""
+    clock = MockClock()
+    with pytest.raises(ValueError, match="clock"):
+        batchkit.DynamicBatcher(echo_batch, queue=batchkit.BoundedQueue(8), clock=clock)
+    q: batchkit.BoundedQueue[int] = batchkit.BoundedQueue(8, clock=clock)
+    b = batchkit.DynamicBatcher(echo_batch, queue=q, clock=clock, max_wait_ms=1000)
+    waiting = b.submit(1, deadline_ms=60_000)
+    assert q.statistics().expiries == 0
+    assert not waiting.done()
+    clock.advance(1.0)
+    assert waiting.result(timeout=WAIT) == 1
+    b.close(timeout=WAIT)
+
+
+def test_a_better_priority_does_not_wait_behind_another_group() -> None:
+    """Lower ``priority`` goes first, with ``group_by`` too: when the oldest item's wait is up,
+    the group of the best waiting item goes first (on both batchers)."""
+    clock = MockClock()
+    calls: list[list[tuple[str, int]]] = []
+
+    def fn(xs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        calls.append(list(xs))
+        return xs
+
+    def group(x: tuple[str, int]) -> str:
+        return x[0]
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=4, max_wait_ms=10, group_by=group, clock=clock)
+    late = b.submit(("low", 1), priority=5)
+    urgent = b.submit(("high", 1), priority=-1)
+    clock.advance(0.01)
+    assert (late.result(timeout=WAIT), urgent.result(timeout=WAIT)) == (("low", 1), ("high", 1))
+    b.close(timeout=WAIT)
+    assert calls == [[("high", 1)], [("low", 1)]]
+
+    calls.clear()
+    asyncio.run(_async_priority_across_groups(fn, group))
+    assert calls == [[("high", 1)], [("low", 1)]]
+
+
+async def _async_priority_across_groups(fn: Callable[..., Any], group: Callable[..., Any]) -> None:
+    b = batchkit.AsyncBatcher(fn, max_batch_size=4, max_wait_ms=60_000, group_by=group)
+    late = asyncio.create_task(b.submit(("low", 1), priority=5))
+    urgent = asyncio.create_task(b.submit(("high", 1), priority=-1))
+    await asyncio.sleep(0)  # one loop turn: both are admitted
+    assert b.queue_depth() == 2
+    b.flush()
+    assert list(await asyncio.wait_for(asyncio.gather(late, urgent), WAIT)) == [("low", 1), ("high", 1)]
+    await b.aclose(timeout=WAIT)
+
+
+def test_of_two_full_groups_the_one_with_the_better_priority_goes_first() -> None:
+    """Two groups fill up while the only batch slot is busy: when it frees, the group whose best
+    item has the lower priority goes first, whichever filled first."""
+    started, release = threading.Event(), threading.Event()
+    calls: list[list[tuple[str, int]]] = []
+
+    def fn(xs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        calls.append(list(xs))
+        if xs[0][0] == "busy":
+            started.set()
+            assert release.wait(WAIT)
+        return xs
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=2, max_wait_ms=60_000, group_by=lambda x: x[0])
+    try:
+        busy = [b.submit(("busy", i)) for i in range(2)]
+        assert started.wait(WAIT)
+        low = [b.submit(("low", i), priority=5) for i in range(2)]  # full first
+        high = [b.submit(("high", i), priority=-1) for i in range(2)]
+        release.set()
+        for f in busy + low + high:
+            f.result(timeout=WAIT)
+    finally:
+        release.set()
+        b.close(timeout=WAIT)
+    assert [c[0][0] for c in calls] == ["busy", "high", "low"]
+
+
+def test_items_a_close_without_drain_ends_are_cancellations_of_the_queue_not_served() -> None:
+    """QueueStatistics: ``served`` and ``wait`` are the entries taken out to run; those that
+    ``close(drain=False)`` ends never ran, and count as ``cancellations``."""
+    started, release = threading.Event(), threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        started.set()
+        assert release.wait(WAIT)
+        return xs
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
+    try:
+        running = b.submit(0)
+        assert started.wait(WAIT)
+        waiting = [b.submit(i) for i in (1, 2, 3)]
+        b.close(drain=False, timeout=0)
+    finally:
+        release.set()
+    b.close(timeout=WAIT)
+    assert running.result(timeout=WAIT) == 0
+    for f in waiting:
+        with pytest.raises(batchkit.BatcherClosed):
+            f.result(timeout=WAIT)
+    q = b.queue.statistics()
+    assert (q.served, q.wait.count, q.cancellations, q.depth) == (1, 1, 3, 0)
+
+
+def test_close_without_drain_during_a_draining_close_fails_what_waits_at_once() -> None:
+    """A ``close()`` that drains waits for every item; a ``close(drain=False)`` called meanwhile
+    (say, a second Ctrl-C) fails the items still waiting with BatcherClosed at once, while the
+    running batch finishes."""
+    started, release = threading.Event(), threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        started.set()
+        assert release.wait(WAIT)
+        return xs
+
+    b = batchkit.DynamicBatcher(fn, max_batch_size=1, max_wait_ms=0)
+    draining = threading.Thread(target=b.close, kwargs={"timeout": WAIT})
+    try:
+        running = b.submit(0)
+        assert started.wait(WAIT)
+        waiting = [b.submit(i) for i in (1, 2)]
+        draining.start()
+        deadline = time.monotonic() + WAIT
+        while not b.closed:  # the draining close() has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        b.close(drain=False, timeout=0)
+        for f in waiting:  # failed while the running batch still holds its slot
+            with pytest.raises(batchkit.BatcherClosed):
+                f.result(timeout=WAIT)
+    finally:
+        release.set()
+        draining.join(WAIT)
+    assert running.result(timeout=WAIT) == 0
+    assert not draining.is_alive()
+
+
+def test_lowering_max_batch_size_dispatches_a_group_that_now_holds_it() -> None:
+    """api.md: ``max_batch_size`` is settable, and a batch goes when a group holds that many
+    items: lowering it to what waits dispatches that batch now, not when the oldest item's
+    ``max_wait_ms`` is up (an AdaptiveTuner lowers it so)."""
+    clock = _WatchClock()
+    b = batchkit.DynamicBatcher(echo_batch, max_batch_size=8, max_wait_ms=60_000, clock=clock)
+    clock.batcher = b
+    waiting = [b.submit(i) for i in range(4)]
+    # The dispatcher has read the clock (and planned to sleep until the oldest item's wait is
+    # up; arrivals that fill no batch do not wake it); setting the limit waits for it to sleep.
+    clock.wait_for(lambda depths: len(depths) > 0)
+    b.max_batch_size = 4
+    assert [f.result(timeout=WAIT) for f in waiting] == [0, 1, 2, 3]
+    assert b.statistics().flush_reasons == {"size": 1}
+    b.close(timeout=WAIT)
+    asyncio.run(_async_lowered_limit())
+
+
+async def _async_lowered_limit() -> None:
+    b = batchkit.AsyncBatcher(echo_batch, max_batch_size=8, max_wait_ms=60_000)
+    waiting = [asyncio.create_task(b.submit(i)) for i in range(4)]
+    for _ in range(3):  # loop turns: the four are admitted and the batcher has set its timer
+        await asyncio.sleep(0)
+    assert b.queue_depth() == 4
+    await asyncio.to_thread(b.set_batch_limit, 4)  # from another thread, as AdaptiveTuner does
+    assert await asyncio.wait_for(asyncio.gather(*waiting), WAIT) == [0, 1, 2, 3]
+    assert b.statistics().flush_reasons == {"size": 1}
+    await b.aclose(timeout=WAIT)
+
+
+def test_size_fn_and_group_by_run_once_per_submit_while_it_waits_for_room() -> None:
+    """api.md: ``size_fn`` runs at ``submit``: once, also for a caller that waits for room in
+    a full ``"block"`` queue (a tokenizer is not rerun at every retry)."""
+    calls: list[int] = []
+    started, gate = threading.Event(), threading.Event()
+    writer_sized = threading.Event()
+
+    def fn(xs: list[int]) -> list[int]:
+        if 1 in xs:
+            started.set()
+            gate.wait(WAIT)
+        return xs
+
+    def size_fn(x: int) -> int:
+        calls.append(x)
+        if x == 3:
+            writer_sized.set()
+        return 1
+
+    def group(x: int) -> int:
+        calls.append(-x)
+        return 0
+
+    b = batchkit.DynamicBatcher(
+        fn, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block", size_fn=size_fn, group_by=group
+    )
+    first = b.submit(1)
+    assert started.wait(WAIT)
+    queued = b.submit(2)  # fills the queue
+    results: list[int] = []
+    writer = threading.Thread(target=lambda: results.append(b(3, timeout=WAIT)))
+    writer.start()
+    assert writer_sized.wait(WAIT)
+    gate.set()  # 1 finishes, 2 runs, the writer's 3 gets the freed slot
+    writer.join(WAIT)
+    assert (first.result(timeout=WAIT), queued.result(timeout=WAIT), results) == (1, 2, [3])
+    b.close(timeout=WAIT)
+    assert (calls.count(3), calls.count(-3)) == (1, 1)
+
+    calls.clear()
+    asyncio.run(_async_size_fn_once(size_fn, group, calls))
+
+
+async def _async_size_fn_once(size_fn: Callable[[int], int], group: Callable[[int], int], calls: list[int]) -> None:
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def fn(xs: list[int]) -> list[int]:
+        if 1 in xs:
+            started.set()
+            await gate.wait()
+        return xs
+
+    b = batchkit.AsyncBatcher(
+        fn, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block", size_fn=size_fn, group_by=group
+    )
+    first = asyncio.create_task(b.submit(1))
+    await asyncio.wait_for(started.wait(), WAIT)
+    queued = asyncio.create_task(b.submit(2))
+    await asyncio.sleep(0)  # one loop turn: it fills the queue
+    writer = asyncio.create_task(b.submit(3))
+    await asyncio.sleep(0)  # one loop turn: it waits for room
+    assert calls.count(3) == 1
+    gate.set()
+    assert list(await asyncio.wait_for(asyncio.gather(first, queued, writer), WAIT)) == [1, 2, 3]
+    await b.aclose(timeout=WAIT)
+    assert (calls.count(3), calls.count(-3)) == (1, 1)

@@ -9,8 +9,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+import batchkit
 from batchkit import AsyncBatcher, BatcherClosed, BatchSizeMismatch, DynamicBatcher
-from batchkit.testing import MockClock
+from batchkit.testing import MockClock, echo_batch
 
 WAIT = 10.0  # seconds: the bound on every wait in this file; nothing should come near it
 
@@ -184,3 +185,64 @@ def test_a_single_value_for_the_whole_batch_fails_its_callers_and_the_batcher_go
         await shell.close()
 
     run(main)
+
+
+def _dynamic(**options: Any) -> object:
+    return batchkit.DynamicBatcher(echo_batch, **options)
+
+
+def _async(**options: Any) -> object:
+    async def fn(xs: list[int]) -> list[int]:
+        return xs
+
+    return batchkit.AsyncBatcher(fn, **options)
+
+
+def _decorated(**options: Any) -> object:
+    return batchkit.batched(max_batch=4, **options)(echo_batch)
+
+
+MAKERS = [_dynamic, _async, _decorated]
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=["DynamicBatcher", "AsyncBatcher", "batched"])
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"max_wait_ms": "5"}, "max_wait_ms"),
+        ({"max_wait_ms": None}, "max_wait_ms"),
+        ({"max_wait_ms": True}, "max_wait_ms"),
+        ({"batch_timeout_s": "1"}, "batch_timeout_s"),
+        ({"size_fn": len, "max_batch_cost": "10"}, "max_batch_cost"),
+    ],
+)
+def test_a_limit_that_is_not_a_number_is_a_value_error_naming_it(
+    make: Callable[..., object], options: dict[str, Any], name: str
+) -> None:
+    """A wait, cost or timeout that is not a number is refused at construction with a
+    ValueError that names the argument (not a TypeError from a comparison inside)."""
+    with pytest.raises(ValueError, match=name):
+        make(**options)
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=["DynamicBatcher", "AsyncBatcher", "batched"])
+@pytest.mark.parametrize("name", ["size_fn", "group_by"])
+def test_size_fn_and_group_by_that_cannot_be_called_are_refused_at_construction(
+    make: Callable[..., object], name: str
+) -> None:
+    """A ``size_fn`` or ``group_by`` that is not a function fails where the batcher is made,
+    naming the option, instead of failing every submit later."""
+    with pytest.raises(TypeError, match=name):
+        make(**{name: 3})
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=["DynamicBatcher", "AsyncBatcher", "batched"])
+@pytest.mark.parametrize("name", ["controller", "circuit_breaker", "clock"])
+def test_a_controller_breaker_or_clock_of_the_wrong_kind_is_a_type_error_naming_it(
+    make: Callable[..., object], name: str
+) -> None:
+    """api.md: ``controller`` is an AdaptiveBatchController, ``circuit_breaker`` a CircuitBreaker,
+    ``clock`` any object with ``now()``; anything else fails at construction, naming the option
+    (not with an AttributeError, or at the first failing batch)."""
+    with pytest.raises(TypeError, match=name):
+        make(**{name: object()})

@@ -21,6 +21,7 @@ import batchkit
 from batchkit import AsyncBatchedFunction, BatchedFunction, BatchSizeMismatch, batched
 from batchkit.dynamic.batcher import DynamicBatcher
 from batchkit.dynamic.queue import OnFull
+from batchkit.testing import MockClock
 
 WAIT = 10
 
@@ -899,3 +900,22 @@ def test_an_override_and_the_method_it_overrides_keep_their_own_batchers() -> No
     for c in (first, second):
         c.tag.close()
         Base.tag.__get__(c).close()
+
+
+def test_map_cancels_the_items_after_the_first_failure() -> None:
+    """api.md: the first item that fails raises when its turn comes, and the items after it are
+    cancelled: an item still waiting for its batch never reaches the batch function."""
+    seen: list[int] = []
+
+    @batchkit.batched(max_batch=2, max_wait_ms=60_000, clock=MockClock())
+    def picky(xs: list[int]) -> list[object]:
+        seen.extend(xs)
+        return [ValueError(f"bad {x}") if x == 0 else x for x in xs]
+
+    results = picky.map(range(3), window=3)  # 0 and 1 fill a batch; 2 waits for a partner
+    with pytest.raises(ValueError, match="bad 0"):
+        next(results)
+    stats = picky.statistics()
+    assert (stats.pending, stats.cancelled, stats.failed, stats.succeeded) == (0, 1, 1, 1)
+    picky.close(timeout=WAIT)
+    assert seen == [0, 1]
