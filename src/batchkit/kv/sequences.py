@@ -9,7 +9,7 @@ older is looked up again. It holds no blocks and moves none: the allocator does.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -139,15 +139,6 @@ class Sequences:
         dropped_slots = sum(i.num_dropped for i in resident) * tables.block_size
         tokens = int(tables.lens[rows].sum())
         return tokens, int(tables.num_blocks[rows].sum()) * tables.block_size - dropped_slots, dropped_slots
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self.by_id
-
-    def __len__(self) -> int:
-        return len(self.by_id)
-
-    def __iter__(self) -> Iterator[Hashable]:
-        return iter(list(self.by_id))
 
     def __repr__(self) -> str:
         return f"<Sequences n={len(self.by_id)} epoch={self.epoch}>"
