@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import CircuitOpen, QueueFull
+from ._validate import positive_int
 from .control import AdaptiveBatchController, CircuitBreaker
 from .dynamic._queue_core import QueueCore, QueueEntry
 from .dynamic.former import BatchFormer, FormedBatch
@@ -155,8 +156,7 @@ class ClosedLoop:
     duration_s: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1, got {self.concurrency!r}")
+        positive_int("concurrency", self.concurrency)
         if not self.duration_s > 0:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s!r}")
 

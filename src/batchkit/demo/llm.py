@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._validate import positive_int
 from ..continuous.loop import ContinuousDecodeLoop
 from ..continuous.request import Request
 from ..continuous.sampling import SamplingParams
@@ -65,8 +66,7 @@ def make_requests(
     Raises:
         ValueError: ``n < 1``, or a range that is empty or starts below 1.
     """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+    positive_int("n", n)
     for name, lo, hi in (("out", out_min, out_max), ("prompt", prompt_min, prompt_max)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{name}_min..{name}_max must satisfy 1 <= min <= max, got {lo}..{hi}")
@@ -154,8 +154,7 @@ def serve(
     """
     if not requests:
         raise ValueError("requests is empty")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+    positive_int("batch", batch)
     if num_blocks is None:
         longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
         num_blocks = max(2048, batch * -(-longest // 16) + 1)

@@ -7,7 +7,6 @@ memory traffic and a batch of 32 costs little more than a batch of 1: the case b
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import queue
 import threading
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import BatcherClosed
+from .._validate import positive_float, positive_int
 from ..dynamic.batcher import DynamicBatcher
 from ..metrics import percentiles
 
@@ -76,10 +76,8 @@ def _check_load(inputs: list[Any], callers: int, duration_s: float) -> None:
     """
     if len(inputs) == 0:
         raise ValueError("inputs is empty: the callers need at least one input to send")
-    if isinstance(callers, bool) or not isinstance(callers, int) or callers < 1:
-        raise ValueError(f"callers must be an int >= 1, got {callers!r}")
-    if isinstance(duration_s, bool) or not isinstance(duration_s, int | float) or not 0 < duration_s < math.inf:
-        raise ValueError(f"duration_s must be a finite number of seconds > 0, got {duration_s!r}")
+    positive_int("callers", callers)
+    positive_float("duration_s", duration_s, note="(seconds)")
 
 
 def _closed_loop(
@@ -257,8 +255,7 @@ def ceiling_rps(model: Any, inputs: list[Any], batch: int, duration_s: float) ->
     import torch
 
     _check_load(inputs, 1, duration_s)
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    positive_int("batch", batch)
 
     x = torch.stack([inputs[i % len(inputs)] for i in range(batch)])
     n = 0

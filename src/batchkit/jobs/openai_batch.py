@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import KVCacheExhausted
+from .._validate import positive_int
 from ..continuous.sampling import nth_seed
 from ..serve.admission import PromptRoom
 from ..serve.errors import ApiError, answer_for
@@ -146,8 +147,7 @@ class OpenAIBatchFunction(LoopFunction):
         default_max_tokens: int = 256,
         max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
     ) -> None:
-        if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
+        positive_int("default_max_tokens", default_max_tokens)
         if served_model_name is not None and (not isinstance(served_model_name, str) or not served_model_name):
             raise ValueError(f"served_model_name must be a non-empty string or None, got {served_model_name!r}")
         self.lm = lm
