@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import anyio
 import pytest
+from _continuous_steps import GatedStep, small_cache
 
 import batchkit
 from batchkit import BatcherClosed, ContinuousDecodeLoop, KVCacheExhausted, PagedKVAllocator, SamplingParams, Scheduler
@@ -1556,3 +1557,51 @@ class TestMinTokens:
             with pytest.raises(ValueError, match="min_tokens"):
                 SamplingParams(max_new_tokens=8, min_tokens=bad)  # type: ignore[arg-type]
         assert SamplingParams(max_new_tokens=8, min_tokens=8).min_tokens == 8
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_set_batch_limit_holds_from_the_next_step_on_and_loses_nothing(mode: str) -> None:
+    """set_batch_limit(size): at most size requests run from the next step on, also when more are
+    running already (the worst are preempted, and finish later with the same tokens)."""
+    from batchkit.continuous import Request
+
+    kv = batchkit.PagedKVCache(1, 64, 4, 1, 4)
+    loop = ContinuousDecodeLoop(
+        EchoStep(),
+        kv,
+        max_num_seqs=8,
+        engine="caller",
+        preemption_mode=mode,  # type: ignore[arg-type]
+        num_cpu_blocks=64 if mode == "swap" else 0,
+    )
+    for i in range(8):
+        loop.scheduler.add(Request(i, [i + 1], batchkit.SamplingParams(max_new_tokens=6)))
+    step, _ = loop.step_once()
+    assert len(step.requests) == 8
+    loop.set_batch_limit(2)
+    outputs: dict[Any, list[int]] = {}
+    for _ in range(200):
+        step, events = loop.step_once()
+        assert len(step.requests) <= 2
+        for ev in events:
+            if ev.finished:
+                request = loop.scheduler.get(ev.request_id)
+                assert request is None
+        for req in step.requests:
+            if req.status.name == "FINISHED":
+                outputs[req.request_id] = list(req.output)
+        if not loop.scheduler.has_work():
+            break
+    assert sorted(outputs) == list(range(8))
+    for i in range(8):
+        assert outputs[i] == [(i + 1 + k) % 50 for k in range(1, 7)]
+    loop.close()
+
+
+def test_a_finished_request_has_freed_its_blocks_when_its_result_arrives() -> None:
+    """Requests end on max_new_tokens and free their blocks in the same step."""
+    with batchkit.ContinuousDecodeLoop(GatedStep(), small_cache(), max_num_seqs=4) as loop:
+        for n in range(1, 6):
+            assert loop.submit([1, 2, 3], max_new_tokens=n).result(WAIT) == [0] * n
+            s = loop.statistics().scheduler
+            assert (s.kv_usage, s.running, s.finished) == (0.0, 0, n)

@@ -16,6 +16,7 @@ from hypothesis import settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+import batchkit
 from batchkit import DeadlineExceeded, KVCacheExhausted, PagedKVAllocator, SamplingParams
 from batchkit.continuous.request import Request, RequestStatus, ScheduledStep, StepPlan, Transition
 from batchkit.continuous.scheduler import Scheduler
@@ -742,3 +743,49 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestSwappingSchedulerMachine = SwappingSchedulerMachine.TestCase
 TestSwappingSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("sampled", [[], [7, 8]])
+def test_scheduler_update_refuses_a_wrong_number_of_tokens_and_changes_nothing(sampled: list[int]) -> None:
+    """update(step, sampled) takes one token per request that samples: another count is a
+    ValueError (not a StopIteration escaping into the caller's loop), and the step can be applied
+    afterwards with the right tokens."""
+    from batchkit.continuous import Request
+
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    sched.add(Request("r1", [1, 2, 3], batchkit.SamplingParams(max_new_tokens=2)))
+    step = sched.schedule()
+    with pytest.raises(ValueError, match="one sampled token per sequence"):
+        sched.update(step, sampled)
+    request = sched.get("r1")
+    assert request is not None
+    assert request.num_computed == 0
+    events = sched.update(step, [7])
+    assert [(e.request_id, e.token) for e in events] == [("r1", 7)]
+
+
+@pytest.mark.parametrize(
+    ("priorities", "victim"),
+    [((0, 1, 1), "C"), ((1, 0, 0), "A"), ((0, 0, 0), "C")],
+    ids=["worst-priority-most-recent", "worst-priority-oldest", "equal-most-recent"],
+)
+def test_running_out_of_blocks_preempts_the_worst_running_request(priorities: tuple[int, ...], victim: str) -> None:
+    """When decoding runs out of blocks, the running request with the highest priority value, then
+    the most recent, is preempted (back to waiting)."""
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=8, block_size=4))
+    names = ("A", "B", "C")
+    for i, (name, priority) in enumerate(zip(names, priorities, strict=True)):
+        params = batchkit.SamplingParams(max_new_tokens=40, ignore_eos=True)
+        sched.add(Request(name, [1, 2, 3], params, priority=priority, arrival=float(i)))
+    for _ in range(30):
+        step = sched.schedule()
+        sched.update(step, [5] * sum(step.samples))
+        if sched.statistics().preemptions:
+            break
+    assert sched.statistics().preemptions == 1
+    statuses = {}
+    for name in names:
+        request = sched.get(name)
+        assert request is not None
+        statuses[name] = request.status.name
+    assert statuses == {n: ("WAITING" if n == victim else "RUNNING") for n in names}
