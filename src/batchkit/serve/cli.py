@@ -18,10 +18,12 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from .._argtypes import float_in, int_in
 from .protocol import MAX_REQUEST_BYTES
+from .settings import ServeSettings
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -167,53 +169,16 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
         import uvicorn  # noqa: F401
 
-        from ..models.pretrained import has_tokenizer, model_source_problem, resolve_source
+        from ..models import pretrained  # noqa: F401
         from .app import create_app  # noqa: F401
     except ModuleNotFoundError as exc:
         print(f"{prog}: needs {exc.name}: pip install 'batchkit[serve,models]'", file=sys.stderr)
         return 1
     # Name a model that does not exist before the port opens, not after a traceback in the log.
-    if args.tokenizer and not args.model:
-        print(
-            f"{prog}: error: argument --tokenizer: goes with --model (the model whose tokenizer it replaces)",
-            file=sys.stderr,
-        )
+    problem = _source_problem(args)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
-    resolved = {}
-    for option, source in (
-        ("--model", args.model),
-        ("--tokenizer", args.tokenizer),
-        ("--embedding-model", args.embedding_model),
-    ):
-        if source:
-            try:
-                resolved[option] = resolve_source(source)
-            except FileNotFoundError as exc:
-                print(f"{prog}: error: argument {option}: {exc}", file=sys.stderr)
-                return 2
-    for option, name in (
-        ("--served-model-name", args.served_model_name),
-        ("--embedding-model-name", args.embedding_model_name),
-    ):
-        if name is not None and not name.strip():  # an empty name would be ignored: say so
-            print(
-                f"{prog}: error: argument {option}: must be a name (the one requests give), got {name!r}",
-                file=sys.stderr,
-            )
-            return 2
-    if args.model:
-        problem = model_source_problem(resolved["--model"])
-        if problem:
-            print(f"{prog}: error: argument --model: {problem}", file=sys.stderr)
-            return 2
-        option = "--tokenizer" if args.tokenizer else "--model"
-        if not has_tokenizer(resolved[option]):
-            print(
-                f"{prog}: error: argument {option}: {resolved[option]} has no tokenizer files: pass --tokenizer a "
-                "source that has one",
-                file=sys.stderr,
-            )
-            return 2
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -231,6 +196,42 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:  # the process's logging as it was (run_serve may be called in-process, by tests)
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+def _source_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the model sources and names of the command line (``argument --model:
+    ...``), or None. Imports the models package: run_serve checked that it is installed."""
+    from ..models.pretrained import has_tokenizer, model_source_problem, resolve_source
+
+    if args.tokenizer and not args.model:
+        return "argument --tokenizer: goes with --model (the model whose tokenizer it replaces)"
+    resolved = {}
+    for option, source in (
+        ("--model", args.model),
+        ("--tokenizer", args.tokenizer),
+        ("--embedding-model", args.embedding_model),
+    ):
+        if source:
+            try:
+                resolved[option] = resolve_source(source)
+            except FileNotFoundError as exc:
+                return f"argument {option}: {exc}"
+    for option, name in (
+        ("--served-model-name", args.served_model_name),
+        ("--embedding-model-name", args.embedding_model_name),
+    ):
+        if name is not None and not name.strip():  # an empty name would be ignored: say so
+            return f"argument {option}: must be a name (the one requests give), got {name!r}"
+    if args.model:
+        problem = model_source_problem(resolved["--model"])
+        if problem:
+            return f"argument --model: {problem}"
+        option = "--tokenizer" if args.tokenizer else "--model"
+        if not has_tokenizer(resolved[option]):
+            return (
+                f"argument {option}: {resolved[option]} has no tokenizer files: pass --tokenizer a source that has one"
+            )
+    return None
 
 
 def _cuda_unusable(device: Any) -> str | None:
@@ -295,58 +296,19 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, int] | None) -> int:
-    import torch  # imported (and checked) by run_serve
     import uvicorn
 
-    from ..models.pretrained import fast_dtype
     from .app import create_app
 
     prog = "batchkit serve"
     servers: list[Any] = []
-    fast, why = fast_dtype(args.device)
-    # --dtype sets every model's dtype, the embedding model's too: the start-up line names them.
-    served = [
-        what for what, given in (("the chat model", args.model), ("the embedding model", args.embedding_model)) if given
-    ]
-    if args.dtype == "auto":
-        dtype = fast
-        dtype_line = f"dtype {str(dtype).removeprefix('torch.')} for {' and '.join(served)} (--dtype auto: {why})"
-    else:
-        dtype = getattr(torch, args.dtype)
-        dtype_line = f"dtype {args.dtype} for {' and '.join(served)}"
-        if dtype == torch.float32 and fast != torch.float32 and args.model is not None:
-            dtype_line += f"; {why}: --dtype auto (bfloat16) decodes faster, not token-equal to float32"
+    dtype, dtype_line = _dtype(args)
 
     def stop(exc: BaseException) -> None:
         for server in servers:
             server.should_exit = True
 
-    app = create_app(
-        args.model,
-        on_load_error=stop,
-        embedding_model=args.embedding_model,
-        tokenizer=args.tokenizer,
-        model_name=args.served_model_name,
-        embedding_model_name=args.embedding_model_name,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting=args.max_waiting,
-        tenant_quotas=quotas,
-        default_max_tokens=args.default_max_tokens,
-        embedding_max_batch=args.embedding_max_batch,
-        embedding_max_wait_ms=args.embedding_max_wait_ms,
-        retry_after_s=args.retry_after_s,
-        max_request_bytes=args.max_request_bytes,
-        max_prompts_per_request=args.max_prompts_per_request,
-        request_timeout_s=args.request_timeout_s,
-        shutdown_grace_s=args.shutdown_grace_s,
-        dtype=dtype,
-        device=args.device,
-        engine="caller",
-    )
+    app = create_app(settings=_settings(args, quotas, dtype, on_load_error=stop))
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(
@@ -376,6 +338,62 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
         print(f"{prog}: the models failed to load: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def _dtype(args: argparse.Namespace) -> tuple[Any, str]:
+    """The models' torch dtype for ``--dtype``, and the start-up line that names it."""
+    import torch  # imported (and checked) by run_serve
+
+    from ..models.pretrained import fast_dtype
+
+    fast, why = fast_dtype(args.device)
+    # --dtype sets every model's dtype, the embedding model's too: the start-up line names them.
+    served = [
+        what for what, given in (("the chat model", args.model), ("the embedding model", args.embedding_model)) if given
+    ]
+    if args.dtype == "auto":
+        return fast, f"dtype {str(fast).removeprefix('torch.')} for {' and '.join(served)} (--dtype auto: {why})"
+    dtype = getattr(torch, args.dtype)
+    dtype_line = f"dtype {args.dtype} for {' and '.join(served)}"
+    if dtype == torch.float32 and fast != torch.float32 and args.model is not None:
+        dtype_line += f"; {why}: --dtype auto (bfloat16) decodes faster, not token-equal to float32"
+    return dtype, dtype_line
+
+
+def _settings(
+    args: argparse.Namespace,
+    quotas: dict[str, int] | None,
+    dtype: Any,
+    *,
+    on_load_error: Callable[[BaseException], None],
+) -> ServeSettings:
+    """The server's settings, from the command line: the decode engine runs in the main thread."""
+    return ServeSettings(
+        model=args.model,
+        on_load_error=on_load_error,
+        embedding_model=args.embedding_model,
+        tokenizer=args.tokenizer,
+        model_name=args.served_model_name,
+        embedding_model_name=args.embedding_model_name,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting=args.max_waiting,
+        tenant_quotas=quotas,
+        default_max_tokens=args.default_max_tokens,
+        embedding_max_batch=args.embedding_max_batch,
+        embedding_max_wait_ms=args.embedding_max_wait_ms,
+        retry_after_s=args.retry_after_s,
+        max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+        request_timeout_s=args.request_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        dtype=dtype,
+        device=args.device,
+        engine="caller",
+    )
 
 
 def _serve_with_engine_in_main_thread(server: Any, state: Any, sock: socket.socket | None = None) -> None:

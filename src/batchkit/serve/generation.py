@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any, overload
 import anyio
 
 from ..continuous.logprobs import TokenLogprobs
+from .detokenizer import IncrementalDetokenizer
 from .metrics import ServerMetrics
-from .protocol import IncrementalDetokenizer, TokenText, completion_logprobs, usage
+from .responses import TokenText, completion_logprobs, usage
 
 if TYPE_CHECKING:
     from .admission import Reservation

@@ -26,13 +26,14 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._errors import BatchkitError
+from .._validate import positive_float, positive_int
 from ..metrics import percentiles
 
 if TYPE_CHECKING:
@@ -423,12 +424,11 @@ def run_load_test(
         raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}")
     if (concurrency is None) == (rate is None):
         raise ValueError("pass exactly one of concurrency (closed loop) and rate (open loop)")
-    if concurrency is not None and concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, got {concurrency!r}")
-    if not (math.isfinite(duration_s) and duration_s > 0) or not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError("duration_s and timeout_s must be positive finite numbers")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens!r}")
+    if concurrency is not None:
+        positive_int("concurrency", concurrency)
+    positive_float("duration_s", duration_s)
+    positive_float("timeout_s", timeout_s)
+    positive_int("max_tokens", max_tokens)
     url = base_url(url)
     results: list[RequestResult] = []
     refused = 0
@@ -443,51 +443,20 @@ def run_load_test(
             used_model = await _preflight(client, url, model, timeout_s)
             await _wait_while_loading(client, url, timeout_s)
             body = request_body(endpoint, used_model, prompt, max_tokens)
-            route = ENDPOINTS[endpoint]
             t0 = time.perf_counter()
-            t_end = t0 + duration_s
-            in_flight = 0
-
-            async def send() -> None:
-                nonlocal in_flight
-                in_flight += 1
-                try:
-                    results.append(await _one_request(client, route, body, timeout_s, t0))
-                finally:
-                    in_flight -= 1
-
-            async def closed_loop_client() -> None:
-                while time.perf_counter() < t_end:
-                    await send()
-
-            async with anyio.create_task_group() as tg:
-                if concurrency is not None:
-                    for _ in range(concurrency):
-                        tg.start_soon(closed_loop_client)
-                elif rate is not None:
-                    for t in arrival_times(rate, duration_s, burstiness=burstiness, seed=seed):
-                        delay = t0 + t - time.perf_counter()
-                        if delay > 0:
-                            await anyio.sleep(delay)
-                        if in_flight >= MAX_IN_FLIGHT:
-                            refused += 1
-                        else:
-                            tg.start_soon(send)
+            arrivals = None if rate is None else arrival_times(rate, duration_s, burstiness=burstiness, seed=seed)
+            sender = _Sender(client, ENDPOINTS[endpoint], body, timeout_s, t0, results)
+            refused = await sender.run(concurrency, arrivals, t0 + duration_s)
             wall_s = time.perf_counter() - t0
 
     anyio.run(main)
-    if concurrency is not None:
-        load = f"closed loop, {concurrency} clients, {duration_s:g} s"
-    else:
-        shape = "Poisson" if burstiness == 1 else f"gamma arrivals (burstiness {burstiness:g})"
-        load = f"open loop, {shape} at {rate:g}/s, {duration_s:g} s"
     report = summarize(
         results,
         wall_s,
         url=url,
         endpoint=endpoint,
         model=used_model,
-        load=load,
+        load=_load_words(concurrency, rate, burstiness, duration_s),
         refused=refused,
         slo_ttft_ms=slo_ttft_ms,
         slo_tpot_ms=slo_tpot_ms,
@@ -497,3 +466,62 @@ def run_load_test(
         cause = max(report.errors.items(), key=lambda kv: kv[1])[0] if report.errors else "no request was sent"
         raise LoadTestFailed(f"no request to {url} completed ({report.failed} failed): {cause}")
     return report
+
+
+def _load_words(concurrency: int | None, rate: float | None, burstiness: float, duration_s: float) -> str:
+    """The load of a run, in words (the report's first line)."""
+    if concurrency is not None:
+        return f"closed loop, {concurrency} clients, {duration_s:g} s"
+    shape = "Poisson" if burstiness == 1 else f"gamma arrivals (burstiness {burstiness:g})"
+    return f"open loop, {shape} at {rate:g}/s, {duration_s:g} s"
+
+
+class _Sender:
+    """Sends a run's requests, each timed from ``t0``, its result appended to ``results``."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        route: str,
+        body: dict[str, Any],
+        timeout_s: float,
+        t0: float,
+        results: list[RequestResult],
+    ) -> None:
+        self.client, self.route, self.body, self.timeout_s, self.t0 = client, route, body, timeout_s, t0
+        self.results = results
+        self.in_flight = 0
+
+    async def send(self) -> None:
+        self.in_flight += 1
+        try:
+            self.results.append(await _one_request(self.client, self.route, self.body, self.timeout_s, self.t0))
+        finally:
+            self.in_flight -= 1
+
+    async def run(self, concurrency: int | None, arrivals: Iterable[float] | None, t_end: float) -> int:
+        """Send until ``t_end``: ``concurrency`` clients one request after the other (closed
+        loop), or one request at each of the ``arrivals`` (seconds after ``t0``; open loop).
+        Returns how many arrivals were not sent, ``MAX_IN_FLIGHT`` requests being in flight."""
+        import anyio
+
+        refused = 0
+
+        async def closed_loop_client() -> None:
+            while time.perf_counter() < t_end:
+                await self.send()
+
+        async with anyio.create_task_group() as tg:
+            if concurrency is not None:
+                for _ in range(concurrency):
+                    tg.start_soon(closed_loop_client)
+            elif arrivals is not None:
+                for t in arrivals:
+                    delay = self.t0 + t - time.perf_counter()
+                    if delay > 0:
+                        await anyio.sleep(delay)
+                    if self.in_flight >= MAX_IN_FLIGHT:
+                        refused += 1
+                    else:
+                        tg.start_soon(self.send)
+        return refused

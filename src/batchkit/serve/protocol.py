@@ -1,4 +1,6 @@
-"""The OpenAI wire format: request validation, response bodies and error bodies. No I/O here.
+"""The OpenAI wire format: request validation. No I/O here. The response bodies are
+:mod:`batchkit.serve.responses`'s and the text of an output :mod:`batchkit.serve.detokenizer`'s;
+both are re-exported here, where :mod:`batchkit.jobs.openai_batch` reads the wire format whole.
 
 Validation follows what OpenAI's API accepts for the fields batchkit implements; a field it
 does not implement is refused (400) when set to something other than its neutral value, never
@@ -7,21 +9,32 @@ silently ignored. Unknown fields are ignored, as OpenAI does for fields it does 
 
 from __future__ import annotations
 
-import base64
-import bisect
 import json
 import math
 import re
-import struct
-import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..continuous.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
-from ..continuous.stops import DecodedText, StopStrings
+from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
+from .responses import (
+    TokenString,
+    TokenText,
+    chat_choice,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_choice,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    embedding_response,
+    token_string,
+    usage,
+)
 from .structured import ResponseFormat, parse_response_format
 
 if TYPE_CHECKING:
@@ -31,6 +44,8 @@ __all__ = [
     "EmbeddingRequest",
     "GenerationRequest",
     "IncrementalDetokenizer",
+    "TokenString",
+    "TokenText",
     "TokenizeRequest",
     "chat_choice",
     "chat_chunk",
@@ -48,6 +63,7 @@ __all__ = [
     "parse_detokenize",
     "parse_embedding",
     "parse_tokenize",
+    "token_string",
     "usage",
 ]
 
@@ -588,356 +604,3 @@ def parse_embedding(body: Mapping[str, Any], max_inputs: int = MAX_EMBEDDING_INP
         raise _invalid("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     _unsupported(body, "dimensions", (None,))
     return EmbeddingRequest(model=_model(body), inputs=inputs, encoding_format=fmt)
-
-
-# ---------------------------------------------------------------------------------------- text
-
-
-class IncrementalDetokenizer:
-    """Turns a request's tokens into text deltas: incremental detokenisation and stop strings.
-
-    ``push(token)`` returns the text that became final with that token; ``finish()`` what is left
-    when the request ends; ``stopped`` tells that a stop string was found (push nothing more).
-
-    Text is emitted only when it is final: not while the decoded text ends in an incomplete
-    UTF-8 sequence (U+FFFD), and not while its end could be the start of a stop string. A stop
-    string ends the text before it (it is not part of the output), as OpenAI does; with
-    ``include_stop`` after it (vLLM's ``include_stop_str_in_output``). With ``min_tokens``, a stop
-    string counts once it ends in the text of the ``min_tokens``-th token or a later one, as the
-    loop counts it (:class:`~batchkit.SamplingParams`). Each push
-    decodes a short window of the latest tokens, not the whole output, and finds stop strings by
-    the loop's own rule (:mod:`batchkit.continuous.stops`).
-
-    :attr:`num_tokens_kept` counts the leading tokens known to belong to the output: those whose
-    logprobs may be sent.
-    """
-
-    def __init__(
-        self,
-        decode: Callable[[Sequence[int]], str],
-        stop: Sequence[str],
-        ids: Sequence[int] | None = None,
-        *,
-        include_stop: bool = False,
-        min_tokens: int = 0,
-    ) -> None:
-        self.decode = decode
-        self.stop = tuple(stop)
-        self.include_stop = include_stop
-        self.min_tokens = min_tokens
-        self._stops = StopStrings(self.stop, min_tokens) if self.stop else None
-        # The tokens so far: this object's own list, or ``ids``, a caller's sequence that grows
-        # by one token before each advance() (read, never copied).
-        self.ids: Sequence[int] = [] if ids is None else ids
-        self._decoded = DecodedText(decode)
-        self.text = ""  # what may be sent: the final text, or the text before a stop string
-        self.sent = 0
-        self.stopped = False
-        self._num_kept = 0  # with stop strings: the tokens the text sent needs (all, once finished)
-        # With stop strings, where each final text ends: after final_tokens[i] tokens, final_chars[i]
-        # characters (both strictly increasing), to find the tokens a prefix of the text needs.
-        self._final_tokens = [0]
-        self._final_chars = [0]
-
-    def push(self, token: int, *, text: bool = True) -> str:
-        """Add ``token`` (to this object's own list) and :meth:`advance`; with ``text=False``,
-        a stop token whose text is left out: :meth:`end_before_last`."""
-        if not isinstance(self.ids, list):
-            raise TypeError("push() adds to the detokenizer's own list; with ids= given, call advance()")
-        self.ids.append(token)
-        return self.advance() if text else self.end_before_last()
-
-    def advance(self) -> str:
-        """The text that became final with the latest token of :attr:`ids`."""
-        pending = self._decoded.pending(self.ids)
-        if self._stops is not None:
-            # Looked for before the incomplete-character check, as the loop does: a token that
-            # completes a stop string while it begins a multi-byte character (byte-level BPE:
-            # "f" + the first byte of "é") ends the request here.
-            text = self._decoded.text + pending
-            hit = self._stops.find(text, len(self.ids), searched=self.sent)
-            if hit >= 0:
-                if self.include_stop:  # the first stop string (in the order given) found there
-                    hit += len(next(s for s in self.stop if text.startswith(s, hit)))
-                self.stopped = True
-                self.text = text[:hit]
-                return self._take(hit)
-        if not pending or pending.endswith("\ufffd"):
-            return ""  # nothing final yet: the next token decodes this window again
-        self._decoded.commit(pending, len(self.ids))
-        self.text = self._decoded.text
-        if self.stop:
-            self._final_tokens.append(len(self.ids))
-            self._final_chars.append(len(self.text))
-            return self._take(len(self.text) - self._held_back(self.text))
-        return self._take(len(self.text))
-
-    @property
-    def num_tokens_kept(self) -> int:
-        """How many leading tokens of :attr:`ids` belong to the output for sure. With stop strings,
-        the fewest tokens whose text begins with the text sent so far: a token whose text the stop
-        string cuts is kept, those wholly past the cut are not; once finished without a stop
-        string, every token. Without stop strings nothing is cut: every token."""
-        return self._num_kept if self.stop else len(self.ids)
-
-    def _num_tokens_for(self, end: int) -> int:
-        """The fewest leading tokens whose text begins with ``text[:end]``."""
-        chars, tokens = self._final_chars, self._final_tokens
-        i = bisect.bisect_left(chars, end)
-        if i < len(chars) and chars[i] == end:
-            return tokens[i]
-        # ``end`` falls in the text of the tokens after tokens[i - 1], made final together (a
-        # character split over tokens, a token that decodes to nothing) or not final yet: read
-        # them one at a time, each decoded in the window DecodedText decoded them in.
-        first = tokens[i - 1]
-        last = tokens[i] if i < len(tokens) else len(self.ids)
-        context = tokens[i - 2] if i >= 2 else 0
-        before = len(self.decode(self.ids[context:first])) if first > context else 0
-        wanted = self.text[chars[i - 1] : end]
-        for n in range(first + 1, last):
-            if self.decode(self.ids[context:n])[before:].startswith(wanted):
-                return n
-        return last
-
-    def _held_back(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that begins some stop string."""
-        for n in range(min(len(text), max(len(s) for s in self.stop) - 1), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
-
-    def end_before_last(self) -> str:
-        """End the output before the latest token of :attr:`ids`, a stop token whose text is no
-        part of the output (vLLM leaves a stop token's text out unless
-        ``include_stop_str_in_output``); return the text left to send. Its logprob entry stays:
-        every token counts as kept."""
-        head = self.ids[: len(self.ids) - 1]
-        self._decoded.commit(self._decoded.pending(head), len(head))
-        self.text = self._decoded.text
-        self.stopped = True
-        out = self._take(len(self.text))
-        self._num_kept = len(self.ids)
-        return out
-
-    def finish(self) -> str:
-        """What is left to send once the request has ended (including a trailing U+FFFD the model
-        really produced; before the end it may still complete a character)."""
-        if self.stopped:
-            return self._take(len(self.text))
-        self._decoded.commit(self._decoded.pending(self.ids), len(self.ids))
-        self.text = self._decoded.text
-        out = self._take(len(self.text))
-        self._num_kept = len(self.ids)  # no stop string cut the output: every token is part of it
-        return out
-
-    def _take(self, end: int) -> str:
-        if end <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent : end], end
-        if self.stop:
-            self._num_kept = self._num_tokens_for(end)
-        return out
-
-
-# ---------------------------------------------------------------------------------------- bodies
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict[str, Any] | None,
-    finish_reason: str | None = None,
-    usage_: dict[str, int] | None = None,
-    logprobs: dict[str, Any] | None = None,
-    index: int = 0,
-) -> dict[str, Any]:
-    """A ``chat.completion.chunk`` of choice ``index``; ``delta`` None gives the usage-only chunk
-    (no choices)."""
-    choices = (
-        []
-        if delta is None
-        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
-    )
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-
-
-def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
-
-
-def chat_response(rid: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
-    """A ``chat.completion`` of ``choices`` (:func:`chat_choice`)."""
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-
-
-def completion_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    choice: dict[str, Any] | None,
-    usage_: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """A streamed ``text_completion`` of one choice; ``choice`` None gives the usage-only chunk."""
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [] if choice is None else [choice],
-        "usage": usage_,
-    }
-
-
-def completion_response(
-    rid: str, model: str, choices: Sequence[dict[str, Any]], usage_: dict[str, int]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": list(choices),
-        "usage": usage_,
-    }
-
-
-# A logprob of -inf is no JSON number: clamped as vLLM does.
-MIN_LOGPROB = -9999.0
-
-
-def _logprob(value: float) -> float:
-    return max(value, MIN_LOGPROB)
-
-
-TokenText = tuple[str, float, Sequence[tuple[str, float]]]  # a token's text, logprob and top alternatives
-
-
-class TokenString(str):
-    """One token's text alone, carrying the bytes the token adds to a text (``raw``): a token
-    that holds part of a character reads as U+FFFD but keeps its own bytes, and a special token
-    reads as its name but adds none; chat logprobs' ``bytes`` give them (joined, they spell the
-    text)."""
-
-    raw: bytes
-
-    def __new__(cls, text: str, raw: bytes) -> TokenString:
-        token = super().__new__(cls, text)
-        token.raw = raw
-        return token
-
-
-def token_string(lm: Any, cache: dict[int, TokenString], token: int) -> TokenString:
-    """Token ``token``'s :class:`TokenString` from a ``PretrainedLM``, kept in ``cache`` (a
-    response may name the same tokens many times). A special token is spelled by name
-    (``<|im_end|>``), as vLLM and OpenAI spell them: as '' they would all be one key of a
-    completions ``top_logprobs`` object, overwriting each other. Its bytes are none: an output's
-    text is decoded with special tokens skipped, so it never holds one (the EOS that ends it)."""
-    text = cache.get(token)
-    if text is None:
-        raw = lm.token_bytes(token) if lm.decode([token]) else b""
-        text = cache[token] = TokenString(lm.decode([token], skip_special_tokens=False), raw)
-    return text
-
-
-def _utf8(text: str) -> list[int]:
-    """The bytes of a token's text as OpenAI's ``bytes`` field: its own for a :class:`TokenString`."""
-    return list(text.raw if isinstance(text, TokenString) else text.encode())
-
-
-def chat_logprobs(entries: Sequence[TokenText]) -> dict[str, Any]:
-    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    return {
-        "content": [
-            {
-                "token": text,
-                "logprob": _logprob(lp),
-                "bytes": _utf8(text),
-                "top_logprobs": [{"token": t, "logprob": _logprob(v), "bytes": _utf8(t)} for t, v in top],
-            }
-            for text, lp, top in entries
-        ]
-    }
-
-
-def completion_logprobs(entries: Sequence[TokenText | str], text_offset: int = 0) -> dict[str, Any]:
-    """OpenAI's completions ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset``); a bare string is a token without a logprob (an echoed prompt's first).
-    Each ``top_logprobs`` holds the token itself too when it is not among the alternatives (up to
-    ``logprobs + 1`` entries, as OpenAI's and vLLM's)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    for entry in entries:
-        offsets.append(text_offset)
-        if isinstance(entry, str):
-            tokens.append(entry)
-            token_logprobs.append(None)
-            tops.append(None)
-            text_offset += len(entry)
-            continue
-        text, lp, top = entry
-        tokens.append(text)
-        token_logprobs.append(_logprob(lp))
-        alternatives = {t: _logprob(v) for t, v in top}
-        alternatives.setdefault(text, _logprob(lp))
-        tops.append(alternatives)
-        text_offset += len(text)
-    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
-
-
-def embedding_response(
-    model: str, vectors: Sequence[Sequence[float]], prompt_tokens: int, encoding_format: str
-) -> dict[str, Any]:
-    data = []
-    for i, v in enumerate(vectors):
-        if encoding_format == "base64":
-            # OpenAI's base64 format: little-endian float32, what its clients decode with numpy.
-            packed = struct.pack(f"<{len(v)}f", *v)
-            embedding: Any = base64.b64encode(packed).decode("ascii")
-        else:
-            embedding = [float(x) for x in v]
-        data.append({"object": "embedding", "index": i, "embedding": embedding})
-    return {
-        "object": "list",
-        "data": data,
-        "model": model,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    }

@@ -1,0 +1,127 @@
+"""The served models: :class:`ServedModels` loads the chat model and the embedding model (in a
+worker thread), makes the decode loop and the embedding batcher over them, warms them up and
+closes them. Nothing here knows of requests or HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..continuous.loop import ContinuousDecodeLoop
+from ..control import CircuitBreaker
+from ..dynamic.decorator import BatchedFunction, batched
+from .admission import WaitingRoom
+from .metrics import BatchkitCollector
+from .settings import ServeSettings
+from .tokenizing import InputCutter, PromptTokenizer
+
+if TYPE_CHECKING:
+    from ..models.pretrained import PretrainedLM, SentenceEncoder
+
+__all__ = ["ServedModels"]
+
+
+class ServedModels:
+    """The models of ``settings`` (given, or sources loaded by :meth:`load`), the decode loop and
+    the embedding batcher made over them, each registered with ``collector``. Each is None until
+    loaded, and stays None for a model the settings do not name."""
+
+    def __init__(self, settings: ServeSettings, collector: BatchkitCollector) -> None:
+        self.settings = settings
+        self.collector = collector
+        self.lm: PretrainedLM | None = None
+        self.encoder: SentenceEncoder | None = None
+        self.prompts: PromptTokenizer | None = None  # tokenizes requests in worker threads
+        self.input_cutter: InputCutter | None = None
+        self.loop: ContinuousDecodeLoop | None = None
+        self.waiting_room = WaitingRoom(None)  # the loop's max_waiting once the loop is made
+        self.embed: BatchedFunction[str, tuple[list[float], int]] | None = None
+
+    @property
+    def model_name(self) -> str | None:
+        """The chat model's name in requests: the settings', else the model's own."""
+        if self.settings.model_name:
+            return self.settings.model_name
+        return self.lm.name if self.lm is not None else _source_name(self.settings.model)
+
+    @property
+    def embedding_model_name(self) -> str | None:
+        """The embedding model's name in requests: the settings', else the model's own."""
+        if self.settings.embedding_model_name:
+            return self.settings.embedding_model_name
+        return self.encoder.name if self.encoder is not None else _source_name(self.settings.embedding_model)
+
+    def load(self) -> None:
+        """Load the models and build the loop and the batcher (blocking: run it in a worker thread)."""
+        from ..models import pretrained  # torch and transformers: only once a server starts
+
+        settings = self.settings
+        kwargs: dict[str, Any] = {"device": settings.device}
+        if settings.dtype is not None:
+            kwargs["dtype"] = settings.dtype
+        if settings.model is not None:
+            src = settings.model
+            if isinstance(src, pretrained.PretrainedLM):
+                self.lm = src
+            else:
+                self.lm = pretrained.load_pretrained(src, tokenizer=settings.tokenizer, **kwargs)
+            self.prompts = PromptTokenizer(self.lm)
+            self.loop = self.lm.make_loop(settings.num_blocks, settings.block_size, **settings.loop_options())
+            self.waiting_room = WaitingRoom(self.loop.max_waiting)
+            self.collector.add_loop("chat", self.loop)
+        if settings.embedding_model is not None:
+            src = settings.embedding_model
+            self.encoder = (
+                src if isinstance(src, pretrained.SentenceEncoder) else pretrained.load_encoder(src, **kwargs)
+            )
+            self._make_batcher(self.encoder)
+
+    def _make_batcher(self, encoder: SentenceEncoder) -> None:
+        self.input_cutter = InputCutter(encoder.tokenizer, encoder.max_seq_length)
+
+        def embed_batch(texts: list[str]) -> list[tuple[list[float], int]]:
+            vectors, counts = encoder.encode(texts)
+            return list(zip(vectors.tolist(), counts, strict=True))
+
+        # A failing encoder fails fast (503) instead of taking every request down with it.
+        breaker = CircuitBreaker(failure_threshold=5, reset_timeout_s=float(self.settings.retry_after_s))
+        self.embed = batched(**self.settings.embedding_options(), circuit_breaker=breaker)(embed_batch)
+        self.collector.add_batcher("embeddings", self.embed)
+
+    async def warm_up(self) -> None:
+        """One short generation and one embedding, so that the first requests do not pay for
+        what the first call of a model costs."""
+        if self.loop is not None and self.lm is not None:
+            await self.loop.agenerate_all(self.lm.encode("Hello"), max_new_tokens=2)
+        if self.embed is not None:
+            await self.embed.acall("Hello")
+
+    def served(self) -> list[str]:
+        """What is served, in words (``"chat model smollm2"``), for the log."""
+        return [
+            f"{what} {name}"
+            for what, name, model in (
+                ("chat model", self.model_name, self.loop),
+                ("embedding model", self.embedding_model_name, self.embed),
+            )
+            if model is not None
+        ]
+
+    async def aclose(self) -> None:
+        """Close the loop and the batcher (what they still run is aborted)."""
+        if self.loop is not None:
+            await self.loop.aclose()
+        if self.embed is not None:
+            await self.embed.aclose()
+
+
+def _source_name(source: Any) -> str | None:
+    if source is None:
+        return None
+    name = getattr(source, "name", None)
+    if isinstance(name, str):
+        return name
+    text: str = os.fspath(source)
+    base = os.path.basename(text.rstrip("/")) or text
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
