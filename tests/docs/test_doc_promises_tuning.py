@@ -1,5 +1,6 @@
 """Promises of docs/tuning.md, checked as a user reads them: the bench report's formulas and CLI,
-the simulator's cost models fed from a bench JSON, and the adaptive controller and tuner."""
+and the simulator's cost models fed from a bench JSON (the adaptive controller's, tuner's and
+circuit breaker's are tested beside their units in tests/control/)."""
 
 from __future__ import annotations
 
