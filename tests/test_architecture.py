@@ -77,6 +77,7 @@ FLOORS: dict[str, int] = {
     "continuous.scheduler": 2,
     "continuous.runner": 2,
     "kv": 2,
+    "kv.compiled": 2,
     "dynamic._threads": 3,
     "dynamic._loop_pump": 3,
     "dynamic.batcher": 3,

@@ -204,3 +204,94 @@ def test_rms_norm_equals_transformers_bit_for_bit(dtype: str) -> None:
             x = (torch.randn(rows, hidden) * scale).to(getattr(torch, dtype))
             with torch.inference_mode():
                 assert torch.equal(ours(x), theirs(x)), (hidden, rows, scale)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Any:
+    """Compiled steps of earlier tests' models count toward dynamo's recompile limit of the
+    step's code: each test starts from an empty cache."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _greedy_tokens(model: Any, max_num_seqs: int) -> list[list[int]]:
+    from batchkit.continuous import ContinuousDecodeLoop, SamplingParams
+
+    loop = ContinuousDecodeLoop(model, model.make_cache(num_blocks=32, block_size=4), max_num_seqs=max_num_seqs)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+    return drain(loop, [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 3, prompts)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prepack", [True, False])
+def test_a_compiled_step_decodes_the_tokens_of_the_eager_step(
+    dtype_name: str, prepack: bool, fresh_dynamo: Any
+) -> None:
+    """compile_step() traces the step through batchkit's custom operators and gives the eager
+    step's tokens; two sequences at a time, so that a later prompt is prefilled in a step beside
+    decodes (an attention plan of two groups)."""
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from batchkit.models import LlamaModel
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    eager = LlamaModel(LlamaConfig(**{**SMALL, "num_hidden_layers": 2}), dtype=dtype)
+    eager.prepack_weights = prepack
+    compiled = LlamaModel(eager.config, dtype=dtype)
+    compiled.load_hf_state_dict(eager.state_dict())
+    compiled.prepack_weights = prepack
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled.compile_step(backend=counter)
+    assert _greedy_tokens(compiled, max_num_seqs=2) == _greedy_tokens(eager, max_num_seqs=2)
+    # One graph a shape class (two rows or more / one row; sampled rows likewise), no graph break.
+    assert 1 <= counter.frame_count <= 4
+
+
+def test_a_compiled_step_writes_the_new_tokens_into_the_cache_it_was_given(fresh_dynamo: Any) -> None:
+    """The compiled step's K/V write lands in the caller's cache tensor, as the eager one's does,
+    and its logits equal the eager step's."""
+    import torch
+
+    model, batch, kv = _decode_step(layers=2)
+    kv.kv.zero_()  # the step's own slots were written when the loop ran it: start from none
+    before = kv.kv.clone()
+    eager_logits = model(batch, kv)
+    eager_pages = kv.kv.clone()
+    kv.kv.copy_(before)
+    storage = kv.kv.data_ptr()
+    model.compile_step(backend="aot_eager")
+    torch.testing.assert_close(model(batch, kv), eager_logits)
+    assert kv.kv.data_ptr() == storage
+    assert torch.equal(kv.kv, eager_pages)
+    assert not torch.equal(kv.kv, before)
+
+
+def test_a_step_with_padding_slots_runs_eagerly_on_a_compiled_model(fresh_dynamo: Any) -> None:
+    """A padding slot (-1) is skipped by the eager write; the compiled step leaves such a step to it."""
+    import dataclasses
+
+    import torch
+
+    model, batch, kv = _decode_step(layers=1)
+    model.compile_step(backend="aot_eager")
+    calls: list[Any] = []
+    compiled = model._compiled
+
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return compiled(*args)
+
+    model._compiled = counting
+    padded = dataclasses.replace(batch, slot_mapping=torch.tensor([-1, *batch.slot_mapping.tolist()[1:]]))
+    kv.kv.zero_()  # the step's own slots were written when the loop ran it: start from none
+    before = kv.kv.clone()
+    model(padded, kv)
+    assert calls == []
+    model(batch, kv)
+    assert len(calls) == 1
+    assert not torch.equal(kv.kv, before)

@@ -9,9 +9,10 @@ it is written for clarity on a CPU, not for speed on a GPU.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from .._cpu import adapt_cpu_threads
 from ..continuous.step import StepBatch
 from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
+from ..kv.compiled import attention_plan  # also registers torch.ops.batchkit.write_kv / paged_attention
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -186,6 +188,45 @@ class _MLP(nn.Module):
         _hold_fused(self)
 
 
+class _Pages(Protocol):
+    """How a layer writes its new tokens' K/V and attends over its pages in one step."""
+
+    def write(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None: ...
+
+    def attend(self, index: int, query: torch.Tensor) -> torch.Tensor: ...
+
+
+class _EagerPages(NamedTuple):
+    """The cache's own methods: padding slots skipped, CUDA kernels where the cache uses them."""
+
+    batch: StepBatch
+    kv: PagedKVCache
+    plan: AttentionPlan
+
+    def write(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.kv.scatter(index, key, value, self.batch.slot_mapping)
+
+    def attend(self, index: int, query: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = planned_attention(query, self.kv.key(index), self.kv.value(index), self.plan)
+        return out
+
+
+class _OpPages(NamedTuple):
+    """batchkit's custom operators (:mod:`batchkit.kv.compiled`), which a compiled step keeps as
+    in-place calls on the cache tensor."""
+
+    kv: torch.Tensor
+    slots: torch.Tensor
+    scale: float
+
+    def write(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        torch.ops.batchkit.write_kv(self.kv, index, key, value, self.slots)
+
+    def attend(self, index: int, query: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.batchkit.paged_attention(query, self.kv, index, self.scale)
+        return out
+
+
 class _Layer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -195,24 +236,15 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        index: int,
-        batch: StepBatch,
-        kv: PagedKVCache,
-        plan: AttentionPlan,
-        linear: _LinearFn,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, pages: _Pages, linear: _LinearFn
     ) -> torch.Tensor:
         attn, mlp = self.self_attn, self.mlp
         n, h, g, d = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         qkv = linear(self.input_layernorm(x), attn.qkv_proj)
         qk = qkv[:, : (h + g) * d].view(n, h + g, d)  # the query and key heads, rotated together
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # = x * cos + rotate_half(x) * sin (sin's sign folded in)
-        q, k = qk[:, :h], qk[:, h:]
-        kv.scatter(index, k, qkv[:, (h + g) * d :].view(n, g, d), batch.slot_mapping)
-        o = planned_attention(q, kv.key(index), kv.value(index), plan)
+        pages.write(index, qk[:, h:], qkv[:, (h + g) * d :].view(n, g, d))
+        o = pages.attend(index, qk[:, :h])
         x = x + linear(o.reshape(n, h * d), attn.o_proj)
         gate, up = linear(self.post_attention_layernorm(x), mlp.gate_up_proj).chunk(2, dim=-1)
         out: torch.Tensor = x + linear(nn.functional.silu(gate) * up, mlp.down_proj)
@@ -261,6 +293,36 @@ def _prepack(weight: torch.Tensor) -> _Prepacked | None:
     return prepacked
 
 
+# The linear layers a compiled step calls, by key: torch.ops.batchkit.linear runs the model's own
+# _linear (oneDNN weights made on first use and after a write), which a traced graph cannot call.
+_LINEARS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def _register_linear(model: LlamaModel, layer: nn.Linear) -> int:
+    """Make ``layer`` of ``model`` callable as ``torch.ops.batchkit.linear(x, layer.weight, key)``."""
+    key, model_ref, layer_ref = id(layer), weakref.ref(model), weakref.ref(layer)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        owner, linear = model_ref(), layer_ref()
+        if owner is None or linear is None:
+            raise RuntimeError("the model this compiled step belongs to was deleted")
+        return owner._linear(x, linear)
+
+    _LINEARS[key] = run
+    weakref.finalize(layer, _LINEARS.pop, key, None)
+    return key
+
+
+@torch.library.custom_op("batchkit::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
+    return _LINEARS[key](x)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def _rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     d = config.dim_per_head
     return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
@@ -302,6 +364,7 @@ class LlamaModel(nn.Module):
         self.inv_freq = inv_freq.to(device)
         # Each linear layer's oneDNN copy of its weight, and which weight it was made from.
         self._packed: dict[int, tuple[tuple[int, int, torch.dtype], _Prepacked | None]] = {}
+        self._compiled: Callable[..., torch.Tensor] | None = None  # see compile_step
         self.eval()
         self.requires_grad_(False)
 
@@ -388,20 +451,81 @@ class LlamaModel(nn.Module):
                 f"this model needs {cfg.num_hidden_layers} x {cfg.num_key_value_heads} x {cfg.dim_per_head}: "
                 "build the cache with model.make_cache(num_blocks)"
             )
-        x = self.model.embed_tokens(batch.input_ids)
-        freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        # Tables, lengths and masks are the same in every layer: plan them once per step.
+        plan = plan_attention(batch.block_tables.to(kv.device), batch.seq_lens, batch.query_lens, kv.block_size)
+        slots = self._compilable_slots(batch, kv)
+        if slots is not None and self._compiled is not None:
+            ops = _OpPages(kv.kv, slots, float(cfg.dim_per_head**-0.5))
+            with attention_plan(plan):
+                logits: torch.Tensor = self._compiled(batch.input_ids, batch.positions, batch.sample_indices, ops)
+            return logits
+        cpu = batch.input_ids.device.type == "cpu"
+        linear = self._linear if self.prepack_weights and cpu else _plain_linear
+        if not self.prepack_weights:
+            self._packed.clear()
+        return self._layers(
+            batch.input_ids, batch.positions, batch.sample_indices, _EagerPages(batch, kv, plan), linear
+        )
+
+    def _layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, sample: torch.Tensor, pages: _Pages, linear: _LinearFn
+    ) -> torch.Tensor:
+        """The step's arithmetic, eager or traced: embeddings, every layer, the LM head on ``sample``."""
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = freqs.cos().repeat(1, 2).to(x.dtype)[:, None, :]
         # rotate_half(x) * sin is x rolled by half a head times sin with its first half negated.
         sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(x.dtype)[:, None, :]
-        # Tables, lengths and masks are the same in every layer: plan them once per step.
-        plan = plan_attention(batch.block_tables.to(kv.device), batch.seq_lens, batch.query_lens, kv.block_size)
-        linear = self._linear if self.prepack_weights and x.device.type == "cpu" else _plain_linear
-        if not self.prepack_weights:
-            self._packed.clear()
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, batch, kv, plan, linear)
-        last = self.model.norm(x.index_select(0, batch.sample_indices))
+            x = layer(x, cos, sin, i, pages, linear)
+        last = self.model.norm(x.index_select(0, sample))
         return linear(last, self.lm_head)
+
+    def compile_step(self, *, backend: str | Callable[..., Any] = "inductor") -> None:
+        """Run later steps through ``torch.compile`` (inductor, dynamic shapes), eager as before
+        until then. The first step compiles (a minute or more on a small CPU; inductor's cache on
+        disk makes a later start faster); a step with padding slots, or on a cache that runs
+        batchkit's CUDA kernels, runs eagerly.
+
+        The K/V write and the attention run as batchkit's custom operators
+        (:mod:`batchkit.kv.compiled`), so the compiled graph writes the cache in place; the
+        linear layers run as one operator each, on the same oneDNN weights as the eager step
+        (:attr:`prepack_weights`). On the CPUs measured, a compiled step of SmolLM2-135M took
+        about as long as an eager one (docs/benchmarks.md): the linear layers are most of a step.
+
+        Args:
+            backend: ``torch.compile``'s backend (``"aot_eager"`` traces without generating code).
+
+        Shapes are dynamic: a step of any number of rows runs the same graph, except one row
+        or one sampled row (torch specializes sizes 0 and 1), so a server compiles about four
+        graphs, each once.
+        """
+        keys = {layer: _register_linear(self, layer) for layer in self.modules() if isinstance(layer, nn.Linear)}
+
+        def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+            if not self.prepack_weights:
+                return nn.functional.linear(x, layer.weight)
+            out: torch.Tensor = torch.ops.batchkit.linear(x, layer.weight, keys[layer])
+            return out
+
+        def step(
+            input_ids: torch.Tensor, positions: torch.Tensor, sample: torch.Tensor, pages: _OpPages
+        ) -> torch.Tensor:
+            return self._layers(input_ids, positions, sample, pages, linear)
+
+        # Not fullgraph: past dynamo's recompile limit (several models in one process, say) a
+        # step runs eagerly rather than failing.
+        self._compiled = torch.compile(step, backend=backend, dynamic=True)
+
+    def _compilable_slots(self, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor | None:
+        """The step's slots as int64 for the compiled step, or None where the eager step runs
+        (not compiled, padding slots, a slot outside the cache, or the cache's CUDA kernels)."""
+        if self._compiled is None or kv.kv.device.type != "cpu":
+            return None
+        slots = torch.as_tensor(batch.slot_mapping).long()
+        if slots.numel() == 0 or int(slots.min()) < 0 or int(slots.max()) >= kv.num_blocks * kv.block_size:
+            return None  # the eager step skips padding and names a bad slot
+        return slots
 
     def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """``layer(x)`` through oneDNN on a reordered copy of the weight, made on first use and
