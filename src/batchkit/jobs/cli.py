@@ -27,6 +27,7 @@ from ..dynamic.batcher import DynamicBatcher
 from ..dynamic.decorator import AsyncBatchedFunction, BatchedFunction
 from .generate import LoopFunction
 from .parquet import is_parquet, open_parquet, require_pyarrow
+from .report import JobReport
 from .runner import RESERVED_FIELDS, run
 from .store import JobStateError, dead_letter_path_for
 
@@ -537,86 +538,13 @@ def _run_cli(args: argparse.Namespace) -> int:
     show_tb = bool(getattr(args, "traceback", False))
     started = False  # the job opened its files: a rerun resumes it
     try:
-        src = Path(args.input)
-        if not src.is_file():
-            if src.is_dir():
-                what = "is a folder"
-            elif src.exists():  # a pipe, /dev/stdin, a device: read once, it cannot be resumed
-                what = "is not a regular file (a job reads its input again to resume)"
-            else:
-                what = "does not exist"
-            raise _Usage(f"argument --input: {args.input!r} {what}: pass the input JSONL file")
-        out = _check_file_arg(args.output, "--output")
-        dead = _check_file_arg(args.dead_letter, "--dead-letter") if args.dead_letter is not None else None
-        _check_openai_batch(args, src, out)
-        id_field: str | None = None
-        if args.format == "openai-batch":
-            from .openai_batch import ID_FIELD
-
-            id_field = ID_FIELD
-        elif not args.line_ids:
-            id_field = args.id_field
-            if not id_field or id_field in RESERVED_FIELDS:
-                raise _Usage(
-                    f"argument --id-field: must be a field name other than {', '.join(sorted(RESERVED_FIELDS))}, "
-                    f"got {id_field!r} (or pass --line-ids)"
-                )
-        loop = None
-        if args.tokenizer is not None and args.model is None:
-            raise _Usage("argument --tokenizer: goes with --model (the model whose tokenizer it replaces)")
-        if args.model is None:
-            for option, is_set in _generation_options(args):
-                if is_set:
-                    raise _Usage(
-                        f"argument {option}: shapes the text --model generates; a MODULE:FUNCTION target "
-                        "(generate_fn's included) has its own settings"
-                    )
-        if args.model is not None:
-            if args.target is not None:
-                raise _Usage("give MODULE:FUNCTION or --model, not both")
-            _check_batcher_options(args)
-            fn, loop = _model_target(args)
-        elif args.target is None:
-            raise _Usage("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
-        else:
-            fn = _load_target(args.target)
-            _check_batcher_options(args, fn)
+        src, out, dead = _job_files(args)
+        id_field = _id_field(args)
+        fn, loop = _job_function(args)
         _check_distinct(src, out, dead)
         _check_parquet_files(src, out)
-        progress = args.progress if args.progress is not None else sys.stderr.isatty()
         started = True
-        try:
-            report = run(
-                fn,
-                src,
-                out,
-                dead_letter=dead,
-                id_field=id_field,
-                max_batch=args.max_batch,
-                max_wait_ms=args.max_wait_ms,
-                concurrency=args.concurrency,
-                max_in_flight=args.max_in_flight,
-                retries=args.retries,
-                backoff_s=args.backoff_s,
-                # S, 2S, 4S... capped at 30 s, or at S itself when S is longer
-                max_backoff_s=max(args.backoff_s, 30.0),
-                ordered=args.ordered,
-                retry_dead_letters=args.retry_dead_letters,
-                batch_timeout_s=args.batch_timeout_s,
-                max_failures=args.max_failures,
-                fail_fast=args.fail_fast,
-                # the model a --model job generates with is part of what its results depend on
-                fn_name=_model_name(args),
-                price_per_hour=args.price_per_hour,
-                progress=progress,
-            )
-        except JobStateError as exc:
-            raise _Usage(f"argument --output: {exc}") from None
-        except TypeError as exc:  # run() checks its arguments before it calls anything
-            raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
-        finally:
-            if loop is not None:
-                loop.close()
+        report = _run_job(args, fn, loop, src, out, dead, id_field)
     except _Usage as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -632,7 +560,112 @@ def _run_cli(args: argparse.Namespace) -> int:
         hint = "" if show_tb else " (--traceback shows where)"
         print(f"{prog}: failed: {_failure(exc, started=started, src=Path(args.input))}{hint}", file=sys.stderr)
         return 1
-    answered_errors = getattr(fn, "num_errors", 0)
+    _tell(prog, report, answered_errors=getattr(fn, "num_errors", 0))
+    return report.exit_code
+
+
+def _job_files(args: argparse.Namespace) -> tuple[Path, Path, Path | None]:
+    """The input (a regular file: a job reads it again to resume), the output and the
+    dead-letter file named on the command line, checked."""
+    src = Path(args.input)
+    if not src.is_file():
+        if src.is_dir():
+            what = "is a folder"
+        elif src.exists():  # a pipe, /dev/stdin, a device: read once, it cannot be resumed
+            what = "is not a regular file (a job reads its input again to resume)"
+        else:
+            what = "does not exist"
+        raise _Usage(f"argument --input: {args.input!r} {what}: pass the input JSONL file")
+    out = _check_file_arg(args.output, "--output")
+    dead = _check_file_arg(args.dead_letter, "--dead-letter") if args.dead_letter is not None else None
+    _check_openai_batch(args, src, out)
+    return src, out, dead
+
+
+def _id_field(args: argparse.Namespace) -> str | None:
+    """The field that identifies a record: OpenAI Batch's ``custom_id``, ``--id-field``, or
+    None with ``--line-ids``."""
+    if args.format == "openai-batch":
+        from .openai_batch import ID_FIELD
+
+        return ID_FIELD
+    if args.line_ids:
+        return None
+    id_field: str = args.id_field
+    if not id_field or id_field in RESERVED_FIELDS:
+        raise _Usage(
+            f"argument --id-field: must be a field name other than {', '.join(sorted(RESERVED_FIELDS))}, "
+            f"got {id_field!r} (or pass --line-ids)"
+        )
+    return id_field
+
+
+def _job_function(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The job's function, and the decode loop to close after it (``--model``; None for a
+    MODULE:FUNCTION target), with the options that do not go with it refused."""
+    if args.tokenizer is not None and args.model is None:
+        raise _Usage("argument --tokenizer: goes with --model (the model whose tokenizer it replaces)")
+    if args.model is None:
+        for option, is_set in _generation_options(args):
+            if is_set:
+                raise _Usage(
+                    f"argument {option}: shapes the text --model generates; a MODULE:FUNCTION target "
+                    "(generate_fn's included) has its own settings"
+                )
+    if args.model is not None:
+        if args.target is not None:
+            raise _Usage("give MODULE:FUNCTION or --model, not both")
+        _check_batcher_options(args)
+        return _model_target(args)
+    if args.target is None:
+        raise _Usage("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
+    fn = _load_target(args.target)
+    _check_batcher_options(args, fn)
+    return fn, None
+
+
+def _run_job(
+    args: argparse.Namespace, fn: Any, loop: Any, src: Path, out: Path, dead: Path | None, id_field: str | None
+) -> JobReport:
+    """:func:`~batchkit.jobs.run` with the command line's settings; the loop closed after it."""
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    try:
+        return run(
+            fn,
+            src,
+            out,
+            dead_letter=dead,
+            id_field=id_field,
+            max_batch=args.max_batch,
+            max_wait_ms=args.max_wait_ms,
+            concurrency=args.concurrency,
+            max_in_flight=args.max_in_flight,
+            retries=args.retries,
+            backoff_s=args.backoff_s,
+            # S, 2S, 4S... capped at 30 s, or at S itself when S is longer
+            max_backoff_s=max(args.backoff_s, 30.0),
+            ordered=args.ordered,
+            retry_dead_letters=args.retry_dead_letters,
+            batch_timeout_s=args.batch_timeout_s,
+            max_failures=args.max_failures,
+            fail_fast=args.fail_fast,
+            # the model a --model job generates with is part of what its results depend on
+            fn_name=_model_name(args),
+            price_per_hour=args.price_per_hour,
+            progress=progress,
+        )
+    except JobStateError as exc:
+        raise _Usage(f"argument --output: {exc}") from None
+    except TypeError as exc:  # run() checks its arguments before it calls anything
+        raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
+    finally:
+        if loop is not None:
+            loop.close()
+
+
+def _tell(prog: str, report: JobReport, *, answered_errors: int) -> None:
+    """The report on stdout; on stderr, the requests answered with an error status and why
+    the job stopped early."""
     if answered_errors:
         print(
             f"{prog}: {answered_errors:,} {'request was' if answered_errors == 1 else 'requests were'} answered "
@@ -651,4 +684,3 @@ def _run_cli(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError):
             devnull = os.open(os.devnull, os.O_WRONLY)  # so that the flush at exit does not fail again
             os.dup2(devnull, sys.stdout.fileno())
-    return report.exit_code
