@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._validate import positive_int, positive_int_or_none
+
 __all__ = [
     "PRESETS",
     "KVPlan",
@@ -124,12 +126,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelShape's {name} must be an int >= 1, got {v!r}")
+            positive_int(f"ModelShape's {name}", getattr(self, name))
         w, k = self.sliding_window, self.num_sliding_layers
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"ModelShape's sliding_window must be an int >= 1 or None, got {w!r}")
+        positive_int_or_none("ModelShape's sliding_window", w)
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.num_layers or (k > 0) != (w is not None):
             raise ValueError(
                 f"ModelShape's num_sliding_layers must be in [0, num_layers], and > 0 exactly when there is a "
@@ -173,8 +172,8 @@ class ModelShape:
             raise ValueError("config needs hidden_size (or head_dim) to know the size of each attention head")
         if dtype_bytes is None:
             dtype_bytes = dtype_bytes_of(get("torch_dtype") or get("dtype") or "float16")
-        elif isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes < 1:
-            raise ValueError(f"dtype_bytes must be an int >= 1, got {dtype_bytes!r}")
+        else:
+            positive_int("dtype_bytes", dtype_bytes)
         num_params = _estimate_params(get) if get("hidden_size") else None
         windows = [w for w in layer_windows(config) if w is not None]
         return cls(layers, kv_heads, head_dim, dtype_bytes, num_params, max(windows, default=None), len(windows))
@@ -363,8 +362,7 @@ def plan(
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     for name, v in (("block_size", block_size), ("mean_seq_len", mean_seq_len), ("device_bytes", device_bytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        positive_int(name, v)
     for name, b in (("weight_bytes", weight_bytes), ("activation_bytes", activation_bytes)):
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
             raise ValueError(f"{name} must be an int >= 0, got {b!r}")
