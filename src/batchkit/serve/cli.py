@@ -34,6 +34,26 @@ _positive_int = int_in(1, 2**31 - 1)
 _non_negative_float = float_in(0.0, 1e9)
 _positive_float = float_in(0.0, 1e9, lo_open=True)
 _port = int_in(0, 65535)
+# The settings whose flag is their name (--num-blocks sets num_blocks), read as they are.
+_SETTINGS_AS_FLAGS = (
+    "embedding_model",
+    "tokenizer",
+    "embedding_model_name",
+    "num_blocks",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_waiting",
+    "default_max_tokens",
+    "embedding_max_batch",
+    "embedding_max_wait_ms",
+    "retry_after_s",
+    "max_request_bytes",
+    "max_prompts_per_request",
+    "request_timeout_s",
+    "shutdown_grace_s",
+    "device",
+)
 
 
 def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentParser:
@@ -370,29 +390,13 @@ def _settings(
     """The server's settings, from the command line: the decode engine runs in the main thread."""
     return ServeSettings(
         model=args.model,
-        on_load_error=on_load_error,
-        embedding_model=args.embedding_model,
-        tokenizer=args.tokenizer,
         model_name=args.served_model_name,
-        embedding_model_name=args.embedding_model_name,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting=args.max_waiting,
         tenant_quotas=quotas,
-        default_max_tokens=args.default_max_tokens,
-        embedding_max_batch=args.embedding_max_batch,
-        embedding_max_wait_ms=args.embedding_max_wait_ms,
-        retry_after_s=args.retry_after_s,
-        max_request_bytes=args.max_request_bytes,
-        max_prompts_per_request=args.max_prompts_per_request,
-        request_timeout_s=args.request_timeout_s,
-        shutdown_grace_s=args.shutdown_grace_s,
         dtype=dtype,
-        device=args.device,
+        on_load_error=on_load_error,
         engine="caller",
+        **{name: getattr(args, name) for name in _SETTINGS_AS_FLAGS},
     )
 
 
