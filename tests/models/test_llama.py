@@ -225,8 +225,7 @@ def _greedy_tokens(model: Any, max_num_seqs: int) -> list[list[int]]:
     return drain(loop, [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 3, prompts)
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-@pytest.mark.parametrize("prepack", [True, False])
+@pytest.mark.parametrize(("dtype_name", "prepack"), [("float32", True), ("bfloat16", False)])
 def test_a_compiled_step_decodes_the_tokens_of_the_eager_step(
     dtype_name: str, prepack: bool, fresh_dynamo: Any
 ) -> None:
