@@ -134,56 +134,83 @@ def paged_attention(
     num_kv = key_cache.shape[2]
     if num_heads % num_kv:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv})")
-    group = num_heads // num_kv
     scale = head_dim**-0.5 if scale is None else scale
     q_lens = [int(x) for x in query_lens.tolist()]
     ctx = [int(x) for x in seq_lens.tolist()]
     if sum(q_lens) != query.shape[0]:
         raise ValueError(f"query has {query.shape[0]} tokens but query_lens sum to {sum(q_lens)}")
     out = torch.empty_like(query)
-    bs = key_cache.shape[1]
-    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
     starts = [0]
     for ql in q_lens:
         starts.append(starts[-1] + ql)
     decode = [i for i in range(n_seqs) if q_lens[i] == 1]
-    if len(decode) > 1:
-        # Single-token queries (decodes) are attended together: pad every context to the longest.
-        idx = torch.tensor(decode)
-        lens = torch.tensor([ctx[i] for i in decode])
-        if (lens < 1).any():
-            raise ValueError("a decoding sequence has context length 0")
-        nb = -(-int(lens.max()) // bs)
-        # Gather whole blocks (contiguous runs of bs rows), not single tokens: [S, nb, bs, Hkv, D].
-        # Table padding points at the null block; the mask below hides it and unused slots.
-        tables = block_tables.index_select(0, idx.to(block_tables.device))[:, :nb].long().to(key_cache.device)
-        s_, width = tables.shape[0], nb * bs
-        k = key_cache[tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)  # [S, Hkv, L, D]
-        v = value_cache[tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
-        pos = torch.arange(width)
-        rows = torch.tensor([starts[i] for i in decode], device=query.device)
-        q = query.index_select(0, rows).to(acc).unsqueeze(2)  # [S, H, 1, D]
-        keep = (pos[None, :] < lens[:, None]).to(query.device)[:, None, None, :]  # [S, 1, 1, L]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=group > 1)
-        out[rows] = o.squeeze(2).to(query.dtype)
-        rest = [i for i in range(n_seqs) if q_lens[i] != 1]
-    else:
-        rest = list(range(n_seqs))
-    for i in rest:
-        ql, L = q_lens[i], ctx[i]
-        start = starts[i]
-        if ql > L:
-            raise ValueError(f"sequence {i}: {ql} new tokens but context length {L}")
-        slots = slots_for(block_tables[i : i + 1].to(key_cache.device), torch.tensor([L]), bs)
-        k = _flat(key_cache).index_select(0, slots.to(key_cache.device))
-        v = _flat(value_cache).index_select(0, slots.to(key_cache.device))
-        q = query[start : start + ql]
-        k = k.repeat_interleave(group, dim=1).to(acc)  # [L, H, D]
-        v = v.repeat_interleave(group, dim=1).to(acc)
-        scores = torch.einsum("qhd,khd->hqk", q.to(acc), k) * scale
-        q_pos = torch.arange(L - ql, L).view(-1, 1)
-        k_pos = torch.arange(L).view(1, -1)
-        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out[start : start + ql] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    together = set(decode) if len(decode) > 1 else set()
+    if together:  # single-token queries (decodes) are attended together
+        _decodes_together(out, query, key_cache, value_cache, block_tables, decode, starts, ctx, scale)
+    for i in (i for i in range(n_seqs) if i not in together):
+        if q_lens[i] > ctx[i]:
+            raise ValueError(f"sequence {i}: {q_lens[i]} new tokens but context length {ctx[i]}")
+        rows = slice(starts[i], starts[i + 1])
+        out[rows] = _one_sequence(query[rows], key_cache, value_cache, block_tables[i : i + 1], ctx[i], scale)
     return out
+
+
+def _decodes_together(
+    out: Tensor,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    decode: list[int],
+    starts: list[int],
+    ctx: list[int],
+    scale: float,
+) -> None:
+    """Write into ``out`` the attention of the sequences ``decode`` (one query each), every
+    context padded to the longest."""
+    import torch
+
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    bs, num_kv = key_cache.shape[1], key_cache.shape[2]
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+    idx = torch.tensor(decode)
+    lens = torch.tensor([ctx[i] for i in decode])
+    if (lens < 1).any():
+        raise ValueError("a decoding sequence has context length 0")
+    nb = -(-int(lens.max()) // bs)
+    # Gather whole blocks (contiguous runs of bs rows), not single tokens: [S, nb, bs, Hkv, D].
+    # Table padding points at the null block; the mask below hides it and unused slots.
+    tables = block_tables.index_select(0, idx.to(block_tables.device))[:, :nb].long().to(key_cache.device)
+    s_, width = tables.shape[0], nb * bs
+    k = key_cache[tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)  # [S, Hkv, L, D]
+    v = value_cache[tables].reshape(s_, width, num_kv, head_dim).to(acc).transpose(1, 2)
+    pos = torch.arange(width)
+    rows = torch.tensor([starts[i] for i in decode], device=query.device)
+    q = query.index_select(0, rows).to(acc).unsqueeze(2)  # [S, H, 1, D]
+    keep = (pos[None, :] < lens[:, None]).to(query.device)[:, None, None, :]  # [S, 1, 1, L]
+    gqa = num_heads != num_kv
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+    out[rows] = o.squeeze(2).to(query.dtype)
+
+
+def _one_sequence(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, table: Tensor, length: int, scale: float
+) -> Tensor:
+    """Causal attention of one sequence's ``query`` rows (its last positions) over its ``length``
+    tokens of context, by the block table row ``table`` ``[1, max_blocks]``."""
+    import torch
+
+    ql, group = query.shape[0], query.shape[1] // key_cache.shape[2]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    slots = slots_for(table.to(key_cache.device), torch.tensor([length]), key_cache.shape[1])
+    k = _flat(key_cache).index_select(0, slots.to(key_cache.device))
+    v = _flat(value_cache).index_select(0, slots.to(key_cache.device))
+    k = k.repeat_interleave(group, dim=1).to(acc)  # [L, H, D]
+    v = v.repeat_interleave(group, dim=1).to(acc)
+    scores = torch.einsum("qhd,khd->hqk", query.to(acc), k) * scale
+    q_pos = torch.arange(length - ql, length).view(-1, 1)
+    k_pos = torch.arange(length).view(1, -1)
+    scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    result: Tensor = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return result
