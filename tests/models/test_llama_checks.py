@@ -1,4 +1,6 @@
-"""The reference model's config refuses shapes no model can have, when it is made."""
+"""batchkit.models.llama's checks that need torch alone (tests/models/test_llama.py needs
+transformers too): the reference model's config refuses shapes no model can have, when it is
+made."""
 
 from __future__ import annotations
 
