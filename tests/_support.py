@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import socket
 import sys
 import threading
@@ -202,3 +203,37 @@ def drain(loop: Any, params: list[Any], prompts: list[list[int]], steps: int = 1
             if ev.token is not None:
                 out[ev.request_id].append(ev.token)
     raise AssertionError("the loop did not finish")
+
+
+# --------------------------------------------------------------------------- bulk jobs (tests/jobs)
+
+SHOUT = "def shout(records):\n    return [r['text'].upper() for r in records]\n"
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    """``lines`` written to ``path``, each ended by a newline; returns ``path``."""
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def jsonl_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON value of each non-empty line of ``path``."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def write_module(folder: Path, name: str, source: str) -> str:
+    """``source`` written as the module ``{name}.py`` in ``folder``; returns ``name``."""
+    (folder / f"{name}.py").write_text(source, encoding="utf-8")
+    return name
+
+
+def batchkit_run(argv: list[str], monkeypatch: Any, capsys: Any, folder: Path) -> tuple[int, str, str]:
+    """``batchkit run ARGV --no-progress`` in this process (``batchkit.cli.main``), run in
+    ``folder`` with ``folder`` on the path: its exit status, stdout and stderr."""
+    from batchkit.cli import main
+
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    status = main(["run", *argv, "--no-progress"])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
