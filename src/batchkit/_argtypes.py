@@ -1,6 +1,8 @@
 """What every ``batchkit`` sub-command shares: argparse value types (whole and finite numbers
-within a range, each refused with one line naming the range), the one-line text of an error,
-and importing a ``module:function`` target from the current folder."""
+within a range, each refused with one line naming the range), the limits and the flags that
+several commands take alike (``--threads``, ``--max-wait-ms``, ``--price-per-hour``,
+``--progress``), the one-line text of an error, and importing a ``module:function`` target from
+the current folder."""
 
 from __future__ import annotations
 
@@ -10,7 +12,26 @@ import os
 import sys
 from collections.abc import Callable
 
-__all__ = ["float_in", "import_from_cwd", "int_in", "one_line"]
+__all__ = [
+    "MAX_SECONDS",
+    "MAX_THREADS",
+    "MAX_WAIT_MS",
+    "add_max_wait_ms",
+    "add_price_per_hour",
+    "add_progress",
+    "add_threads",
+    "float_in",
+    "import_from_cwd",
+    "int_in",
+    "one_line",
+]
+
+# Upper bounds: generous for real use, small enough that a typo cannot hang the machine or
+# exhaust its memory. Each command's --help states the ones it takes.
+MAX_THREADS = 256
+MAX_WAIT_MS = 10_000.0
+MAX_SECONDS = 3600.0
+MAX_PRICE_PER_HOUR = 1e6
 
 
 def int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -42,6 +63,30 @@ def float_in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], 
         return value
 
     return parse
+
+
+def add_threads(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """``--threads N``, 1..``MAX_THREADS``; None where not given (the command picks)."""
+    parser.add_argument("--threads", metavar="N", type=int_in(1, MAX_THREADS), default=None, help=help)
+
+
+def add_max_wait_ms(parser: argparse.ArgumentParser, *, default: float | None, help: str) -> None:
+    """``--max-wait-ms MS``: a batcher's ``max_wait_ms``, in [0, ``MAX_WAIT_MS``]."""
+    parser.add_argument("--max-wait-ms", metavar="MS", type=float_in(0, MAX_WAIT_MS), default=default, help=help)
+
+
+def add_price_per_hour(parser: argparse.ArgumentParser, *, metavar: str, help: str) -> None:
+    """``--price-per-hour``: the accelerator's price, in [0, ``MAX_PRICE_PER_HOUR``], for a
+    report's cost lines; None where not given (no cost)."""
+    parser.add_argument(
+        "--price-per-hour", metavar=metavar, type=float_in(0, MAX_PRICE_PER_HOUR), default=None, help=help
+    )
+
+
+def add_progress(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """``--progress`` / ``--no-progress``: None where neither is given (the command shows a bar when
+    stderr is a terminal)."""
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help=help)
 
 
 def one_line(exc: BaseException) -> str:

@@ -17,8 +17,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ._argtypes import (
+    MAX_SECONDS,
+    MAX_THREADS,
+    MAX_WAIT_MS,
+    add_max_wait_ms,
+    add_price_per_hour,
+    add_progress,
+    add_threads,
+    import_from_cwd,
+    one_line,
+)
 from ._argtypes import float_in as _float_in
-from ._argtypes import import_from_cwd, one_line
 from ._argtypes import int_in as _int_in
 from ._cpu import allowed_cpus, configure_cpu_threads
 from .demo.cli import add_demo_parser, run_demo
@@ -28,13 +38,10 @@ __all__ = ["main"]
 GIB = 1024**3
 
 # Upper bounds: generous for real use, small enough that a typo cannot hang the machine or
-# exhaust its memory. --help states each one.
+# exhaust its memory. --help states each one (the limits several commands share are in _argtypes).
 MAX_GIB = 16384.0  # device, weights and activation memory (16 TiB)
 MAX_BLOCK_SIZE = 1024
 MAX_SEQ_LEN = 1 << 20
-MAX_THREADS = 256
-MAX_WAIT_MS = 10_000.0
-MAX_SECONDS = 3600.0
 MAX_BENCH_BATCH = 65536
 MAX_CONCURRENCY = 10_000  # bench: one task each
 MAX_RATE = 100_000.0
@@ -528,13 +535,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="B1,B2,...",
         help=f"max batch sizes to measure, each 1..{MAX_BENCH_BATCH:,} (duplicates are measured once)",
     )
-    be.add_argument(
-        "--max-wait-ms",
-        metavar="MS",
-        type=_float_in(0, MAX_WAIT_MS),
-        default=5.0,
-        help=f"the batcher's max_wait_ms, in [0, {MAX_WAIT_MS:g}]",
-    )
+    add_max_wait_ms(be, default=5.0, help=f"the batcher's max_wait_ms, in [0, {MAX_WAIT_MS:g}]")
     load = be.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency",
@@ -575,11 +576,9 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="P99 latency SLA in ms, in (0, 1e7]; default: none (every size qualifies)",
     )
-    be.add_argument(
-        "--price-per-hour",
+    add_price_per_hour(
+        be,
         metavar="PRICE",
-        type=_float_in(0, 1e6),
-        default=None,
         help="accelerator price per hour, in [0, 1e6], for the cost per token; default: no cost line",
     )
     be.add_argument(
@@ -589,11 +588,8 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="tokens each request stands for, in the cost per token, in (0, 1e9]",
     )
-    be.add_argument(
-        "--threads",
-        metavar="N",
-        type=_int_in(1, MAX_THREADS),
-        default=None,
+    add_threads(
+        be,
         help=f"threads of the target's BLAS and OpenMP pools and torch's intra-op threads, 1..{MAX_THREADS}; the "
         "report names the pools it ran with; default: one less than the CPUs this process may use, at least 1 "
         "(the callers keep a core)",
@@ -609,12 +605,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="write throughput and P99 against batch size as a PNG (needs matplotlib: "
         "pip install 'batchkit[plot]'; checked before the run); default: not drawn",
     )
-    be.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a progress bar on stderr; default: when stderr is a terminal",
-    )
+    add_progress(be, help="a progress bar on stderr; default: when stderr is a terminal")
     be.set_defaults(prepare=_prepare_bench)
 
     from .jobs import add_run_parser

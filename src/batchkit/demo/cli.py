@@ -12,17 +12,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._argtypes import float_in, int_in
+from .._argtypes import MAX_SECONDS, MAX_THREADS, MAX_WAIT_MS, add_max_wait_ms, add_threads, float_in, int_in
 from . import llm as llm_demo
 from . import mlp as mlp_demo
 
 __all__ = ["add_demo_parser", "busy_machine_warning", "run_demo"]
 
 MAX_CALLERS = 1024  # one thread each
-MAX_THREADS = 256
 MAX_BATCH = 4096
-MAX_WAIT_MS = 10_000.0
-MAX_SECONDS = 3600.0
 MAX_LLM_REQUESTS = 1024
 MAX_LLM_OUT = 2048
 MAX_LLM_BATCH = 64
@@ -56,11 +53,8 @@ def add_demo_parser(
         default=3.0,
         help=f"seconds each MLP row runs, in (0, {MAX_SECONDS:g}]",
     )
-    demo.add_argument(
-        "--threads",
-        metavar="N",
-        type=int_in(1, MAX_THREADS),
-        default=None,
+    add_threads(
+        demo,
         help=f"torch intra-op threads, 1..{MAX_THREADS} (default: the CPUs this process may use, capped by a "
         "cgroup CPU quota; OMP_NUM_THREADS where set)",
     )
@@ -71,13 +65,7 @@ def add_demo_parser(
         default=32,
         help=f"batchkit's max_batch_size for the MLP, 1..{MAX_BATCH}",
     )
-    demo.add_argument(
-        "--max-wait-ms",
-        metavar="MS",
-        type=float_in(0, MAX_WAIT_MS),
-        default=5.0,
-        help=f"batchkit's max_wait_ms for the MLP, in [0, {MAX_WAIT_MS:g}]",
-    )
+    add_max_wait_ms(demo, default=5.0, help=f"batchkit's max_wait_ms for the MLP, in [0, {MAX_WAIT_MS:g}]")
     demo.add_argument(
         "--llm-requests",
         metavar="N",

@@ -20,8 +20,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .._argtypes import (
+    MAX_SECONDS,
+    MAX_WAIT_MS,
+    add_max_wait_ms,
+    add_price_per_hour,
+    add_progress,
+    import_from_cwd,
+    one_line,
+)
 from .._argtypes import float_in as _float_in
-from .._argtypes import import_from_cwd, one_line
 from .._argtypes import int_in as _int_in
 from ..dynamic.batcher import DynamicBatcher
 from ..dynamic.decorator import AsyncBatchedFunction, BatchedFunction
@@ -35,9 +43,7 @@ __all__ = ["add_run_parser", "run_cli"]
 
 MAX_BATCH = 65536
 MAX_CONCURRENCY = 1024
-MAX_WAIT_MS = 10_000.0
 MAX_RETRIES = 100
-MAX_SECONDS = 3600.0
 FORMATS = ("records", "openai-batch")
 # A failure with one of these (permissions, a read-only file system) fails a rerun the same way.
 _NOT_RERUNNABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
@@ -100,10 +106,8 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         default=None,
         help=f"records per call, 1..{MAX_BATCH:,}; default: {_DEFAULTS['max_batch']}",
     )
-    p.add_argument(
-        "--max-wait-ms",
-        metavar="MS",
-        type=_float_in(0, MAX_WAIT_MS),
+    add_max_wait_ms(
+        p,
         default=None,
         help=f"longest a record waits for a full batch, in [0, {MAX_WAIT_MS:g}]; default: {_DEFAULTS['max_wait_ms']:g}",
     )
@@ -223,19 +227,12 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
         metavar="N",
         help="KV cache blocks of 16 tokens (default: 1024)",
     )
-    p.add_argument(
-        "--price-per-hour",
+    add_price_per_hour(
+        p,
         metavar="P",
-        type=_float_in(0, 1e6),
-        default=None,
         help="accelerator price per hour, in [0, 1e6], for the cost per 1k tokens in the report",
     )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a progress bar with rate and ETA on stderr; default: when stderr is a terminal",
-    )
+    add_progress(p, help="a progress bar with rate and ETA on stderr; default: when stderr is a terminal")
     with contextlib.suppress(argparse.ArgumentError):  # unless a parent parser gives it already
         p.add_argument("--traceback", action="store_true", help="when the job fails, print the full traceback too")
     return p
