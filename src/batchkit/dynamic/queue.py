@@ -277,12 +277,20 @@ class BoundedQueue(Generic[T]):
         with self.mutex:
             self.core.count_rejection()
 
-    def _take_one(self) -> tuple[list[QueueEntry[T]], list[Drop]]:
+    def _take_one(self, new_waiter: Callable[[], Any] | None = None) -> tuple[list[QueueEntry[T]], Any]:
+        """Expire what is due and take the best entry: ``([entry], None)``; or, with none waiting,
+        ``([], waiter)``, a ``new_waiter()`` enlisted for the next item under the same lock (so no
+        put is missed) where one is given, else ``([], None)``. ``on_drop`` is told of the expired."""
+        waiter = None
         with self.mutex:
             now = self.clock.now()
             drops = self.core.expire(now)
             taken = self.core.take(1, now)
-        return taken, drops
+            if not taken and new_waiter is not None:
+                waiter = new_waiter()
+                self._item_waiters.append(waiter)
+        self._notify_drops(drops)
+        return taken, waiter
 
     def get_nowait(self) -> T:
         """Remove and return the best waiting item.
@@ -290,8 +298,7 @@ class BoundedQueue(Generic[T]):
         Raises:
             QueueEmpty: nothing is waiting.
         """
-        taken, drops = self._take_one()
-        self._notify_drops(drops)
+        taken, _ = self._take_one()
         if not taken:
             raise QueueEmpty("no item is waiting")
         return taken[0].item
@@ -304,14 +311,7 @@ class BoundedQueue(Generic[T]):
         """
         deadline = None if timeout is None else _monotonic() + timeout
         while True:
-            with self.mutex:
-                now = self.clock.now()
-                drops = self.core.expire(now)
-                taken = self.core.take(1, now)
-                if not taken:
-                    waiter = ThreadWaiter()
-                    self._item_waiters.append(waiter)
-            self._notify_drops(drops)
+            taken, waiter = self._take_one(ThreadWaiter)
             if taken:
                 return taken[0].item
             remaining = None if deadline is None else deadline - _monotonic()
@@ -325,14 +325,7 @@ class BoundedQueue(Generic[T]):
         Cancel the calling task (or wrap in ``anyio.fail_after``) to stop waiting.
         """
         while True:
-            with self.mutex:
-                now = self.clock.now()
-                drops = self.core.expire(now)
-                taken = self.core.take(1, now)
-                if not taken:
-                    waiter = new_async_waiter()
-                    self._item_waiters.append(waiter)
-            self._notify_drops(drops)
+            taken, waiter = self._take_one(new_async_waiter)
             if taken:
                 return taken[0].item
             try:
