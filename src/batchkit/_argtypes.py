@@ -24,6 +24,7 @@ __all__ = [
     "import_from_cwd",
     "int_in",
     "one_line",
+    "wants_progress",
 ]
 
 # Upper bounds: generous for real use, small enough that a typo cannot hang the machine or
@@ -87,6 +88,11 @@ def add_progress(parser: argparse.ArgumentParser, *, help: str) -> None:
     """``--progress`` / ``--no-progress``: None where neither is given (the command shows a bar when
     stderr is a terminal)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help=help)
+
+
+def wants_progress(progress: bool | None) -> bool:
+    """Whether to draw the progress bar: ``--progress`` as given, else when stderr is a terminal."""
+    return progress if progress is not None else sys.stderr.isatty()
 
 
 def one_line(exc: BaseException) -> str:

@@ -27,6 +27,7 @@ from ._argtypes import (
     add_threads,
     import_from_cwd,
     one_line,
+    wants_progress,
 )
 from ._argtypes import float_in as _float_in
 from ._argtypes import int_in as _int_in
@@ -315,7 +316,7 @@ def _prepare_bench_target(args: argparse.Namespace) -> Callable[[], int]:
     concurrency = None if args.rate is not None else (args.concurrency or 64)
     item_fn = make_item
 
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = wants_progress(args.progress)
 
     def run() -> int:
         load = f"open loop, Poisson {args.rate:g}/s" if args.rate is not None else f"closed loop, {concurrency} callers"

@@ -28,6 +28,7 @@ from .._argtypes import (
     add_progress,
     import_from_cwd,
     one_line,
+    wants_progress,
 )
 from .._argtypes import float_in as _float_in
 from .._argtypes import int_in as _int_in
@@ -625,7 +626,7 @@ def _run_job(
     args: argparse.Namespace, fn: Any, loop: Any, src: Path, out: Path, dead: Path | None, id_field: str | None
 ) -> JobReport:
     """:func:`~batchkit.jobs.run` with the command line's settings; the loop closed after it."""
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = wants_progress(args.progress)
     try:
         return run(
             fn,
