@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from batchkit.cli import main
+
 LIMIT_S = 60  # no case may run longer than this
 pytestmark = pytest.mark.timeout(300)  # the first test waits for the parallel runs to start
 
@@ -379,3 +381,14 @@ def test_demo_warns_when_the_load_average_says_its_timings_will_not_hold() -> No
     assert "will not hold" in warning
     assert _busy_machine_warning(cpus=2, load=0.4) is None
     assert _busy_machine_warning(cpus=16, load=4.0) is None
+
+
+# --------------------------------------------------------------------------- docs/jobs.md: the exit statuses
+
+
+def test_top_level_help_names_the_sigterm_status(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/jobs.md documents exit status 143 (terminated by SIGTERM) beside 0, 1, 2 and 130;
+    `batchkit --help`, which lists the exit statuses, names it too."""
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "143 terminated" in out

@@ -8,10 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from _support import SHOUT
+from _support import batchkit_run as _cli
+from _support import jsonl_records as _records
+from _support import write_lines as _write
+from _support import write_module as _module
 from batchkit.cli import main
 
 
@@ -286,3 +292,117 @@ def test_batcher_options_with_a_generate_fn_target_are_usage_errors(
         "batchkit run: error: argument --max-batch: genjob:job is a decode loop (generate_fn), which batches "
         "continuously, max_num_seqs at once: drop --max-batch"
     )
+
+
+# --------------------------------------------------------------------------- docs/jobs.md: batchkit run on real files
+
+
+# docs/jobs.md's promises of `batchkit run`, checked as a user finds them. The command line runs
+# in process except where a signal or a second process is the point; target modules written into
+# a test's folder have names no other test uses.
+
+
+WAIT_S = 60.0
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_line_ids_key_outputs_and_dead_letters_by_line_and_a_rerun_without_them_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--line-ids` uses line numbers as ids (the id key is "line"); rerun, the job skips what is
+    done; rerun with `--id-field` instead, it is another job and refused with one line, status 2,
+    and the refusal tells the option the job was run with."""
+    mod = _module(tmp_path, "dp_jobs_lineids_shout", SHOUT)
+    _write(tmp_path / "in.jsonl", ['{"text": "a"}', "", '{"text": "b"}', '{"text": 5}'])
+    argv = [f"{mod}:shout", "--input", "in.jsonl", "--output", "out.jsonl", "--line-ids", "--retries", "0"]
+    status, _, _ = _cli(argv, monkeypatch, capsys, tmp_path)
+    assert status == 1
+    assert _records(tmp_path / "out.jsonl") == [{"line": 1, "output": "A"}, {"line": 3, "output": "B"}]
+    (dead,) = _records(tmp_path / "out.dead.jsonl")
+    assert (dead["line"], dead["attempts"]) == (4, 1)
+    assert "id" not in dead
+    status, out, _ = _cli(argv, monkeypatch, capsys, tmp_path)
+    assert status == 1
+    assert "3 skipped" in out
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    status, _, err = _cli([*argv[:5], "--id-field", "text"], monkeypatch, capsys, tmp_path)
+    assert status == 2
+    assert len(err.splitlines()) == 1
+    assert "--line-ids" in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_a_device_as_output_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The output is read back to resume: `/dev/null` is refused with one line, status 2."""
+    mod = _module(tmp_path, "dp_jobs_devnull_shout", SHOUT)
+    _write(tmp_path / "in.jsonl", ['{"id": "a", "text": "x"}'])
+    status, _, err = _cli(
+        [f"{mod}:shout", "--input", "in.jsonl", "--output", os.devnull], monkeypatch, capsys, tmp_path
+    )
+    assert status == 2
+    assert len(err.splitlines()) == 1
+    assert "argument --output" in err
+
+
+def test_stdin_is_refused_as_a_pipe_and_taken_as_the_file_it_redirects(tmp_path: Path) -> None:
+    """A pipe as the input is refused (one line, status 2); `--input /dev/stdin < in.jsonl` is
+    the file itself: the journal names it, and the same command resumes the job."""
+    _module(tmp_path, "dp_jobs_stdin_shout", SHOUT)
+    src = _write(tmp_path / "in.jsonl", ['{"id": "a", "text": "x"}', '{"id": "b", "text": "y"}'])
+    argv = [sys.executable, "-m", "batchkit", "run", "dp_jobs_stdin_shout:shout", "--input", "/dev/stdin"]
+    argv += ["--output", "out.jsonl", "--no-progress"]
+    piped = subprocess.run(argv, cwd=tmp_path, input=src.read_text(), capture_output=True, text=True, timeout=WAIT_S)
+    assert piped.returncode == 2
+    assert len(piped.stderr.splitlines()) == 1
+    assert "argument --input" in piped.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+    for skipped in (0, 2):
+        with src.open() as stdin:
+            done = subprocess.run(argv, cwd=tmp_path, stdin=stdin, capture_output=True, text=True, timeout=WAIT_S)
+        assert done.returncode == 0, done.stderr
+        assert f"{skipped} skipped" in done.stdout
+    assert _records(tmp_path / "out.jsonl.journal")[0]["source"] == str(src)
+
+
+SLOW = "import time\ndef slow(records):\n    time.sleep(0.02)\n    return [r['n'] * 2 for r in records]\n"
+
+
+def test_ctrl_c_stops_a_job_with_status_130_and_one_line_and_a_rerun_finishes_it(tmp_path: Path) -> None:
+    """ "130 interrupted (Ctrl-C) ... stop the job cleanly with one line on stderr, and a rerun
+    resumes it": every id then appears exactly once."""
+    _module(tmp_path, "dp_jobs_sigint_slow", SLOW)
+    _write(tmp_path / "in.jsonl", [json.dumps({"id": i, "n": i}) for i in range(3000)])
+    argv = [sys.executable, "-m", "batchkit", "run", "dp_jobs_sigint_slow:slow", "--input", "in.jsonl"]
+    argv += ["--output", "out.jsonl", "--max-batch", "4", "--no-progress"]
+    out = tmp_path / "out.jsonl"
+    with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            _wait_until(lambda: out.exists() and out.stat().st_size > 0, "the first committed output")
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130, (stdout, stderr)
+    assert stderr.splitlines() == ["batchkit run: interrupted: rerun the same command to resume"], stderr
+    done = len(_records(out))
+    assert 0 < done < 3000
+    rerun = subprocess.run(
+        [*argv[:-3], "--max-batch", "256", "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{done:,} skipped" in rerun.stdout
+    assert sorted(r["id"] for r in _records(out)) == list(range(3000))

@@ -26,6 +26,9 @@ from typing import Any
 import pytest
 
 import batchkit
+import batchkit.jobs
+from _support import jsonl_records as _records
+from _support import write_lines as _write
 from batchkit.jobs import JobProgress, JobReport, JobStateError, JobStore, add_run_parser, generate_fn, run, run_cli
 from batchkit.testing import MockClock
 
@@ -1408,3 +1411,138 @@ class TestRecordsRetriedAloneKeepTheJobsConcurrency:
         assert report.failed >= 1  # the record that hangs is dead-lettered
         assert report.succeeded + report.failed == 40
         assert peak == 1  # healthy calls never ran two at once
+
+
+# --------------------------------------------------------------------------- docs/jobs.md, in Python
+
+
+# docs/jobs.md's promises of batchkit.jobs.run, checked as a user finds them.
+
+
+@pytest.mark.parametrize("bad_id", ["true", "false", "1.5", "1.0", "null", '["a"]', '{"k": 1}'])
+def test_an_id_that_is_not_a_string_or_an_integer_is_a_dead_letter_keyed_by_its_line(
+    bad_id: str, tmp_path: Path
+) -> None:
+    """ "A record ... with [an id] that is not a string or an integer, is a dead letter keyed by its
+    line number": JSON booleans (Python ints) and whole floats included; the rest goes on."""
+    src = _write(tmp_path / "in.jsonl", ['{"id": "a", "text": "x"}', f'{{"id": {bad_id}, "text": "y"}}'])
+    report = batchkit.jobs.run(lambda rs: [r["text"].upper() for r in rs], src, tmp_path / "out.jsonl", max_wait_ms=0)
+    assert (report.succeeded, report.failed) == (1, 1)
+    (dead,) = _records(tmp_path / "out.dead.jsonl")
+    assert (dead["id"], dead["line"], dead["attempts"]) == (None, 2, 0)
+    assert "string or an integer" in dead["error"]
+    again = batchkit.jobs.run(lambda rs: [r["text"] for r in rs], src, tmp_path / "out.jsonl")
+    assert (again.items, again.skipped) == (0, 2)  # the dead letter counts as done
+
+
+def test_a_line_that_is_not_an_object_keeps_its_first_1000_characters_and_blank_lines_are_ignored(
+    tmp_path: Path,
+) -> None:
+    """A JSON list and a broken line are dead letters with the start of the line (its first 1,000
+    characters) under "input"; blank lines are not records at all."""
+    long_broken = "{" + "x" * 5000
+    src = _write(tmp_path / "in.jsonl", ['{"id": 1, "v": 1}', "", "[1, 2]", "   ", long_broken, '{"id": 2, "v": 2}'])
+    report = batchkit.jobs.run(lambda rs: [r["v"] for r in rs], src, tmp_path / "out.jsonl", max_wait_ms=0)
+    assert (report.succeeded, report.failed, report.malformed) == (2, 2, 2)
+    listed, broken = _records(tmp_path / "out.dead.jsonl")
+    assert (listed["id"], listed["line"], listed["attempts"], listed["input"]) == (None, 3, 0, "[1, 2]")
+    assert (broken["line"], broken["input"]) == (5, long_broken[:1000])
+    assert broken["error"].startswith("malformed JSON: ")
+
+
+def test_an_exception_in_a_records_slot_fails_only_that_record(tmp_path: Path) -> None:
+    """ "An Exception instance in a record's slot fails only that record"."""
+
+    def fn(records: list[dict[str, Any]]) -> list[Any]:
+        return [ValueError(f"bad {r['id']}") if r["id"] == 3 else r["id"] * 10 for r in records]
+
+    report = batchkit.jobs.run(fn, [{"id": i} for i in range(6)], tmp_path / "out.jsonl", retries=0, max_wait_ms=0)
+    assert (report.succeeded, report.failed, report.exit_code) == (5, 1, 1)
+    assert sorted(r["output"] for r in _records(tmp_path / "out.jsonl")) == [0, 10, 20, 40, 50]
+    assert _records(tmp_path / "out.dead.jsonl") == [{"id": 3, "line": 4, "error": "ValueError: bad 3", "attempts": 1}]
+
+
+def test_numpy_and_torch_results_are_written_with_tolist(tmp_path: Path) -> None:
+    """ "numpy and torch values are converted with .tolist()"."""
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+
+    def fn(records: list[dict[str, Any]]) -> list[Any]:
+        return [np.arange(2) + r["id"] if r["id"] % 2 else torch.tensor([r["id"], 1.5]) for r in records]
+
+    batchkit.jobs.run(fn, [{"id": i} for i in range(4)], tmp_path / "out.jsonl", ordered=True, max_wait_ms=0)
+    assert _records(tmp_path / "out.jsonl") == [
+        {"id": 0, "output": [0.0, 1.5]},
+        {"id": 1, "output": [1, 2]},
+        {"id": 2, "output": [2.0, 1.5]},
+        {"id": 3, "output": [3, 4]},
+    ]
+
+
+def test_a_dynamic_batcher_keeps_its_own_batching_and_window(tmp_path: Path) -> None:
+    """`fn` can be a DynamicBatcher: its own batch size applies, and the window defaults to
+    `2 * max_batch * max_concurrent_batches` of its own (the job's max_batch is not used)."""
+    sizes: list[int] = []
+
+    def fn(records: list[dict[str, Any]]) -> list[int]:
+        sizes.append(len(records))
+        return [r["id"] + 1 for r in records]
+
+    batcher = batchkit.DynamicBatcher(fn, max_batch_size=3, max_wait_ms=1, max_concurrent_batches=2)
+    try:
+        report = batchkit.jobs.run(batcher, [{"id": i} for i in range(20)], tmp_path / "out.jsonl", max_batch=64)
+    finally:
+        batcher.close()
+    assert report.succeeded == 20
+    assert max(sizes) <= 3
+    assert report.max_in_flight == 2 * 3 * 2
+    assert report.peak_in_flight <= 12
+
+
+def test_the_backoff_doubles_up_to_max_backoff_s(tmp_path: Path) -> None:
+    """Retries wait `backoff_s * 2**(n-1)` seconds, "at most max_backoff_s"."""
+    clock = MockClock()
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock.advance(seconds)
+
+    report = batchkit.jobs.run(
+        lambda rs: [RuntimeError("down") for _ in rs],
+        [{"id": "x"}],
+        tmp_path / "out.jsonl",
+        retries=5,
+        backoff_s=1.0,
+        max_backoff_s=4.0,
+        max_wait_ms=0,
+        clock=clock,
+        sleep=sleep,
+    )
+    assert sleeps == [1.0, 2.0, 4.0, 4.0, 4.0]
+    assert (report.retries, report.failed) == (5, 1)
+    assert _records(tmp_path / "out.dead.jsonl")[0]["attempts"] == 6
+
+
+def test_the_report_has_every_documented_field(tmp_path: Path) -> None:
+    """ "The report": succeeded, failed (of which malformed), skipped, duplicates, retries,
+    dead_letters, wall_s, items_per_s, peak_in_flight, tokens, tokens_per_s, cost_per_1k_tokens."""
+    src = _write(tmp_path / "in.jsonl", ['{"id": 1, "w": "a b"}', '{"id": 1, "w": "c"}', "{oops"])
+    report = batchkit.jobs.run(
+        lambda rs: [len(r["w"].split()) for r in rs],
+        src,
+        tmp_path / "out.jsonl",
+        count_tokens=lambda record, result: result,
+        price_per_hour=3.6,
+        max_wait_ms=0,
+    )
+    assert (report.succeeded, report.failed, report.malformed, report.skipped) == (1, 1, 1, 0)
+    assert (report.duplicates, report.retries, report.dead_letters, report.tokens) == (1, 0, 1, 2)
+    assert report.wall_s > 0
+    assert report.items_per_s >= 0
+    assert report.peak_in_flight >= 1
+    assert report.tokens_per_s is not None
+    assert report.tokens_per_s > 0
+    # C_token = C_gpu * T_run / N_tokens, per 1k tokens: $3.6/h is $0.001/s.
+    assert report.cost_per_1k_tokens == pytest.approx(0.001 * report.wall_s / 2 * 1000)

@@ -4,6 +4,7 @@ cut back by each job's next start, losing the other's dead letters)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import threading
@@ -12,6 +13,10 @@ from typing import Any
 
 import pytest
 
+from _support import SHOUT, write_lines
+from _support import batchkit_run as _cli
+from _support import jsonl_records as _records
+from _support import write_module as _module
 from batchkit.jobs import JobReport, JobStateError, run
 
 WAIT = 30
@@ -86,3 +91,83 @@ def test_a_dead_letter_path_that_is_not_a_regular_file_is_refused_and_left_alone
         run(lambda rs: [r["id"] for r in rs], src, tmp_path / "out.jsonl", dead_letter=fifo)
     assert stat.S_ISFIFO(fifo.stat().st_mode)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- docs/jobs.md: the files and the journal
+
+
+# docs/jobs.md, checked through `batchkit run` on real files: the files it writes, and the
+# journal that refuses to mix jobs. Target modules written into a test's folder have names no
+# other test uses.
+
+
+def test_the_files_look_as_the_docs_show_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ "The files": out.jsonl holds `{"id":"r1","output":"GREAT BATTERIES"}` lines, the journal's
+    header names the absolute input, id field, dead-letter file and function, then `{"out": n,
+    "dead": m, ...}` records whose last one is the committed lengths, with the input line and the
+    BLAKE2b-64 digest of the line of each committed record."""
+    mod = _module(tmp_path, "dp_jobs_files_shout", SHOUT)
+    lines = ['{"id": "r1", "text": "great batteries"}', '{"id": 2, "text": 7}']
+    write_lines(tmp_path / "in.jsonl", lines)
+    status, _, _ = _cli(
+        [f"{mod}:shout", "--input", "in.jsonl", "--output", "out.jsonl", "--retries", "0"],
+        monkeypatch,
+        capsys,
+        tmp_path,
+    )
+    assert status == 1
+    assert (tmp_path / "out.jsonl").read_text() == '{"id":"r1","output":"GREAT BATTERIES"}\n'
+    (dead,) = _records(tmp_path / "out.dead.jsonl")
+    assert dead == {"id": 2, "line": 2, "error": "AttributeError: 'int' object has no attribute 'upper'", "attempts": 1}
+    header, *commits = _records(tmp_path / "out.jsonl.journal")
+    assert header == {
+        "batchkit_job": 2,
+        "source": str(tmp_path / "in.jsonl"),
+        "id_field": "id",
+        "dead_letter": str(tmp_path / "out.dead.jsonl"),
+        "fn": f"{mod}:shout",
+        "fn_options": {},
+    }
+    digest = [hashlib.blake2b(line.encode(), digest_size=8).hexdigest() for line in lines]
+    assert commits[-1] == {
+        "out": (tmp_path / "out.jsonl").stat().st_size,
+        "dead": (tmp_path / "out.dead.jsonl").stat().st_size,
+        "out_lines": [1],
+        "out_digests": digest[0],
+        "dead_lines": [2],
+        "dead_digests": digest[1],
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        (["--id-field", "text"], "id field"),
+        (["--dead-letter", "elsewhere.jsonl"], "dead-letter file"),
+        (["--input", "copy.jsonl"], "input"),
+    ],
+)
+def test_resuming_with_another_input_id_field_or_dead_letter_file_is_refused_before_anything_is_touched(
+    change: list[str],
+    what: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ "The journal refuses to mix jobs: resuming with another input, --id-field or dead-letter
+    file ... stops with a one-line error before anything is touched" (status 2, a usage error)."""
+    mod = _module(tmp_path, f"dp_jobs_mix_{what.replace(' ', '_').replace('-', '_')}", SHOUT)
+    lines = ['{"id": "a", "text": "x"}', '{"id": "b", "text": 1}']
+    write_lines(tmp_path / "in.jsonl", lines)
+    write_lines(tmp_path / "copy.jsonl", lines)
+    argv = [f"{mod}:shout", "--input", "in.jsonl", "--output", "out.jsonl", "--retries", "0"]
+    assert _cli(argv, monkeypatch, capsys, tmp_path)[0] == 1
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    status, _, err = _cli([*argv, *change], monkeypatch, capsys, tmp_path)
+    assert status == 2
+    assert len(err.splitlines()) == 1, err
+    assert what in err
+    assert not (tmp_path / "elsewhere.jsonl").exists()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
