@@ -237,3 +237,22 @@ def batchkit_run(argv: list[str], monkeypatch: Any, capsys: Any, folder: Path) -
     status = main(["run", *argv, "--no-progress"])
     captured = capsys.readouterr()
     return status, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------- decode loops (torch)
+
+ZEROS_VOCAB = 16
+
+
+def zeros_step(batch: Any, kv: Any) -> Any:
+    """A step function whose greedy token is always 0 (uniform logits over ``ZEROS_VOCAB``)."""
+    import torch
+
+    return torch.zeros(len(batch.sample_indices), ZEROS_VOCAB)
+
+
+def one_layer_cache(num_blocks: int = 32) -> Any:
+    """A one-layer PagedKVCache of ``num_blocks`` blocks of 4 tokens (one KV head of size 4)."""
+    import batchkit
+
+    return batchkit.PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=4, num_kv_heads=1, head_dim=4)
