@@ -127,6 +127,13 @@ class ModelServer:
         tokenizer: where to read the chat model's tokenizer from when its directory has none (a
             directory, a ``.gguf`` file or an installed package; a source ``model`` only), as
             :func:`~batchkit.models.load_pretrained` takes it.
+
+    The arguments become one frozen :class:`~batchkit.serve.settings.ServeSettings`, checked once
+    (:attr:`settings`, the value the server runs with); :meth:`from_settings` takes one made
+    elsewhere. :attr:`state` is where the server is (loading, ready, stopping, failed).
+
+    Raises:
+        ValueError: as :class:`~batchkit.serve.settings.ServeSettings` checks the arguments.
     """
 
     def __init__(

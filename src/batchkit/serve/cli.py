@@ -186,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"{prog}: error: argument --tenant-quotas: {exc}", file=sys.stderr)
             return 2
     try:
-        import torch
+        import torch  # noqa: F401
         import uvicorn  # noqa: F401
 
         from ..models import pretrained  # noqa: F401
@@ -194,19 +194,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"{prog}: needs {exc.name}: pip install 'batchkit[serve,models]'", file=sys.stderr)
         return 1
-    # Name a model that does not exist before the port opens, not after a traceback in the log.
-    problem = _source_problem(args)
+    # Name a model that does not exist (or a device) before the port opens, not after a traceback in the log.
+    problem = _source_problem(args) or _device_problem(args.device)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
-        return 2
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        print(f"{prog}: error: argument --device: {exc}", file=sys.stderr)
-        return 2
-    unusable = _cuda_unusable(device)
-    if unusable:
-        print(f"{prog}: error: argument --device: {unusable}", file=sys.stderr)
         return 2
     log = logging.getLogger("batchkit")
     level = log.level
@@ -252,6 +243,18 @@ def _source_problem(args: argparse.Namespace) -> str | None:
                 f"argument {option}: {resolved[option]} has no tokenizer files: pass --tokenizer a source that has one"
             )
     return None
+
+
+def _device_problem(name: str) -> str | None:
+    """What is wrong with ``--device`` (``argument --device: ...``), or None."""
+    import torch  # imported (and checked) by run_serve
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        return f"argument --device: {exc}"
+    unusable = _cuda_unusable(device)
+    return None if unusable is None else f"argument --device: {unusable}"
 
 
 def _cuda_unusable(device: Any) -> str | None:
