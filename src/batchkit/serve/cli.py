@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._argtypes import float_in, int_in
+from .._validate import positive_int
 from .protocol import MAX_REQUEST_BYTES
 from .settings import ServeSettings
 
@@ -164,11 +165,9 @@ def _read_quotas(path: str) -> dict[str, int]:
     """``{"tenant": blocks}`` from a JSON file; ValueError naming what is wrong."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    if not isinstance(data, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in data.values()
-    ):
+    if not isinstance(data, dict):
         raise ValueError(f'{path} must hold a JSON object of tenant names to block counts >= 1, e.g. {{"chat": 256}}')
-    return {str(k): int(v) for k, v in data.items()}
+    return {str(k): positive_int(f"the block count of tenant {k!r} in {path}", v) for k, v in data.items()}
 
 
 def run_serve(args: argparse.Namespace) -> int:
