@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -347,3 +348,36 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFix
     assert "bench" not in capsys.readouterr().err
     assert main([*args, "--progress"]) == 0
     assert "bench" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- docs/api.md: sweep's inputs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"sla_ms": 0}, "sla_ms"),
+        ({"sla_ms": math.nan}, "sla_ms"),
+        ({"price_per_hour": -1.0}, "price_per_hour"),
+        ({"price_per_hour": math.inf}, "price_per_hour"),
+        ({"tokens_per_item": 0}, "tokens_per_item"),
+    ],
+)
+def test_sweep_refuses_an_sla_price_or_token_count_that_means_nothing(kwargs: dict[str, Any], name: str) -> None:
+    """sweep's sla_ms (a P99 bound), price_per_hour and tokens_per_item (the cost per token's
+    inputs) are checked before any batch size runs: an SLA of 0 left no B_opt, a negative price
+    gave a negative cost per token."""
+    from batchkit import bench
+    from batchkit.testing import echo_batch
+
+    calls: list[int] = []
+
+    def make_item(i: int) -> int:
+        calls.append(i)
+        return i
+
+    with pytest.raises(ValueError, match=name):
+        bench.sweep(echo_batch, make_item, [1, 2], concurrency=2, duration_s=0.05, **kwargs)
+    assert calls == []
+    report = bench.sweep(echo_batch, make_item, [2], concurrency=2, duration_s=0.05, price_per_hour=0.0)
+    assert report.cost_per_token == 0.0

@@ -3,6 +3,7 @@ scenario (low -> high -> low traffic), and agreement with a real run."""
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -271,3 +272,30 @@ def test_table_cost_refuses_sizes_below_one_and_times_that_are_not_finite(table:
     """{0: t} used to fail later with ZeroDivisionError on the first call."""
     with pytest.raises(ValueError, match="cost table"):
         sim.table_cost(table)
+
+
+# --------------------------------------------------------------------------- docs/api.md: the simulator's inputs
+
+
+@pytest.mark.parametrize("deadline_ms", [0, -5.0, math.nan, math.inf])
+def test_simulate_refuses_a_deadline_that_is_not_a_time(deadline_ms: float) -> None:
+    """deadline_ms is each request's deadline: 0, negative or NaN would silently expire every
+    request (or none); it is refused naming deadline_ms."""
+    with pytest.raises(ValueError, match="deadline_ms"):
+        sim.simulate(sim.linear_cost(1, 0.1), [0.0, 0.1], deadline_ms=deadline_ms)
+
+
+def test_simulate_refuses_a_phase_that_ends_before_it_starts() -> None:
+    with pytest.raises(ValueError, match="phase"):
+        sim.simulate(sim.linear_cost(1, 0.1), [0.0, 0.1], phases=[(0.0, 1.0), (2.0, 1.0)])
+
+
+@pytest.mark.parametrize(("arrivals", "index"), [([1.0, 0.5, 0.7], "arrival 1"), ([0.0, math.nan], "arrival 1")])
+def test_simulate_refuses_arrival_times_out_of_order(arrivals: list[float], index: str) -> None:
+    """Arrival times are read in order: one earlier than its predecessor (or NaN) would move the
+    virtual clock backwards and give negative latencies; it is a ValueError naming the arrival.
+    trace() sorts a file's times for you."""
+    with pytest.raises(ValueError, match=index):
+        sim.simulate(sim.linear_cost(1, 0.1), arrivals)
+    if not any(math.isnan(a) for a in arrivals):
+        assert sim.simulate(sim.linear_cost(1, 0.1), sim.trace(arrivals)).completed == len(arrivals)

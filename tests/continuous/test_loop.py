@@ -12,10 +12,12 @@ from collections.abc import AsyncGenerator, Hashable, Iterator, Sequence
 from typing import Any, cast
 
 import anyio
+import numpy as np
 import pytest
 from _continuous_steps import GatedStep, small_cache
 
 import batchkit
+from _support import one_layer_cache, zeros_step
 from batchkit import BatcherClosed, ContinuousDecodeLoop, KVCacheExhausted, PagedKVAllocator, SamplingParams, Scheduler
 from batchkit.continuous import Request, RequestStatus, StepBatch, sample
 
@@ -1605,3 +1607,120 @@ def test_a_finished_request_has_freed_its_blocks_when_its_result_arrives() -> No
             assert loop.submit([1, 2, 3], max_new_tokens=n).result(WAIT) == [0] * n
             s = loop.statistics().scheduler
             assert (s.kv_usage, s.running, s.finished) == (0.0, 0, n)
+
+
+# --------------------------------------------------------------------------- docs/api.md: a loop's arguments and close
+
+
+def test_close_aborts_the_running_requests_frees_their_blocks_and_counts_them() -> None:
+    """close(): "abort what is left (its callers get BatcherClosed)": the requests it ends are
+    aborted in the scheduler too, so statistics() shows none running, them aborted, and no KV
+    block still held."""
+    loop = batchkit.ContinuousDecodeLoop(zeros_step, one_layer_cache(), max_num_seqs=4)
+    future = loop.submit([1, 2, 3], max_new_tokens=10_000)
+    stream = loop.generate_sync([4, 5], max_new_tokens=10_000)
+    assert next(stream) == 0  # both requests are in the scheduler and running
+    assert loop.statistics().scheduler.running == 2
+    loop.close(timeout=WAIT)
+    with pytest.raises(batchkit.BatcherClosed):
+        future.result(WAIT)
+    with pytest.raises(batchkit.BatcherClosed):
+        list(stream)
+    s = loop.statistics().scheduler
+    assert (s.running, s.waiting, s.swapped, s.aborted) == (0, 0, 0, 2)
+    assert s.kv_usage == 0.0
+    assert loop.allocator.statistics().num_seqs == 0
+
+
+def test_close_counts_requests_it_ends_before_the_engine_admitted_them_as_aborted() -> None:
+    """close() counts what is left as aborted, also the requests submitted while the engine was in
+    a step (not yet handed to the scheduler), and those of a caller engine that never ran."""
+    in_step, release = threading.Event(), threading.Event()
+
+    def gated(batch: batchkit.StepBatch, kv: batchkit.PagedKVCache) -> Any:
+        in_step.set()
+        assert release.wait(WAIT)
+        return zeros_step(batch, kv)
+
+    loop = batchkit.ContinuousDecodeLoop(gated, one_layer_cache(), max_num_seqs=4)
+    try:
+        futures = [loop.submit([1, 2], max_new_tokens=100)]
+        assert in_step.wait(WAIT)
+        futures += [loop.submit([3], max_new_tokens=100), loop.submit([4], max_new_tokens=100)]
+        loop.close(timeout=0)  # closing before the step ends: the two stay in the inbox
+    finally:
+        release.set()
+    loop.close(timeout=WAIT)
+    for fut in futures:
+        with pytest.raises(batchkit.BatcherClosed):
+            fut.result(WAIT)
+    s = loop.statistics().scheduler
+    assert (s.running, s.waiting, s.aborted) == (0, 0, 3)
+
+    idle = batchkit.ContinuousDecodeLoop(zeros_step, one_layer_cache(), engine="caller")
+    waiting = [idle.submit([1], max_new_tokens=2), idle.submit([2], max_new_tokens=2)]
+    idle.close(timeout=WAIT)
+    for fut in waiting:
+        with pytest.raises(batchkit.BatcherClosed):
+            fut.result(WAIT)
+    assert idle.statistics().scheduler.aborted == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"kv_cache": "not a cache"}, TypeError, "kv_cache"),
+        ({"detokenize": "not callable"}, TypeError, "detokenize"),
+        ({"eos_token_id": "2"}, TypeError, "eos_token_id"),
+        ({"eos_token_id": 2.0}, TypeError, "eos_token_id"),
+        ({"clock": 5.0}, TypeError, "clock"),
+    ],
+)
+def test_a_bad_loop_argument_is_refused_on_construction_naming_it(
+    kwargs: dict[str, Any], error: type[Exception], name: str
+) -> None:
+    """A wrong argument fails where it is given, with its name, not at the first request (or as
+    an AttributeError deep inside)."""
+    args: dict[str, Any] = {"kv_cache": one_layer_cache(), **kwargs}
+    kv = args.pop("kv_cache")
+    with pytest.raises(error, match=name):
+        batchkit.ContinuousDecodeLoop(zeros_step, kv, **args)
+
+
+def test_an_int_like_eos_token_id_of_the_loop_is_taken() -> None:
+    """eos_token_id may be a numpy integer, like every other token id; it stops requests."""
+    with batchkit.ContinuousDecodeLoop(zeros_step, one_layer_cache(), eos_token_id=cast(Any, np.int64(0))) as loop:
+        assert loop.submit([1], max_new_tokens=5).result(WAIT) == [0]
+
+
+def test_extra_eos_ids_is_a_settable_tuple_of_token_ids() -> None:
+    """extra_eos_ids: "settable tuple of more end-of-sequence ids": any sequence of ids is kept
+    as a tuple and stops later requests (not those with ignore_eos); one bare id or a string is a
+    TypeError on setting, not a failure of every later submit."""
+    with batchkit.ContinuousDecodeLoop(zeros_step, one_layer_cache()) as loop:
+        loop.extra_eos_ids = cast(Any, [np.int64(0)])
+        assert loop.extra_eos_ids == (0,)
+        assert loop.submit([1], max_new_tokens=5).result(WAIT) == [0]
+        assert loop.submit([1], max_new_tokens=3, ignore_eos=True).result(WAIT) == [0, 0, 0]
+        for bad in (5, "2", ("2",), (True,)):
+            with pytest.raises(TypeError, match="extra_eos_ids"):
+                loop.extra_eos_ids = cast(Any, bad)
+        assert loop.extra_eos_ids == (0,)
+
+
+def test_run_with_on_a_loop_it_already_closed_is_batcher_closed_and_main_never_starts() -> None:
+    """run_with() returns main's result "the loop closed": a second run_with() (or run_engine())
+    on it raises BatcherClosed, not "the engine already runs", and does not start main."""
+    loop = batchkit.ContinuousDecodeLoop(zeros_step, one_layer_cache(), engine="caller")
+    started: list[str] = []
+
+    async def main() -> list[int]:
+        started.append("main")
+        return [t async for t in loop.generate([1], max_new_tokens=2)]
+
+    assert loop.run_with(main) == [0, 0]
+    with pytest.raises(batchkit.BatcherClosed, match="make a new loop"):
+        loop.run_with(main)
+    with pytest.raises(batchkit.BatcherClosed, match="make a new loop"):
+        loop.run_engine()
+    assert started == ["main"]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -223,3 +224,48 @@ def test_a_row_whose_sampling_raises_fails_its_own_request_alone(monkeypatch: py
     assert (by_id["good"].token, by_id["good"].error) == (5, None)
     assert loop.scheduler.get("bad") is None
     assert loop.scheduler.get("good") is not None
+
+
+# --------------------------------------------------------------------------- docs/api.md: SamplingParams and sample()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"ignore_eos": "no"}, TypeError, "ignore_eos"),
+        ({"ignore_eos": 1}, TypeError, "ignore_eos"),
+        ({"ignore_eos": None}, TypeError, "ignore_eos"),
+        ({"stop": None}, ValueError, "stop"),
+        ({"stop": 3}, ValueError, "stop"),
+        ({"stop_token_ids": None}, TypeError, "stop_token_ids"),
+        ({"seed": 2**64}, ValueError, "seed"),
+        ({"seed": -(2**63) - 1}, ValueError, "seed"),
+    ],
+)
+def test_every_sampling_field_is_checked_on_construction(
+    kwargs: dict[str, Any], error: type[Exception], name: str
+) -> None:
+    """ "Every field is checked on construction", each error naming its field: ignore_eos must be
+    a bool (the string "no" would otherwise mean yes), stop and stop_token_ids sequences, and the
+    seed within what a torch generator takes."""
+    with pytest.raises(error, match=name):
+        batchkit.SamplingParams(**kwargs)
+
+
+def test_numpy_bools_and_the_seed_range_ends_are_accepted() -> None:
+    assert batchkit.SamplingParams(ignore_eos=cast(Any, np.bool_(True))).ignore_eos is True
+    assert batchkit.SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert batchkit.SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_sample_needs_one_params_and_one_generator_per_row() -> None:
+    """sample(logits, params, generators): one token per row under each row's SamplingParams; a
+    params list of another length is a ValueError (all-greedy rows gave a token for every row,
+    whatever the lists held)."""
+    from batchkit.continuous import sample
+
+    greedy = batchkit.SamplingParams()
+    assert sample(torch.zeros(2, 5), [greedy, greedy], [None, None]) == [0, 0]
+    for params, gens in (([greedy], [None, None]), ([greedy, greedy], [None])):
+        with pytest.raises(ValueError, match="per row"):
+            sample(torch.zeros(2, 5), params, gens)

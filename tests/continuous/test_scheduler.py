@@ -7,9 +7,10 @@ the scheduler's clock fails any test that reads it while the time is told.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Hashable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytest
 from hypothesis import settings, target
@@ -789,3 +790,73 @@ def test_running_out_of_blocks_preempts_the_worst_running_request(priorities: tu
         assert request is not None
         statuses[name] = request.status.name
     assert statuses == {n: ("WAITING" if n == victim else "RUNNING") for n in names}
+
+
+# --------------------------------------------------------------------------- docs/api.md: the Scheduler's inputs
+
+
+def test_scheduler_inputs_of_the_wrong_type_are_type_errors() -> None:
+    """Scheduler(allocator) takes a PagedKVAllocator; add(request) a Request whose params is a
+    SamplingParams: anything else is a TypeError naming it, and nothing is queued."""
+    with pytest.raises(TypeError, match="allocator"):
+        batchkit.Scheduler(cast(Any, "blocks"))
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    with pytest.raises(TypeError, match="params"):
+        sched.add(Request("r", [1, 2], cast(Any, {"max_new_tokens": 2})))
+    with pytest.raises(TypeError, match="Request"):
+        sched.add(cast(Any, ("r", [1, 2])))
+    assert not sched.has_work()
+    assert sched.get("r") is None
+
+
+def test_prompt_tokens_computed_counts_only_prompt_tokens_when_a_recomputed_chunk_spans_the_output() -> None:
+    """SchedulerStatistics.prompt_tokens_computed (batchkit serve's "prompt tokens computed"):
+    a request preempted by recompute computes its prompt again, in chunks that may run on into
+    its earlier output; only the prompt's tokens count (a chunk's every token counted before)."""
+    sched = batchkit.Scheduler(
+        batchkit.PagedKVAllocator(num_blocks=16, block_size=4), max_num_seqs=1, max_num_batched_tokens=2
+    )
+    a = Request("a", [1, 2, 3], batchkit.SamplingParams(max_new_tokens=4))
+    sched.add(a)
+
+    def step() -> None:
+        s = sched.schedule()
+        sched.update(s, [7] * sum(s.samples))
+
+    while len(a.output) < 2:
+        step()
+    assert sched.statistics().prompt_tokens_computed == 3
+    sched.add(Request("b", [5], batchkit.SamplingParams(max_new_tokens=1), priority=-1))
+    step()  # b takes a's seat: a is preempted by recompute
+    assert sched.statistics().preemptions == 1
+    while sched.has_work():
+        step()
+    s = sched.statistics()
+    assert a.output == [7, 7, 7, 7]
+    assert s.prompt_tokens_computed == 3 + 1 + 3  # a, b, a's prompt again (its 2 outputs are not prompt)
+
+
+def test_scheduler_add_refuses_a_priority_that_is_not_an_int_and_queues_nothing() -> None:
+    """Requests are ordered by priority (an int): a str priority beside an int one left the
+    request known to get() but in no queue, and abort() then failed; now add() refuses it."""
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    sched.add(Request("a", [1], batchkit.SamplingParams()))
+    with pytest.raises(TypeError, match="priority"):
+        sched.add(Request("b", [1], batchkit.SamplingParams(), priority=cast(Any, "high")))
+    assert sched.get("b") is None
+    assert sched.abort("b") is False
+    assert sched.abort("a") is True
+
+
+@pytest.mark.parametrize("deadline", ["soon", math.nan])
+def test_scheduler_add_refuses_a_deadline_that_is_not_a_time(deadline: Any) -> None:
+    """Request.deadline is a time on the scheduler's clock: a string beside numeric deadlines
+    broke the deadline heap half-way through add() (and every schedule() after it)."""
+    sched = batchkit.Scheduler(batchkit.PagedKVAllocator(num_blocks=16, block_size=4))
+    sched.add(Request("a", [1], batchkit.SamplingParams(max_new_tokens=1), deadline=1e9))
+    with pytest.raises(TypeError, match="deadline"):
+        sched.add(Request("b", [1], batchkit.SamplingParams(), deadline=deadline))
+    assert sched.get("b") is None
+    step = sched.schedule()
+    assert [e.token for e in sched.update(step, [3])] == [3]
+    assert not sched.has_work()

@@ -10,9 +10,13 @@ from typing import Any
 
 import pytest
 
+from _support import one_layer_cache as _cache
+from _support import zeros_step as _zeros
+
 torch = pytest.importorskip("torch")
 
 import batchkit  # noqa: E402
+from batchkit.continuous import Request  # noqa: E402
 from batchkit.models import LlamaConfig, LlamaModel  # noqa: E402
 
 VOCAB = 64
@@ -128,3 +132,18 @@ def test_a_signal_during_in_fresh_thread_is_raised_once_its_function_returned() 
     with pytest.raises(KeyboardInterrupt):
         batchkit.continuous.in_fresh_thread(load)
     assert done.is_set()
+
+
+# --------------------------------------------------------------------------- docs/api.md: check_logits
+
+
+def test_check_logits_refuses_rows_without_a_single_logit() -> None:
+    """check_logits: logits [num_sampling, vocab]; a vocab of 0 leaves nothing to sample."""
+    from batchkit.continuous import check_logits
+
+    loop = batchkit.ContinuousDecodeLoop(_zeros, _cache())
+    loop.scheduler.add(Request("a", [1, 2, 3], batchkit.SamplingParams(max_new_tokens=2)))
+    batch = loop.build_batch(loop.scheduler.schedule())
+    assert check_logits(torch.zeros(1, VOCAB), batch).shape == (1, VOCAB)
+    with pytest.raises(ValueError, match="vocab"):
+        check_logits(torch.zeros(1, 0), batch)

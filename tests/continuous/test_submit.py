@@ -4,13 +4,15 @@ inside a shared step; a ``submit`` future, cancelled, aborts its request."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 from _continuous_steps import WAIT, GatedStep, small_cache, tiny_llama
 
 import batchkit
+from _support import one_layer_cache as _cache
+from _support import zeros_step as _zeros
 from batchkit import ContinuousDecodeLoop, PagedKVCache
 
 torch = pytest.importorskip("torch")
@@ -99,3 +101,36 @@ def test_cancelling_a_submit_future_aborts_the_request_and_frees_its_blocks() ->
         assert loop.submit([9], max_new_tokens=2).result(WAIT) == [0, 0]  # the loop serves on
         s = loop.statistics().scheduler
         assert (s.aborted, s.running, s.kv_usage) == (1, 0, 0.0)
+
+
+# --------------------------------------------------------------------------- docs/api.md: what submit() refuses
+
+
+def test_a_seed_no_generator_takes_is_refused_by_the_submit_call() -> None:
+    """ "a sampling value no step could use (ValueError / TypeError); submit() raises on the
+    call": a seed torch cannot take does not reach the engine thread."""
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache()) as loop:
+        with pytest.raises(ValueError, match="seed"):
+            loop.submit([1], max_new_tokens=2, temperature=1.0, seed=2**70)
+        assert len(loop.submit([1], max_new_tokens=2, temperature=1.0, seed=2**63).result(WAIT)) == 2
+
+
+@pytest.mark.parametrize("prompt", [None, 5, "tensor"])
+def test_a_prompt_that_is_not_a_sequence_is_a_type_error_naming_prompt_ids(prompt: Any) -> None:
+    """prompt_ids are token ids: None, one bare id or a 0-d tensor is refused at submit with a
+    TypeError naming prompt_ids (it was "'NoneType' object is not iterable")."""
+    if prompt == "tensor":
+        prompt = torch.tensor(5)
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache()) as loop:
+        with pytest.raises(TypeError, match="prompt_ids"):
+            loop.submit(prompt)
+        assert loop.submit(cast(Any, torch.tensor([1, 2])), max_new_tokens=2).result(WAIT) == [0, 0]
+
+
+def test_an_unhashable_tenant_is_a_type_error_naming_tenant() -> None:
+    """tenant= names whose quota a request counts against: a list is refused at submit with a
+    TypeError that names tenant (it was Python's bare "unhashable type: 'list'")."""
+    with batchkit.ContinuousDecodeLoop(_zeros, _cache(), tenant_quotas={"a": 4}) as loop:
+        with pytest.raises(TypeError, match="tenant"):
+            loop.submit([1], tenant=cast(Any, ["a"]))
+        assert loop.submit([1], max_new_tokens=1, tenant="a").result(WAIT) == [0]

