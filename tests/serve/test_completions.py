@@ -1,7 +1,7 @@
 """batchkit.serve, chat and text completions over HTTP: their text equals transformers' greedy decode,
 stop strings and vLLM's stop ids, min_tokens and seeds.
 
-Moved from tests/serve/test_serve.py (split by concern); the fixtures are tests/serve/conftest.py's.
+The fixtures are tests/serve/conftest.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, embeddings for real clients: a batch of inputs keeps its order; a client leaving
 cancels what has not run.
 
-Moved from tests/docs/test_doc_promises_serving_clients.py (its "embeddings" section).
+The promises of docs/serving.md's "embeddings" part.
 """
 
 from __future__ import annotations

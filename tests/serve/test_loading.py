@@ -1,7 +1,7 @@
 """batchkit.serve, while the models load, /ready and the routes answer 503 loading with Retry-After; an
 app whose models fail to load stays up and answers 503 load_failed.
 
-Moved from tests/docs/test_doc_promises_serving.py (its "loading and load failures" section).
+The promises of docs/serving.md's "loading and load failures" part.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, the metrics docs/serving.md lists are served with their types and labels, and a
 refusal is counted under its reason.
 
-Moved from tests/docs/test_doc_promises_serving.py (its "metrics" section).
+The promises of docs/serving.md's "metrics" part.
 """
 
 from __future__ import annotations

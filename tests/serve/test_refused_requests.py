@@ -2,7 +2,7 @@
 prompts past the context, a request that fills the KV pool exactly, a tenant's quota before the
 stream starts; logprobs 0.
 
-Moved from tests/docs/test_doc_promises_serving_clients.py (its "refused fields and prompts" section).
+The promises of docs/serving.md's "refused fields and prompts" part.
 """
 
 from __future__ import annotations

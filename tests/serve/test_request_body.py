@@ -1,7 +1,7 @@
 """batchkit.serve, reading a request body: 413 past max_request_bytes (before or while it is read),
 JSON too deep, lone surrogates refused with an OpenAI body.
 
-Moved from tests/serve/test_serve.py (split by concern); the fixtures are tests/serve/conftest.py's.
+The fixtures are tests/serve/conftest.py's.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ refuses others; sampling (temperature, logit_bias, penalties, n, seeds), stop st
 content parts, fields batchkit does not implement, include_usage, default_max_tokens, token-id
 prompts, embeddings as floats and base64, the batchkit headers, a client leaving a plain request.
 
-Moved from tests/docs/test_doc_promises_serving.py (its "request fields" section).
+The promises of docs/serving.md's "request fields" part.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, ``batchkit serve`` as docs/serving.md shows it: where it listens, the ready line,
 Ctrl-C; a bad --tenant-quotas file.
 
-Moved from tests/docs/test_doc_promises_serving.py (its "batchkit serve" section).
+The promises of docs/serving.md's "batchkit serve" part.
 """
 
 from __future__ import annotations

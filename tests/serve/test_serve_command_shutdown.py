@@ -1,7 +1,7 @@
 """batchkit.serve, ``batchkit serve``'s shutdown with real clients: a stream whose client leaves during
 the grace ends the wait; Ctrl-C lets streams run on, and a second one ends them with an error event.
 
-Moved from tests/docs/test_doc_promises_serving_clients.py (its "batchkit serve: shutdown" section).
+The promises of docs/serving.md's "batchkit serve: shutdown" part.
 """
 
 from __future__ import annotations

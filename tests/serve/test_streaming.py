@@ -2,7 +2,7 @@
 client that leaves frees its KV blocks and is counted 499, streams flow while a long prompt is
 tokenized.
 
-Moved from tests/serve/test_serve.py (split by concern); the fixtures are tests/serve/conftest.py's.
+The fixtures are tests/serve/conftest.py's.
 """
 
 from __future__ import annotations

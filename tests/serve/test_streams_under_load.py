@@ -1,7 +1,7 @@
 """batchkit.serve, streams under real clients: a slow reader, many streams at once, a pool too small
 for them all (preemption), include_usage, stop strings never sent.
 
-Moved from tests/docs/test_doc_promises_serving_clients.py (its "streams" section).
+The promises of docs/serving.md's "streams" part.
 """
 
 from __future__ import annotations
