@@ -6,6 +6,7 @@ The promises of docs/serving.md's "loading and load failures" part.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -71,3 +72,25 @@ def test_an_app_whose_models_fail_to_load_stays_up_and_answers_503_load_failed(t
         r = _post(f"{server.url}/v1/embeddings", {"input": "hi"})
         assert (r.status_code, r.json()["error"]["code"]) == (503, "load_failed")
         assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_compile_step_compiles_a_model_that_has_a_compiled_step_and_warns_for_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ServeSettings(compile_step=True) turns on the native Llama's compiled step at load; a model
+    without one (an HFStepModel) keeps running eagerly, and the log says so."""
+    pytest.importorskip("torch")
+    from batchkit.models import LlamaConfig, LlamaModel
+    from batchkit.serve.loading import _compile_step
+
+    model = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    _compile_step(model)
+    assert model._compiled is not None
+
+    class Eager:
+        def __call__(self, batch: Any, kv: Any) -> Any:
+            raise AssertionError("not called")
+
+    with caplog.at_level(logging.WARNING, logger="batchkit.serve.loading"):
+        _compile_step(Eager())
+    assert "Eager has no compiled step: its steps run eagerly" in caplog.text

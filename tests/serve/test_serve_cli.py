@@ -183,3 +183,15 @@ def test_the_start_up_lines_say_how_cpu_threads_run(tmp_path: Path) -> None:
     assert line is not None, log.read_text()  # the server exited first
     assert line.startswith("batchkit serve: CPU threads: 1 (1 CPU allowed, "), line
     assert line.endswith("OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, set by batchkit)"), line
+
+
+def test_the_start_up_line_says_how_the_decode_step_runs_and_why() -> None:
+    """Eager by default, with the reason and the flag that changes it; compiled with
+    --compile-step, naming which models it applies to and when the compile happens."""
+    from batchkit.serve.cli import _step_line
+
+    assert _step_line(False) == (
+        "decode step: eager (compiling was not faster on the CPUs measured; --compile-step compiles it)"
+    )
+    assert _step_line(True).startswith("decode step: compiled by torch.compile where the model has a compiled step")
+    assert "before /ready (--compile-step)" in _step_line(True)

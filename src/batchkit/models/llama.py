@@ -9,6 +9,7 @@ it is written for clarity on a CPU, not for speed on a GPU.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -515,7 +516,11 @@ class LlamaModel(nn.Module):
 
         # Not fullgraph: past dynamo's recompile limit (several models in one process, say) a
         # step runs eagerly rather than failing.
-        self._compiled = torch.compile(step, backend=backend, dynamic=True)
+        with warnings.catch_warnings():
+            # Loading inductor imports a torch module that warns of its own use of
+            # torch.jit.script_method (torch 2.13): nothing a caller can act on.
+            warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+            self._compiled = torch.compile(step, backend=backend, dynamic=True)
 
     def _compilable_slots(self, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor | None:
         """The step's slots as int64 for the compiled step, or None where the eager step runs

@@ -165,6 +165,7 @@ class ModelServer:
         device: Any = "cpu",
         engine: Literal["thread", "caller"] = "thread",
         tokenizer: str | os.PathLike[str] | None = None,
+        compile_step: bool = False,
     ) -> None:
         self._use(
             ServeSettings(
@@ -194,6 +195,7 @@ class ModelServer:
                 device=device,
                 engine=engine,
                 tokenizer=tokenizer,
+                compile_step=compile_step,
             )
         )
 

@@ -39,6 +39,7 @@ _port = int_in(0, 65535)
 _SETTINGS_AS_FLAGS = (
     "embedding_model",
     "tokenizer",
+    "compile_step",
     "embedding_model_name",
     "num_blocks",
     "block_size",
@@ -139,6 +140,12 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
     )
     s.add_argument("--embedding-max-batch", type=_positive_int, default=32, help="embedding batch size")
     s.add_argument("--embedding-max-wait-ms", type=_non_negative_float, default=5.0, help="embedding batch wait")
+    s.add_argument(
+        "--compile-step",
+        action="store_true",
+        help="compile the chat model's decode step with torch.compile (the native Llama only; the first "
+        "step compiles, before /ready; off by default: not faster than eager on the CPUs measured)",
+    )
     s.add_argument(
         "--shutdown-grace-s",
         type=_non_negative_float,
@@ -341,6 +348,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
     print(f"{prog}: {dtype_line}", file=sys.stderr, flush=True)
     if getattr(args, "cpu_threads", None) is not None:  # the command line configured them (batchkit.cli)
         print(f"{prog}: {args.cpu_threads.describe()}", file=sys.stderr, flush=True)
+    if args.model is not None:
+        print(f"{prog}: {_step_line(args.compile_step)}", file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -360,6 +369,16 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
         print(f"{prog}: the models failed to load: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def _step_line(compiled: bool) -> str:
+    """The start-up line that says how the chat model's step runs, and why."""
+    if compiled:
+        return (
+            "decode step: compiled by torch.compile where the model has a compiled step (the native Llama; "
+            "others run eagerly), compiling during the warm-up before /ready (--compile-step)"
+        )
+    return "decode step: eager (compiling was not faster on the CPUs measured; --compile-step compiles it)"
 
 
 def _dtype(args: argparse.Namespace) -> tuple[Any, str]:

@@ -5,6 +5,7 @@ closes them. Nothing here knows of requests or HTTP.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from ..models.pretrained import PretrainedLM, SentenceEncoder
 
 __all__ = ["ServedModels"]
+
+logger = logging.getLogger(__name__)
 
 
 class ServedModels:
@@ -66,6 +69,8 @@ class ServedModels:
                 self.lm = src
             else:
                 self.lm = pretrained.load_pretrained(src, tokenizer=settings.tokenizer, **kwargs)
+            if settings.compile_step:
+                _compile_step(self.lm.model)
             self.prompts = PromptTokenizer(self.lm)
             self.loop = self.lm.make_loop(settings.num_blocks, settings.block_size, **settings.loop_options())
             self.waiting_room = WaitingRoom(self.loop.max_waiting)
@@ -114,6 +119,17 @@ class ServedModels:
             await self.loop.aclose()
         if self.embed is not None:
             await self.embed.aclose()
+
+
+def _compile_step(model: Any) -> None:
+    """Compile the chat model's step where it has a compiled form (the native ``LlamaModel``);
+    any other model runs eagerly, and the log says so."""
+    compile_step = getattr(model, "compile_step", None)
+    if compile_step is None:
+        logger.warning("%s has no compiled step: its steps run eagerly", type(model).__name__)
+        return
+    compile_step()
+    logger.info("%s: its step compiles at the first generation (the warm-up, if on)", type(model).__name__)
 
 
 def _source_name(source: Any) -> str | None:

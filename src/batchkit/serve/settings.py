@@ -54,6 +54,7 @@ class ServeSettings:
     device: Any = "cpu"
     engine: Literal["thread", "caller"] = "thread"
     tokenizer: str | os.PathLike[str] | None = None
+    compile_step: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None and self.embedding_model is None:
