@@ -24,6 +24,7 @@ import asyncio
 import importlib.util
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,7 @@ class Run:
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
+    probes: list[object] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -128,21 +130,26 @@ def measure_server(
     threads: int | None = None,
     env: dict[str, str] | None = None,
     model: str | None = None,
+    probe: Callable[[str], object] | None = None,
 ) -> Run:
     """Start ``cmd`` (which listens on the port after ``--port``), warm it up with 2 requests,
     load it with ``args.requests`` chat requests, stop it; ``model`` is the name to ask for
-    (default: the first of ``/v1/models``)."""
+    (default: the first of ``/v1/models``). ``probe(url)``, where given, is read just before and
+    just after the load, into ``Run.probes``."""
     url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
     proc = start_server(cmd, url + ready, threads, timeout_s=args.start_timeout_s, env=env)
+    probes = []
     try:
         model = model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(_load(url, model, 2, args))  # warm-up: the first requests load or compile what they need
+        probes += [probe(url)] if probe else []
         seconds, ttft, text = asyncio.run(_load(url, model, args.requests, args))
+        probes += [probe(url)] if probe else []
     finally:
         stop_server(proc)
     encode = tokenizer.encode  # type: ignore[attr-defined]
     tokens = sum(len(encode(t, add_special_tokens=False)) for t in text)
-    return Run(server, seconds, tokens, ttft, text)
+    return Run(server, seconds, tokens, ttft, text, probes)
 
 
 def add_load_options(ap: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import _harness as harness
+import httpx
 from _server_proc import free_port
 from servers import Run, add_load_options, measure_server, print_header, report_round
 
@@ -64,6 +65,39 @@ def vllm_run(python: str, folder: Path, bind: str, args: argparse.Namespace, tok
     return measure_server(f"vLLM ({bind})", cmd, "/v1/models", tokenizer, args, env=env, model="smollm2")
 
 
+def engine_counters(url: str) -> dict[str, float]:
+    """batchkit's decode engine from ``/metrics``: steps and generated tokens (cumulative since
+    start), and the median of its recent steps' durations."""
+    wanted = {
+        "batchkit_decode_steps_total": "steps",
+        "batchkit_decode_generation_tokens_total": "tokens",
+    }
+    counters = dict.fromkeys([*wanted.values(), "step_p50_s"], 0.0)
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.split("{")[0] in wanted:
+            counters[wanted[name.split("{")[0]]] += float(value)
+        elif name.startswith("batchkit_decode_step_duration_seconds{") and 'quantile="0.5"' in name:
+            counters["step_p50_s"] = float(value)
+    return counters
+
+
+def where_the_time_goes(run: Run) -> str:
+    """A line on batchkit's load: steps, tokens a step, and the steps' estimated share of the
+    load's wall time (steps x the median recent step)."""
+    before, after = run.probes
+    steps = after["steps"] - before["steps"]  # type: ignore[index]
+    tokens = after["tokens"] - before["tokens"]  # type: ignore[index]
+    median = after["step_p50_s"]  # type: ignore[index]
+    if not steps:
+        return "batchkit engine: no step counted (/metrics had no decode counters)"
+    busy = steps * median
+    return (
+        f"batchkit engine: {steps:.0f} steps, {tokens / steps:.1f} tokens a step, median step {1000 * median:.1f} ms: "
+        f"steps x median = {busy:.1f} s of the load's {run.seconds:.1f} s ({busy / run.seconds:.0%})"
+    )
+
+
 def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object) -> Run:
     port = free_port()
     cmd = [sys.executable, "-m", "batchkit", "serve", "--model", str(folder), "--dtype", args.dtype]
@@ -71,7 +105,9 @@ def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object) -> R
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # its own choice of threads
-    return measure_server("batchkit", cmd, "/ready", tokenizer, args, env=env)
+    run = measure_server("batchkit", cmd, "/ready", tokenizer, args, env=env, probe=engine_counters)
+    print(where_the_time_goes(run), flush=True)
+    return run
 
 
 def main() -> None:
