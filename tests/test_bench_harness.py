@@ -1,8 +1,12 @@
-"""benchmarks/_harness.py: the options, machine line, timings and JSON record every benchmark shares."""
+"""benchmarks/_harness.py: the options, machine line, timings and JSON record every benchmark shares;
+and the scripts' command lines as the docs quote them."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -10,6 +14,8 @@ from types import ModuleType
 import pytest
 
 from _support import load_benchmark
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +146,45 @@ def test_poisson_arrivals_rise_until_one_falls_past_the_window(harness: ModuleTy
     assert all(a < 1.0 for a in at[:-1])
     assert at[-1] >= 1.0
     assert at == harness.poisson_arrivals(100.0, 1.0, seed=7)
+
+
+def test_the_overhead_benchmark_refuses_fewer_requests_than_callers() -> None:
+    """benchmarks/overhead.py --requests N (docs/benchmarks.md): its rows run 512 callers, so
+    fewer than 512 requests left every caller idle and the run died on an assertion; it is a
+    usage error (status 2) that says so."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--requests", "100", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--requests must be at least 512" in done.stderr
+
+
+def _script_flags(script: Path) -> set[str]:
+    """The --flags a benchmark script's argparse parser defines (read from its source)."""
+    flags: set[str] = {"--help"}
+    for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            flags |= {str(a.value) for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    return flags
+
+
+def test_every_benchmark_command_in_the_docs_names_a_script_and_flags_it_has() -> None:
+    """docs/benchmarks.md (and the other pages) quote `.venv/bin/python benchmarks/<name>.py
+    --flag ...` commands: each script exists and defines every flag quoted for it."""
+    pattern = re.compile(r"benchmarks/(\w+)\.py((?:\s+--?[\w-]+(?:\s+(?!--)[^\s#`]+)?)*)")
+    seen = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.lstrip().startswith((".venv/bin/python benchmarks/", "python benchmarks/")):
+                continue
+            for m in pattern.finditer(line):
+                script = ROOT / "benchmarks" / f"{m.group(1)}.py"
+                assert script.exists(), f"{page.name}:{n}: no {script.name}"
+                quoted = set(re.findall(r"(?<!\S)(--[\w-]+)", m.group(2)))
+                missing = quoted - _script_flags(script)
+                assert not missing, f"{page.name}:{n}: {script.name} has no {sorted(missing)}"
+                seen += 1
+    assert seen >= 10  # docs/benchmarks.md alone quotes a dozen

@@ -6,7 +6,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -749,3 +749,30 @@ def test_a_quota_is_an_int_or_a_fraction_of_the_pool_and_binds_only_its_tenant()
     alloc.allocate("p", 8, tenant="paid")
     alloc.allocate("o", 9, tenant="other")
     assert alloc.statistics().tenant_usage["paid"] == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda a: a.append_slots("s", 1.5), "n"),
+        (lambda a: a.append_slots("s", True), "n"),
+        (lambda a: a.can_append_slots(["s"], 0.5), "n"),
+        (lambda a: a.allocate("t", 2.5), "prompt"),
+        (lambda a: a.mark_computed("s", 1.5), "num_tokens"),
+        (lambda a: a.blocks_needed(2.5), "num_tokens"),
+        (lambda a: a.can_allocate(1.5), "num_tokens"),
+        (lambda a: a.slot_mapping("s", 0.5, 2), "start"),
+    ],
+)
+def test_a_token_count_that_is_not_an_int_changes_nothing(call: Any, name: str) -> None:
+    """ "Every method checks its preconditions before changing anything": a fractional (or bool)
+    count is a ValueError naming it. append_slots(seq, 1.5) handed out a slot of the null block 0
+    and counted a token the caller never wrote."""
+    a = batchkit.PagedKVAllocator(16, 4)
+    a.allocate("s", [1, 2, 3])
+    before = (a.num_tokens("s"), a.statistics())
+    with pytest.raises(ValueError, match=name):
+        call(a)
+    assert (a.num_tokens("s"), a.statistics()) == before
+    assert a.append_slots("s", cast(Any, np.int64(2))).tolist() == [7, 8]  # numpy ints are ints
+    assert a.allocate("u", cast(Any, np.int64(3))) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -335,3 +335,43 @@ def test_plan_config_defaults_the_kv_heads_to_the_attention_heads() -> None:
     config = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32, "torch_dtype": "float16"}
     shape = batchkit.ModelShape.from_hf_config(config)
     assert (shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (32, 128, 2)
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"num_kv_heads": 0}, "num_kv_heads"),
+        ({"head_dim": -128}, "head_dim"),
+        ({"dtype_bytes": 0}, "dtype_bytes"),
+        ({"num_layers": 2.5}, "num_layers"),
+        ({"num_params": -1}, "num_params"),
+    ],
+)
+def test_a_model_shape_no_model_has_is_a_value_error(fields: dict[str, Any], name: str) -> None:
+    """A ModelShape whose KV bytes per token would be 0 or negative is refused (plan() divided by
+    it: ZeroDivisionError, or a negative block size)."""
+    shape: dict[str, Any] = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "num_params": 10**9, **fields}
+    with pytest.raises(ValueError, match=name):
+        batchkit.ModelShape(**shape)
+
+
+def test_kv_cache_bytes_refuses_every_negative_size() -> None:
+    """kv_cache_bytes is 2 * tokens * num_layers * num_kv_heads * head_dim * dtype_bytes: a
+    negative factor is a ValueError naming it, never a negative byte count."""
+    assert batchkit.kv_cache_bytes(3, 2, 4, 8, 1) == 2 * 3 * 2 * 4 * 8
+    for name in ("head_dim", "dtype_bytes"):
+        sizes: dict[str, int] = {"tokens": 1, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype_bytes": 2}
+        sizes[name] = -1
+        with pytest.raises(ValueError, match=name):
+            batchkit.kv_cache_bytes(**sizes)
+
+
+def test_plan_takes_a_model_shape() -> None:
+    """kv.plan(model, ...) plans for a ModelShape; a model object instead is a TypeError saying so."""
+    pytest.importorskip("torch")
+    from batchkit.models import LlamaConfig, LlamaModel
+
+    model = LlamaModel(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1))
+    with pytest.raises(TypeError, match="ModelShape"):
+        batchkit.kv.plan(cast(Any, model), device_bytes=10**9)
