@@ -256,3 +256,21 @@ def one_layer_cache(num_blocks: int = 32) -> Any:
     import batchkit
 
     return batchkit.PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=4, num_kv_heads=1, head_dim=4)
+
+
+GATE_WAIT_S = 10.0  # how long a Gate holds a batch at most; never reached when a test releases it
+
+
+class Gate:
+    """A batch function that records its batches and holds each one until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.batches: list[list[Any]] = []
+
+    def __call__(self, xs: list[Any]) -> list[Any]:
+        self.batches.append(list(xs))
+        self.started.set()
+        assert self.release.wait(GATE_WAIT_S)
+        return list(xs)

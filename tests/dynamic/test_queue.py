@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import anyio
 import pytest
 
 import batchkit
-from batchkit import BoundedQueue, DeadlineExceeded, QueueEmpty, QueueEntry, QueueFull
+from _support import Gate
+from batchkit import BoundedQueue, DeadlineExceeded, DynamicBatcher, QueueEmpty, QueueEntry, QueueFull
 from batchkit.dynamic._queue_core import QueueCore
 from batchkit.testing import MockClock
+
+WAIT = 10.0  # seconds: the bound on every wait on a batcher in this file; nothing should come near it
 
 
 def drain(q: BoundedQueue[str]) -> list[str]:
@@ -444,3 +448,84 @@ class TestStatistics:
         core.take(LONG_RUN, now=0.0)
         s = core.statistics()
         assert (s.wait_recent.count, s.wait_recent.max_ms, s.wait.max_ms) == (10_000, 0.0, 10_000.0)
+
+
+def test_drop_oldest_gives_the_evicted_caller_queue_full() -> None:
+    """A full drop_oldest queue evicts the item that waited longest; its caller gets QueueFull,
+    the newcomer is served, and statistics count the eviction as rejected."""
+    gate = Gate()
+    b = DynamicBatcher(gate, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="drop_oldest")
+    try:
+        running = b.submit(0)
+        assert gate.started.wait(WAIT)
+        evicted = b.submit(1)
+        kept = b.submit(2)
+        with pytest.raises(QueueFull):
+            evicted.result(WAIT)
+        gate.release.set()
+        assert (running.result(WAIT), kept.result(WAIT)) == (0, 2)
+    finally:
+        gate.release.set()
+        b.close()
+    s = b.statistics()
+    assert (s.submitted, s.succeeded, s.rejected) == (3, 2, 1)
+    assert gate.batches == [[0], [2]]
+
+
+def test_aging_lifts_a_long_waiting_item_and_batches_fill_level_by_level() -> None:
+    """Lower priority values go first, FIFO within a level; with aging_s an item improves one level
+    per aging_s of waiting: priority 1 after 2.5 s of aging_s=1 is level -1, ahead of a newer -1."""
+    gate = Gate()
+    clock = MockClock()
+    queue: BoundedQueue[str] = BoundedQueue(100, aging_s=1.0, clock=clock)
+    b = DynamicBatcher(gate, max_batch_size=2, max_wait_ms=1e6, queue=queue, clock=clock)
+    try:
+        busy = b.submit("busy")
+        b.flush()
+        assert gate.started.wait(WAIT)
+        futures = [b.submit("old", priority=1)]
+        clock.advance(2.5)
+        futures += [b.submit("new0"), b.submit("new1"), b.submit("minus", priority=-1)]
+        gate.release.set()
+        assert busy.result(WAIT) == "busy"
+        assert [f.result(WAIT) for f in futures] == ["old", "new0", "new1", "minus"]
+    finally:
+        gate.release.set()
+        b.close()
+    assert gate.batches == [["busy"], ["old", "minus"], ["new0", "new1"]]
+
+
+def test_priority_levels_fill_a_batch_best_first_and_fifo_within_a_level() -> None:
+    gate = Gate()
+    b = DynamicBatcher(gate, max_batch_size=3, max_wait_ms=1e6, clock=MockClock())
+    try:
+        busy = b.submit("busy")
+        b.flush()
+        assert gate.started.wait(WAIT)
+        items = [("a", 1), ("b", 0), ("c", 1), ("d", -1), ("e", 0), ("f", 1)]
+        futures = [b.submit(x, priority=p) for x, p in items]
+        gate.release.set()
+        assert busy.result(WAIT) == "busy"
+        assert [f.result(WAIT) for f in futures] == [x for x, _ in items]
+    finally:
+        gate.release.set()
+        b.close()
+    assert gate.batches == [["busy"], ["d", "b", "e"], ["a", "c", "f"]]
+
+
+def test_a_put_timeout_is_a_wall_clock_bound_even_with_a_mock_clock() -> None:
+    """Timeouts of blocking calls are wall-clock bounds: a writer on a full block queue gives up
+    with QueueFull though the mock clock never moves."""
+    gate = Gate()
+    b = DynamicBatcher(gate, max_batch_size=1, max_wait_ms=0, max_queue=1, on_full="block", clock=MockClock())
+    try:
+        futures: list[Future[int]] = [b.submit(0)]
+        assert gate.started.wait(WAIT)
+        futures.append(b.submit(1))
+        with pytest.raises(QueueFull, match="timeout"):
+            b.submit(2, timeout=0.05)
+        gate.release.set()
+        assert [f.result(WAIT) for f in futures] == [0, 1]
+    finally:
+        gate.release.set()
+        b.close()
