@@ -3,6 +3,7 @@ scenario (low -> high -> low traffic), and agreement with a real run."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from pathlib import Path
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import batchkit
-from batchkit import AdaptiveBatchController, sim
-from batchkit.testing import MockClock
+from batchkit import AdaptiveBatchController, bench, sim
+from batchkit.testing import MockClock, echo_batch
 
 COST = sim.linear_cost(fixed_ms=15, per_item_ms=5)  # t(1) = 20 ms, t(8) = 55 ms
 WAIT = 30  # seconds: the bound on every wait in this file
@@ -299,3 +300,40 @@ def test_simulate_refuses_arrival_times_out_of_order(arrivals: list[float], inde
         sim.simulate(sim.linear_cost(1, 0.1), arrivals)
     if not any(math.isnan(a) for a in arrivals):
         assert sim.simulate(sim.linear_cost(1, 0.1), sim.trace(arrivals)).completed == len(arrivals)
+
+
+def test_a_bench_json_feeds_table_cost_through_mean_batch_size_and_t_batch(tmp_path: Path) -> None:
+    """sim.table_cost({B: seconds}) from the bench JSON: each point's mean_batch_size (a float)
+    and t_batch_ms / 1000; the simulator then runs on it."""
+    report = bench.sweep(echo_batch, lambda i: i, [1, 4], concurrency=4, duration_s=0.05)
+    path = tmp_path / "bench.json"
+    report.to_json(path)
+    points = json.loads(path.read_text())["points"]
+    table = {p["mean_batch_size"]: p["t_batch_ms"] / 1000 for p in points}
+    cost = sim.table_cost(table)
+    for b, seconds in table.items():
+        assert cost(max(1, round(b))) >= 0
+        assert math.isfinite(seconds)
+    r = sim.simulate(cost, sim.poisson(rate=100, duration_s=2, seed=1), max_batch_size=4)
+    assert r.completed == r.arrivals
+
+
+def test_linear_cost_is_the_worked_example() -> None:
+    """linear_cost(fixed_ms=15, per_item_ms=5): t(1) = 20 ms, t(8) = 55 ms."""
+    cost = sim.linear_cost(fixed_ms=15, per_item_ms=5)
+    assert cost(1) == pytest.approx(0.020)
+    assert cost(8) == pytest.approx(0.055)
+
+
+def test_simulated_utilisation_is_the_share_of_time_the_model_was_busy() -> None:
+    """Two batches running side by side (max_concurrent_batches=2) keep the model busy once, not
+    twice: utilisation is a share of the run, at most 1."""
+    cost = sim.linear_cost(fixed_ms=10, per_item_ms=0)
+    r = sim.simulate(cost, sim.trace([0, 0, 0, 0]), max_batch_size=2, max_concurrent_batches=2)
+    assert r.batches == 2
+    assert r.duration == pytest.approx(0.010)
+    assert r.utilisation == pytest.approx(1.0)
+    # then idle from 0.010 until a lone item's batch at 0.035 (max_wait_ms=5) runs to 0.045
+    r = sim.simulate(cost, sim.trace([0, 0, 0, 0, 0.03]), max_batch_size=2, max_concurrent_batches=2)
+    assert r.duration == pytest.approx(0.045)
+    assert r.utilisation == pytest.approx(0.020 / 0.045)
