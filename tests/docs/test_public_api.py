@@ -1,13 +1,20 @@
-"""The public surface: what ``import batchkit`` exports and what it must not do."""
+"""The public surface: what ``import batchkit`` exports and what it must not do, and the packages
+it pulls in (README.md's runtime dependencies and extras, read from pyproject.toml)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import batchkit
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 30.0
 
 EXPECTED = {
     "AdaptiveBatchController",
@@ -132,3 +139,47 @@ def test_integrations_load_on_first_access_without_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["160", "False", "1"]
+
+
+def _pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return project
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower()
+
+
+def test_the_runtime_needs_only_anyio_numpy_threadpoolctl_and_typing_extensions() -> None:
+    """ "runtime needs only `anyio`, `numpy`, `threadpoolctl`, `typing-extensions`"."""
+    assert {_name(r) for r in _pyproject()["dependencies"]} == {"anyio", "numpy", "threadpoolctl", "typing-extensions"}
+
+
+def test_each_extra_adds_the_packages_the_readme_lists() -> None:
+    """The extras table: where the "adds" column lists packages, they are exactly the extra's."""
+    extras = _pyproject()["optional-dependencies"]
+    rows = re.findall(r"^\| `batchkit\[([\w-]+)\]` \| ([^|]*) \|", (ROOT / "README.md").read_text(), re.MULTILINE)
+    checked = 0
+    for extra, adds in rows:
+        names = [a.strip() for a in re.sub(r"\[[^\]]*\]", "", adds).split(",")]
+        if not all(re.fullmatch(r"[a-z][a-z0-9-]*", n) for n in names):
+            continue  # prose ("CuPy for CUDA 12, ..."), checked by reading
+        assert {_name(r) for r in extras[extra]} == set(names), extra
+        checked += 1
+    assert checked >= 9
+    assert extras["cuda"] == ["batchkit[cuda12]"]
+
+
+def test_import_batchkit_starts_no_thread_and_loads_neither_torch_nor_cupy() -> None:
+    """ "`import batchkit` imports neither torch nor cupy and starts no thread" (a fresh process)."""
+    import subprocess
+
+    code = (
+        "import sys, threading\n"
+        "n = threading.active_count()\n"
+        "import batchkit\n"
+        "print(threading.active_count() - n, 'torch' in sys.modules, 'cupy' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S, check=True)
+    assert out.stdout.split() == ["0", "False", "False"]

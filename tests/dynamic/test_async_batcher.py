@@ -7,6 +7,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+import anyio
 import pytest
 
 import batchkit
@@ -759,3 +760,34 @@ def test_aclose_without_drain_during_a_draining_aclose_fails_what_waits_at_once(
         await asyncio.wait_for(asyncio.gather(draining, hurry), WAIT)
 
     asyncio.run(main())
+
+
+def _new_threads(before: set[threading.Thread]) -> set[threading.Thread]:
+    """The live threads not in ``before``: threads are told apart by identity, so a thread some
+    other test left behind is not counted (README.md's thread promises compare before and after)."""
+    return {t for t in threading.enumerate() if t not in before and t.is_alive()}
+
+
+def test_an_offloading_async_batcher_joins_its_worker_threads_on_aclose() -> None:
+    """`AsyncBatcher(offload=True)` runs batches "in the batcher's own worker threads, one per
+    concurrent batch, joined by `aclose()`"."""
+    before = set(threading.enumerate())
+
+    def work(xs: list[int]) -> list[int]:
+        return [x * x for x in xs]
+
+    async def main() -> list[int]:
+        async with batchkit.AsyncBatcher(work, max_batch_size=4, max_concurrent_batches=2, offload=True) as b:
+            out: list[int] = [0] * 12
+
+            async def one(i: int) -> None:
+                out[i] = await b.submit(i)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(12):
+                    tg.start_soon(one, i)
+            assert 1 <= len(_new_threads(before)) <= 2
+        return out
+
+    assert anyio.run(main) == [i * i for i in range(12)]
+    assert not _new_threads(before)
