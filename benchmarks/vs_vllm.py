@@ -8,8 +8,9 @@ subprocess of its own, one after the other, with ``--concurrency`` sequences (vL
 streamed greedy chat requests, ``--concurrency`` in flight, ``--max-tokens`` each. batchkit runs
 with its own thread choice (its start-up line says it); vLLM at each ``--vllm-bind``: ``default``
 (its engine on one core, the other kept for its frontend) and ``all`` (the engine on every core,
-none reserved), and batchkit is compared with vLLM's better binding of the round. Rounds
-alternate the order (``--repeat``).
+none reserved), and batchkit is compared with vLLM's better binding of the round. ``--batchkit
+default,spin`` also runs batchkit with a fixed team of every core that spins while idle (the
+verdict is the first setting's). Rounds alternate the order (``--repeat``).
 
 vLLM lives in a virtual environment of its own, never in batchkit's dependencies: pass its
 interpreter as ``--vllm-python`` (or ``$VLLM_PYTHON``). docs/benchmarks.md gives the recipe. Its
@@ -19,7 +20,7 @@ Target: batchkit >= 1.3x vLLM in output tokens/s with TTFT p99 no worse; where i
 last lines say by how much.
 
 Run:  .venv/bin/python benchmarks/vs_vllm.py --vllm-python PATH [--repeat 3] [--dtype float32]
-      [--concurrency 16] [--requests 48] [--vllm-bind default,all] [--json PATH]
+      [--concurrency 16] [--requests 48] [--vllm-bind default,all] [--batchkit default,spin] [--json PATH]
 """
 
 from __future__ import annotations
@@ -98,14 +99,20 @@ def where_the_time_goes(run: Run) -> str:
     )
 
 
-def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object) -> Run:
+def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object, setting: str = "default") -> Run:
+    """``batchkit serve`` at ``setting``: ``default`` (its own thread choice: the team narrows
+    while other processes, the load's client among them, use the CPUs) or ``spin`` (a team of
+    every allowed CPU whose threads spin while idle, as vLLM's both-cores binding runs)."""
     port = free_port()
     cmd = [sys.executable, "-m", "batchkit", "serve", "--model", str(folder), "--dtype", args.dtype]
     cmd += ["--port", str(port), "--max-num-seqs", str(args.concurrency)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # its own choice of threads
-    run = measure_server("batchkit", cmd, "/ready", tokenizer, args, env=env, probe=engine_counters)
+    if setting == "spin":
+        env |= {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "ACTIVE"}
+    name = "batchkit" if setting == "default" else f"batchkit ({setting})"
+    run = measure_server(name, cmd, "/ready", tokenizer, args, env=env, probe=engine_counters)
     print(where_the_time_goes(run), flush=True)
     return run
 
@@ -116,9 +123,13 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="vLLM's interpreter")
     ap.add_argument("--vllm-bind", default=",".join(BINDINGS), help="comma-separated: default, all")
     ap.add_argument("--threads", type=int, default=None, help="batchkit serve --threads (default: its own choice)")
+    ap.add_argument("--batchkit", default="default", help="comma-separated batchkit settings: default, spin")
     ap.add_argument("--repeat", type=int, default=3, help="rounds, the servers' order alternating (default 3)")
     args = ap.parse_args()
     binds = [b for b in args.vllm_bind.split(",") if b]
+    settings = [b for b in args.batchkit.split(",") if b]
+    if not settings or any(b not in ("default", "spin") for b in settings):
+        ap.error("--batchkit takes a comma-separated list of default, spin")
     if not args.vllm_python:
         ap.error("--vllm-python (or $VLLM_PYTHON) must name the interpreter of vLLM's virtual environment")
     if not binds or any(b not in BINDINGS for b in binds):
@@ -142,19 +153,19 @@ def main() -> None:
         print_header()
         for k in range(1, args.repeat + 1):
             peers: list[Run] = []
-            mine = None
+            mine: list[Run] = []
             for side in ("batchkit", "vllm") if k % 2 else ("vllm", "batchkit"):
                 if side == "batchkit":
-                    mine = batchkit_run(converted, args, tokenizer)
+                    mine += [batchkit_run(converted, args, tokenizer, b) for b in settings]
                 else:
                     peers += [vllm_run(args.vllm_python, folder, b, args, tokenizer) for b in binds]
-            assert mine is not None
             best = max(peers, key=lambda r: r.rate)
-            for peer in peers:
-                if peer is not best:
-                    report_round(k, mine, peer, record)
-            ratios.append(report_round(k, mine, best, record))
-            p99_ratios.append(harness.percentile(mine.ttft, 0.99) / harness.percentile(best.ttft, 0.99))
+            for ours in mine:
+                for peer in peers:
+                    if ours is not mine[0] or peer is not best:
+                        report_round(k, ours, peer, record)
+            ratios.append(report_round(k, mine[0], best, record))
+            p99_ratios.append(harness.percentile(mine[0].ttft, 0.99) / harness.percentile(best.ttft, 0.99))
     met = min(ratios) >= TARGET and max(p99_ratios) <= 1.0
     record.add("batchkit / vLLM output tokens/s", ratios)
     record.add("batchkit / vLLM TTFT p99", p99_ratios)

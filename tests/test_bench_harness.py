@@ -162,12 +162,18 @@ def test_the_overhead_benchmark_refuses_fewer_requests_than_callers() -> None:
     assert "--requests must be at least 512" in done.stderr
 
 
-def _script_flags(script: Path) -> set[str]:
-    """The --flags a benchmark script's argparse parser defines (read from its source)."""
+def _script_flags(script: Path, seen: frozenset[Path] = frozenset()) -> set[str]:
+    """The --flags a benchmark script's argparse parser defines (read from its source, and from
+    the sources of the sibling benchmark modules it imports, whose helpers may add them)."""
     flags: set[str] = {"--help"}
+    seen |= {script}
     for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             flags |= {str(a.value) for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+        elif isinstance(node, ast.ImportFrom) and node.module and (script.parent / f"{node.module}.py").is_file():
+            sibling = script.parent / f"{node.module}.py"
+            if sibling not in seen and not node.module.startswith("_"):
+                flags |= _script_flags(sibling, seen)
     return flags
 
 
