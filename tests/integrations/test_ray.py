@@ -28,6 +28,7 @@ import pytest
 
 import batchkit
 import batchkit.jobs
+from _support import Gate
 from batchkit.testing import MockClock
 
 ray = pytest.importorskip("ray", reason='needs Ray: pip install "batchkit[ray]"')
@@ -474,21 +475,6 @@ async def until(condition: Any, what: str) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.001)
-
-
-class Gate:
-    """A batch function that records its batches and holds each one until released."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.started = threading.Event()
-        self.batches: list[list[Any]] = []
-
-    def __call__(self, xs: list[Any]) -> list[Any]:
-        self.batches.append(list(xs))
-        self.started.set()
-        assert self.release.wait(WAIT)
-        return list(xs)
 
 
 def test_a_missing_replica_bound_defaults_as_the_table_says() -> None:
