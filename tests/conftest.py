@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+pytest_plugins = ["_serve_fixtures"]  # the server tests' models and live servers
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:

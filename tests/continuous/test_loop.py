@@ -1100,7 +1100,7 @@ class TestTheEngineNeverLeavesCallersWaiting:
         def fail(*_: Any) -> Any:
             raise Fatal("before any step")
 
-        loop.core.admit = fail  # type: ignore[method-assign]  # the fault hits as the inbox is read
+        loop.core.admit = fail  # type: ignore[method-assign,assignment]  # the fault hits as the inbox is read
         with pytest.raises(Fatal):
             loop.run_engine()
         with pytest.raises(BatcherClosed, match="engine failed"):

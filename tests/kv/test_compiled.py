@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from batchkit.kv import compiled  # noqa: E402
-from batchkit.kv.attention import plan_attention, planned_attention  # noqa: E402
-from batchkit.kv.ops import write_slots  # noqa: E402
+import torch
+
+from batchkit.kv import compiled
+from batchkit.kv.attention import plan_attention, planned_attention
+from batchkit.kv.ops import write_slots
 
 LAYERS, BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 2, 8, 4, 4, 2, 8
 

@@ -2,7 +2,7 @@
 quotas, deadlines (504), samples (prompts times n) against max_waiting, one answer per refused
 request.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

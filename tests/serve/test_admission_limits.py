@@ -154,7 +154,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
     flag_options = {renamed.get(d, d) for d in flags} - {"model", "embedding_model", "host", "port", "log_level"}
     assert options - {"warmup"} == flag_options
     lm, encoder = models
-    values = {
+    values: dict[str, Any] = {
         "num_blocks": 16,
         "block_size": 16,
         "max_num_seqs": 2,
@@ -176,6 +176,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
         "device": "cpu",
         "tokenizer": None,  # the model here is loaded already: its own tokenizer
         "warmup": False,
+        "compile_step": False,
     }
     assert set(values) == options
     app = create_app(lm, embedding_model=encoder, **values)

@@ -2,7 +2,7 @@
 shutdown while the model loads, plain uvicorn past its graceful timeout, a mounted app, an import
 that loads no web framework.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

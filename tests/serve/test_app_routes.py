@@ -1,7 +1,7 @@
 """batchkit.serve, the routes and their answers: /v1/models, OpenAI error bodies naming the field,
 refused message fields and headers, the tokenizer routes.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

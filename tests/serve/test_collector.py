@@ -1,7 +1,7 @@
 """batchkit.serve, Prometheus metrics: the server's /metrics, and BatchkitCollector over a batcher and
 a loop without a server.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, chat and text completions over HTTP: their text equals transformers' greedy decode,
 stop strings and vLLM's stop ids, min_tokens and seeds.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, IncrementalDetokenizer: streamed pieces join to the whole text, incomplete
 characters wait, stop strings hold text back and end it, the tokens kept for a text.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

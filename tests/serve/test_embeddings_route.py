@@ -1,7 +1,7 @@
 """batchkit.serve, /v1/embeddings: vectors equal sentence-transformers', long inputs cut as the encoder
 cuts them, a full queue refuses a request whole, a failing encoder opens the circuit breaker.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, logprobs over HTTP: chat and completions logprobs, echoed prompts, special tokens by
 name, bytes that spell the answer, logprobs of the text a stop string ends.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

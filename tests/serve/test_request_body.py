@@ -1,7 +1,7 @@
 """batchkit.serve, reading a request body: 413 past max_request_bytes (before or while it is read),
 JSON too deep, lone surrogates refused with an OpenAI body.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batchkit.serve, ``batchkit serve`` as a process: usage errors, a port in use, port 0, the engine in
 the main thread, SIGTERM and a second signal.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 client that leaves frees its KV blocks and is counted 499, streams flow while a long prompt is
 tokenized.
 
-The fixtures are tests/serve/conftest.py's.
+The fixtures are tests/_serve_fixtures.py's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The fixtures of the app tests (split from tests/serve/test_serve.py): the real models, loaded
-once per session, and a live server over them per module. Everything they need is imported when a
-test first asks for one, so that collecting tests/serve needs neither the models nor the serve extra."""
+"""The fixtures of the server's tests (tests/serve/): the real models, loaded once per session, and
+a live server over them per module. Everything they need is imported when a test first asks for
+one, so that collecting the tests needs neither the models nor the serve extra. A plugin of
+tests/conftest.py, not a conftest.py of tests/serve/, because mypy checks tests/ as one tree of
+modules and two ``conftest`` modules would clash."""
 
 from __future__ import annotations
 
