@@ -21,15 +21,17 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 import batchkit
 import batchkit.jobs
+import batchkit.jobs.runner
 from _support import jsonl_records as _records
 from _support import write_lines as _write
 from batchkit.jobs import JobProgress, JobReport, JobStateError, JobStore, add_run_parser, generate_fn, run, run_cli
+from batchkit.jobs.target import Target, make_target
 from batchkit.testing import MockClock
 
 WAIT = 10.0  # seconds: the bound on every wait in these tests
@@ -539,6 +541,38 @@ def test_an_output_of_another_job_is_refused(tmp_path: Path) -> None:
     with pytest.raises(JobStateError, match="has no journal"):
         run(double, src, tmp_path / "mine.jsonl")
     assert (tmp_path / "mine.jsonl").read_text() == '{"precious": true}\n'
+
+
+@pytest.mark.parametrize(
+    "raised", [JobStateError("another job's output"), KeyboardInterrupt()], ids=["refused", "interrupted"]
+)
+def test_a_store_that_does_not_open_leaves_no_batcher_running(
+    raised: BaseException, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batcher built around a plain function is closed, without draining, when the store
+    refuses the job or a Ctrl-C stops it while the store checks the input."""
+    closes: list[bool] = []
+
+    def make_recorded_target(fn: Any, **options: Any) -> Target:
+        target = make_target(fn, **options)
+        close = target.close
+
+        def recorded(drain: bool) -> None:
+            closes.append(drain)
+            close(drain)
+
+        target.close = recorded
+        return target
+
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise raised
+
+    monkeypatch.setattr(batchkit.jobs.runner, "make_target", make_recorded_target)
+    monkeypatch.setattr(JobStore, "open", refuse)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "x": 1}])
+    with pytest.raises(type(raised)):
+        run(double, src, tmp_path / "out.jsonl")
+    assert closes == [False]
 
 
 def test_a_file_shorter_than_its_journal_is_refused(tmp_path: Path) -> None:

@@ -394,18 +394,19 @@ def run(
         concurrency=concurrency,
         batch_timeout_s=batch_timeout_s,
     )
-    t0 = clock.now()
-    store, done, check = _open_store(
-        files,
-        fn,
-        fn_name=fn_name,
-        id_field=id_field,
-        retry_dead_letters=retry_dead_letters,
-        result_field=target.result_field,
-    )
+    store: JobStore | None = None
     bar = None
     drained = False
-    try:
+    try:  # the target's batcher is closed however this ends, a store that refuses the job included
+        t0 = clock.now()
+        store, done, check = _open_store(
+            files,
+            fn,
+            fn_name=fn_name,
+            id_field=id_field,
+            retry_dead_letters=retry_dead_letters,
+            result_field=target.result_field,
+        )
         bar = _progress_bar(files, done) if progress else None
         job = Job(
             target,
@@ -429,7 +430,8 @@ def run(
         drained = job.stopped is None
     finally:
         target.close(drained)
-        store.close()
+        if store is not None:
+            store.close()
         if bar is not None:
             bar.close()
     if files.parquet is not None and job.stopped is None:
