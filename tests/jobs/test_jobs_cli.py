@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from _support import batchkit_run as _cli
 from _support import jsonl_records as _records
 from _support import write_lines as _write
 from _support import write_module as _module
+from batchkit import BatcherClosed, ContinuousDecodeLoop
 from batchkit.cli import main
 
 
@@ -145,11 +147,9 @@ def test_sigterm_stops_a_job_with_one_line_and_status_143_and_a_rerun_finishes_i
     assert sorted(ids) == list(range(n))
 
 
-def test_model_without_a_tokenizer_takes_one_from_tokenizer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`batchkit run --model DIR` whose directory has no tokenizer is a one-line usage error naming
-    --tokenizer; with --tokenizer another directory's tokenizer is used and the job runs."""
+def _save_tiny_llama(folder: Path) -> None:
+    """A seeded random-weight Llama in ``folder/model``, without a tokenizer, and a word
+    tokenizer in ``folder/tok``."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from _support import word_tokenizer
@@ -159,8 +159,16 @@ def test_model_without_a_tokenizer_takes_one_from_tokenizer(
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    word_tokenizer().save_pretrained(tmp_path / "tok")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder / "model")
+    word_tokenizer().save_pretrained(folder / "tok")
+
+
+def test_model_without_a_tokenizer_takes_one_from_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`batchkit run --model DIR` whose directory has no tokenizer is a one-line usage error naming
+    --tokenizer; with --tokenizer another directory's tokenizer is used and the job runs."""
+    _save_tiny_llama(tmp_path)
     capsys.readouterr()  # transformers' progress bar while saving
     monkeypatch.chdir(tmp_path)
     Path("in.jsonl").write_text('{"id": 1, "prompt": "w5 w6"}\n{"id": 2, "prompt": "w7"}\n')
@@ -181,6 +189,43 @@ def test_model_without_a_tokenizer_takes_one_from_tokenizer(
     assert err.count("\n") == 1
     assert "argument --model: empty holds no model: a Hugging Face directory needs a config.json" in err
     assert not Path("o3.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("output", "refusal"),
+    [
+        ("out.csv", "argument --output: batchkit run writes JSONL or Parquet"),
+        ("in.jsonl", "argument --output: the input, the output and the dead-letter file must be three files"),
+    ],
+    ids=["csv-output", "output-is-the-input"],
+)
+def test_a_check_that_fails_after_the_model_loaded_closes_its_decode_loop(
+    output: str, refusal: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`batchkit run --model` checks some files only once its decode loop is built: one of those
+    checks failing is a usage error (status 2), and the loop it built is closed."""
+    _save_tiny_llama(tmp_path)
+    from batchkit.models.pretrained import PretrainedLM
+
+    loops: list[ContinuousDecodeLoop] = []
+    make_loop = PretrainedLM.make_loop
+
+    def recorded_make_loop(lm: PretrainedLM, *args: Any, **kwargs: Any) -> ContinuousDecodeLoop:
+        loops.append(make_loop(lm, *args, **kwargs))
+        return loops[-1]
+
+    monkeypatch.setattr(PretrainedLM, "make_loop", recorded_make_loop)
+    monkeypatch.chdir(tmp_path)
+    Path("in.jsonl").write_text('{"id": 1, "prompt": "w5 w6"}\n')
+    argv = ["run", "--model", "model", "--tokenizer", "tok", "--input", "in.jsonl", "--output", output]
+    assert main([*argv, "--num-blocks", "16", "--no-progress"]) == 2
+    assert refusal in capsys.readouterr().err
+    (loop,) = loops
+    try:
+        with pytest.raises(BatcherClosed, match="closed"):
+            loop.submit([3], max_new_tokens=1)
+    finally:
+        loop.close()
 
 
 # Each option of the batcher a job builds around a plain batch function, given at its default value.

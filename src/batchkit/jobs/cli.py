@@ -298,8 +298,9 @@ def _model_name(args: argparse.Namespace) -> str | None:
     return f"--model {args.model}" + (f" --tokenizer {args.tokenizer}" if args.tokenizer is not None else "")
 
 
-def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``--model``: load the model and wrap a decode loop over it as the job's function."""
+def _model_target(args: argparse.Namespace, built: contextlib.ExitStack) -> Any:
+    """``--model``: load the model and wrap a decode loop over it as the job's function; the
+    loop is closed with ``built``."""
     try:
         from ..models.pretrained import has_tokenizer, load_pretrained, model_source_problem, resolve_source
     except ModuleNotFoundError as exc:
@@ -325,15 +326,15 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
         print(f"batchkit run: {args.cpu_threads.describe()}", file=sys.stderr, flush=True)
     lm = load_pretrained(args.model, tokenizer=args.tokenizer)
     loop = lm.make_loop(args.num_blocks, max_num_seqs=args.max_num_seqs)
+    built.callback(loop.close)
     if args.format == "openai-batch":
         from .openai_batch import OpenAIBatchFunction
 
-        batch_fn = OpenAIBatchFunction(
+        return OpenAIBatchFunction(
             lm, loop, served_model_name=args.served_model_name, default_max_tokens=args.max_new_tokens
         )
-        return batch_fn, loop
     encode = (lambda text: lm.chat_prompt([{"role": "user", "content": text}])) if args.chat else lm.encode
-    fn = generate_fn(
+    return generate_fn(
         loop,
         encode=encode,
         decode=lm.decode,
@@ -342,7 +343,6 @@ def _model_target(args: argparse.Namespace) -> tuple[Any, Any]:
         temperature=args.temperature,
         stop_token_ids=lm.stop_token_ids,
     )
-    return fn, loop
 
 
 def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
@@ -538,11 +538,14 @@ def _run_cli(args: argparse.Namespace) -> int:
     try:
         src, out, dead = _job_files(args)
         id_field = _id_field(args)
-        fn, loop = _job_function(args)
-        _check_distinct(src, out, dead)
-        _check_parquet_files(src, out)
-        started = True
-        report = _run_job(args, fn, loop, src, out, dead, id_field)
+        # What the job builds (a --model job's decode loop) is closed however it ends: a check
+        # that fails after the model loaded included.
+        with contextlib.ExitStack() as built:
+            fn = _job_function(args, built)
+            _check_distinct(src, out, dead)
+            _check_parquet_files(src, out)
+            started = True
+            report = _run_job(args, fn, src, out, dead, id_field)
     except _Usage as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -598,9 +601,9 @@ def _id_field(args: argparse.Namespace) -> str | None:
     return id_field
 
 
-def _job_function(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The job's function, and the decode loop to close after it (``--model``; None for a
-    MODULE:FUNCTION target), with the options that do not go with it refused."""
+def _job_function(args: argparse.Namespace, built: contextlib.ExitStack) -> Any:
+    """The job's function, with the options that do not go with it refused; ``--model``'s
+    decode loop is closed with ``built``."""
     if args.tokenizer is not None and args.model is None:
         raise _Usage("argument --tokenizer: goes with --model (the model whose tokenizer it replaces)")
     if args.model is None:
@@ -614,18 +617,18 @@ def _job_function(args: argparse.Namespace) -> tuple[Any, Any]:
         if args.target is not None:
             raise _Usage("give MODULE:FUNCTION or --model, not both")
         _check_batcher_options(args)
-        return _model_target(args)
+        return _model_target(args, built)
     if args.target is None:
         raise _Usage("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
     fn = _load_target(args.target)
     _check_batcher_options(args, fn)
-    return fn, None
+    return fn
 
 
 def _run_job(
-    args: argparse.Namespace, fn: Any, loop: Any, src: Path, out: Path, dead: Path | None, id_field: str | None
+    args: argparse.Namespace, fn: Any, src: Path, out: Path, dead: Path | None, id_field: str | None
 ) -> JobReport:
-    """:func:`~batchkit.jobs.run` with the command line's settings; the loop closed after it."""
+    """:func:`~batchkit.jobs.run` with the command line's settings."""
     progress = wants_progress(args.progress)
     try:
         return run(
@@ -656,9 +659,6 @@ def _run_job(
         raise _Usage(f"argument --output: {exc}") from None
     except TypeError as exc:  # run() checks its arguments before it calls anything
         raise _Usage(f"argument MODULE:FUNCTION: {exc}") from None
-    finally:
-        if loop is not None:
-            loop.close()
 
 
 def _tell(prog: str, report: JobReport, *, answered_errors: int) -> None:
