@@ -33,6 +33,7 @@ from ._argtypes import float_in as _float_in
 from ._argtypes import int_in as _int_in
 from ._cpu import allowed_cpus, configure_cpu_threads
 from .demo.cli import add_demo_parser, run_demo
+from .jobs.cli import _UsageError, add_run_parser, run_cli
 
 __all__ = ["main"]
 
@@ -50,10 +51,6 @@ MAX_BURSTINESS = 1000.0
 MAX_SLO_MS = 1e7
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 DEFAULT_MAX_TOKENS = 64
-
-
-class _UsageError(Exception):
-    """A bad argument found after parsing; its message names the argument and the fix."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -609,8 +606,6 @@ def _build_parser() -> argparse.ArgumentParser:
     add_progress(be, help="a progress bar on stderr; default: when stderr is a terminal")
     be.set_defaults(prepare=_prepare_bench)
 
-    from .jobs import add_run_parser
-
     # batchkit.jobs validates and reports for itself (the same exit statuses and one-line errors).
     add_run_parser(sub, parents=[common], formatter_class=_HelpFormatter).set_defaults(prepare=_prepare_run)
 
@@ -628,8 +623,6 @@ def _prepare_serve(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _prepare_run(args: argparse.Namespace) -> Callable[[], int]:
-    from .jobs import run_cli
-
     return lambda: run_cli(args)
 
 
