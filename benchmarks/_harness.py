@@ -11,7 +11,7 @@ Timings: ``measure`` runs a callable ``warmup`` times unrecorded, then ``repeat`
 returns what each recorded run returned; ``interleave`` does the same for several callables, one
 of each per round, so that drift on a shared machine falls on all of them alike; ``per_call``
 times ``calls`` calls of a callable as one run. ``Summary`` is the median and range of a list of
-figures.
+figures. ``busy_processes(n)`` keeps ``n`` spinning processes beside the block it wraps.
 
 Standard library only: the peer benchmarks run their children in another virtual environment.
 """
@@ -27,9 +27,11 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -221,6 +223,20 @@ def poisson_arrivals(rate: float, seconds: float, seed: int) -> list[float]:
         t += rng.expovariate(rate)
         out.append(t)
     return out
+
+
+@contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes spinning on the CPU (``while True: pass``) while the block runs: the busy
+    neighbours of the contention benchmarks."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)  # let the scheduler place them
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def per_call(fn: Callable[[], object], calls: int) -> float:

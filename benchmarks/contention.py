@@ -31,8 +31,6 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import _harness as harness
 import httpx
@@ -54,19 +52,6 @@ def _env(setting: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _OMP_VARIABLES}
     chosen = SETTINGS[setting] if setting in SETTINGS else dict(p.split("=", 1) for p in setting.split("+"))
     return {**env, **chosen, "HF_HUB_OFFLINE": "1"}
-
-
-@contextmanager
-def _busy(n: int) -> Iterator[None]:
-    """``n`` processes spinning on the CPU for the duration."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        time.sleep(0.5 if n else 0)  # let the scheduler place them
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 class _Streams:
@@ -220,7 +205,7 @@ def main() -> None:
                     print(f"{way:8} {setting:9} {runner.line}", flush=True)
                 try:
                     for condition, n in CONDITIONS.items():
-                        with _busy(n):
+                        with harness.busy_processes(n):
                             rate = runner.measure()
                         rates[way, setting, condition].append(rate)
                         print(f"round {r + 1} {way:8} {setting:9} {condition:7} {rate:7.1f} tok/s", flush=True)

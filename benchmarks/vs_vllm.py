@@ -10,7 +10,9 @@ with its own thread choice (its start-up line says it); vLLM at each ``--vllm-bi
 (its engine on one core, the other kept for its frontend) and ``all`` (the engine on every core,
 none reserved), and batchkit is compared with vLLM's better binding of the round. ``--batchkit
 default,spin`` also runs batchkit with a fixed team of every core that spins while idle (the
-verdict is the first setting's). Rounds alternate the order (``--repeat``).
+verdict is the first setting's). Rounds alternate the order (``--repeat``). ``--neighbours N``
+keeps N processes spinning on the CPU beside each server, from its start to its stop: the
+busy-neighbour condition (a server beside other work on the same machine).
 
 vLLM lives in a virtual environment of its own, never in batchkit's dependencies: pass its
 interpreter as ``--vllm-python`` (or ``$VLLM_PYTHON``). docs/benchmarks.md gives the recipe. Its
@@ -20,7 +22,8 @@ Target: batchkit >= 1.3x vLLM in output tokens/s with TTFT p99 no worse; where i
 last lines say by how much.
 
 Run:  .venv/bin/python benchmarks/vs_vllm.py --vllm-python PATH [--repeat 3] [--dtype float32]
-      [--concurrency 16] [--requests 48] [--vllm-bind default,all] [--batchkit default,spin] [--json PATH]
+      [--concurrency 16] [--requests 48] [--vllm-bind default,all] [--batchkit default,spin]
+      [--neighbours 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="batchkit serve --threads (default: its own choice)")
     ap.add_argument("--batchkit", default="default", help="comma-separated batchkit settings: default, spin")
     ap.add_argument("--repeat", type=int, default=3, help="rounds, the servers' order alternating (default 3)")
+    ap.add_argument("--neighbours", type=int, default=0, help="processes spinning beside each server (default 0)")
     args = ap.parse_args()
     binds = [b for b in args.vllm_bind.split(",") if b]
     settings = [b for b in args.batchkit.split(",") if b]
@@ -134,6 +138,8 @@ def main() -> None:
         ap.error("--vllm-python (or $VLLM_PYTHON) must name the interpreter of vLLM's virtual environment")
     if not binds or any(b not in BINDINGS for b in binds):
         ap.error(f"--vllm-bind takes a comma-separated list of {', '.join(BINDINGS)}")
+    if args.neighbours < 0:
+        ap.error(f"--neighbours must be at least 0, got {args.neighbours}")
     if args.warmup:
         ap.error("vs_vllm.py warms each server up with 2 requests; it takes no --warmup rounds")
     record = harness.start(args)
@@ -145,7 +151,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(converted))
     print(
         f"{converted.name}: {args.requests} chat requests, {args.concurrency} at once (and sequences), streamed, "
-        f"greedy, max_tokens {args.max_tokens}, {args.dtype}; vLLM bindings {', '.join(binds)}"
+        f"greedy, max_tokens {args.max_tokens}, {args.dtype}; vLLM bindings {', '.join(binds)}; "
+        f"{args.neighbours} busy process(es) beside each server"
     )
     ratios, p99_ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,9 +163,13 @@ def main() -> None:
             mine: list[Run] = []
             for side in ("batchkit", "vllm") if k % 2 else ("vllm", "batchkit"):
                 if side == "batchkit":
-                    mine += [batchkit_run(converted, args, tokenizer, b) for b in settings]
+                    for b in settings:
+                        with harness.busy_processes(args.neighbours):
+                            mine.append(batchkit_run(converted, args, tokenizer, b))
                 else:
-                    peers += [vllm_run(args.vllm_python, folder, b, args, tokenizer) for b in binds]
+                    for b in binds:
+                        with harness.busy_processes(args.neighbours):
+                            peers.append(vllm_run(args.vllm_python, folder, b, args, tokenizer))
             best = max(peers, key=lambda r: r.rate)
             for ours in mine:
                 for peer in peers:
