@@ -386,6 +386,14 @@ def test_demo_warns_when_the_load_average_says_its_timings_will_not_hold() -> No
 # --------------------------------------------------------------------------- docs/jobs.md: the exit statuses
 
 
+def test_top_level_help_lists_every_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/jobs.md documents 0, 1, 2 and 130; `batchkit --help` names all four."""
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for status in ("0 done", "1 the target or model failed", "2 a usage error", "130 interrupted"):
+        assert status in out
+
+
 def test_top_level_help_names_the_sigterm_status(capsys: pytest.CaptureFixture[str]) -> None:
     """docs/jobs.md documents exit status 143 (terminated by SIGTERM) beside 0, 1, 2 and 130;
     `batchkit --help`, which lists the exit statuses, names it too."""
