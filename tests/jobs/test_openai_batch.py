@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -186,6 +186,34 @@ def test_a_bad_body_is_answered_with_the_servers_error_and_the_others_still_are(
     assert answers["streamed"]["error"]["code"] == "unsupported_parameter"
     assert not (in_tmp / "out.dead.jsonl").exists()
     assert "4 requests were answered with an error status" in capsys.readouterr().err
+
+
+def test_a_type_error_from_the_loop_fails_the_line_instead_of_blaming_the_request(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body's fields are type-checked as the server checks them, so a TypeError the loop raises
+    is batchkit's fault, which the server answers 500: the line gets no 400 answer but fails (the
+    job retries it, then dead-letters it), as the server's answer_for says."""
+    from batchkit.jobs.openai_batch import OpenAIBatchFunction
+    from batchkit.models.pretrained import load_pretrained
+    from batchkit.serve.errors import answer_for
+
+    lm = load_pretrained(model_dir)
+    loop = lm.make_loop(32, max_num_seqs=2)
+    bug = TypeError("seed must be an int or None, got '1'")
+
+    def submit(*args: Any, **kwargs: Any) -> NoReturn:
+        raise bug
+
+    monkeypatch.setattr(loop, "submit", submit)
+    try:
+        fn = OpenAIBatchFunction(lm, loop)
+        answer = fn.submit(json.loads(_chat("a", "w5")))
+        assert answer.exception(timeout=10) is bug
+        assert fn.num_errors == 0
+    finally:
+        loop.close()
+    assert answer_for(bug, "generation").status == 500
 
 
 def test_a_line_without_a_custom_id_is_a_dead_letter(model_dir: Path, in_tmp: Path) -> None:

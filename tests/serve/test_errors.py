@@ -57,3 +57,16 @@ def test_anything_else_is_a_failure_of_what_was_served() -> None:
         "the embedding failed: boom",
         {},
     )
+
+
+def test_a_type_error_is_a_failure_not_the_clients_fault() -> None:
+    """The request's own checks answer a field of the wrong type 400 themselves, so a TypeError
+    the engine raises is a bug in batchkit or the model: a 500, not blamed on the client."""
+    exc = TypeError("the step function must return a torch.Tensor of logits, got list")
+    answer = answer_for(exc, "generation")
+    assert (answer.status, answer.code, answer.type, answer.rejection) == (
+        500,
+        "generation_failed",
+        "server_error",
+        None,
+    )

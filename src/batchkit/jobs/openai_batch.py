@@ -177,7 +177,7 @@ class OpenAIBatchFunction(LoopFunction):
     def submit(self, record: dict[str, Any]) -> concurrent.futures.Future[OutputLine]:
         """Start answering one request line; the future resolves to its :class:`OutputLine`
         (an answer, or an error status the request earned), or fails with an error no answer
-        comes of (the loop closed or failing: the job retries it).
+        comes of (the loop closed or failing, a TypeError: the job retries it).
 
         Raises:
             QueueFull: the loop's ``max_waiting`` is reached (the job retries later).
@@ -188,6 +188,13 @@ class OpenAIBatchFunction(LoopFunction):
             request = self._start(custom_id, record)
         except ApiError as err:
             out.set_result(self._refused(custom_id, err))
+            return out
+        except TypeError as exc:
+            # The body's fields were type-checked as the server checks them (a wrong type is
+            # answered 400 there), so this is batchkit's fault, not the request's: the server
+            # answers it 500; here it fails this record (retried, then a dead letter), as a
+            # TypeError from the loop's run does, and not the whole job.
+            out.set_exception(exc)
             return out
         pending = [len(request.futures)]
 
@@ -259,7 +266,7 @@ class OpenAIBatchFunction(LoopFunction):
                         sampling["seed"] = nth_seed(seed, j)
                     # max_tokens=0 (an echoed prompt alone) still runs the prompt, as the server does.
                     request.futures.append(submit(prompt, max_new_tokens=max(1, limit), **sampling))
-        except (ValueError, TypeError, KVCacheExhausted) as exc:  # this request's own fault
+        except (ValueError, KVCacheExhausted) as exc:  # this request's own fault
             for f in request.futures:
                 f.cancel()
             raise _refusal(exc) from None
@@ -366,9 +373,8 @@ class OpenAIBatchFunction(LoopFunction):
         return f"<OpenAIBatchFunction model={self.model_name!r} errors={self.num_errors} loop={self.loop!r}>"
 
 
-def _refusal(exc: ValueError | TypeError | KVCacheExhausted) -> ApiError:
+def _refusal(exc: ValueError | KVCacheExhausted) -> ApiError:
     """The answer a request earns for an exception of its own, as the server answers it
-    (:func:`~batchkit.serve.errors.answer_for`). A ``TypeError`` (a sampling field of the wrong
-    type) is answered as the ``ValueError`` it stands for: serve/errors.py has no row for it."""
-    answer = answer_for(ValueError(exc) if isinstance(exc, TypeError) else exc, "generation")
-    return answer.error(exc, retry_after_s=0)  # no row of these three asks the client to retry
+    (:func:`~batchkit.serve.errors.answer_for`)."""
+    answer = answer_for(exc, "generation")
+    return answer.error(exc, retry_after_s=0)  # neither row asks the client to retry

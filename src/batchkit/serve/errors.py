@@ -63,7 +63,9 @@ class ErrorAnswer:
 
 _BUSY = "server_error"
 
-# The first row whose class the exception is an instance of answers it.
+# The first row whose class the exception is an instance of answers it. No TypeError row: the
+# request's own checks (serve.protocol, serve.structured) answer a field of the wrong type 400
+# themselves, so a TypeError that gets here is a bug in batchkit or the model, a 500.
 ANSWERS: tuple[tuple[type[BaseException], ErrorAnswer], ...] = (
     (QueueFull, ErrorAnswer(503, "queue_full", _BUSY, "the server is busy: ", "queue_full", retry=True)),
     (BatcherClosed, ErrorAnswer(503, "shutting_down", _BUSY, "the server is shutting down: ", retry=True)),
