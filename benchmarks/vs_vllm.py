@@ -70,11 +70,12 @@ def vllm_run(python: str, folder: Path, bind: str, args: argparse.Namespace, tok
 
 
 def engine_counters(url: str) -> dict[str, float]:
-    """batchkit's decode engine from ``/metrics``: steps and generated tokens (cumulative since
-    start), and the median of its recent steps' durations."""
+    """batchkit's decode engine from ``/metrics``: steps, generated tokens and the steps' seconds
+    (cumulative since start), and the median of its recent steps' durations."""
     wanted = {
         "batchkit_decode_steps_total": "steps",
         "batchkit_decode_generation_tokens_total": "tokens",
+        "batchkit_decode_step_seconds_total": "busy_s",
     }
     counters = dict.fromkeys([*wanted.values(), "step_p50_s"], 0.0)
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
@@ -87,18 +88,19 @@ def engine_counters(url: str) -> dict[str, float]:
 
 
 def where_the_time_goes(run: Run) -> str:
-    """A line on batchkit's load: steps, tokens a step, and the steps' estimated share of the
-    load's wall time (steps x the median recent step)."""
+    """A line on batchkit's load: steps, tokens a step, the median and mean step, and the steps'
+    share of the load's wall time (the seconds they took, summed)."""
     before, after = run.probes
     steps = after["steps"] - before["steps"]  # type: ignore[index]
     tokens = after["tokens"] - before["tokens"]  # type: ignore[index]
+    busy = after["busy_s"] - before["busy_s"]  # type: ignore[index]
     median = after["step_p50_s"]  # type: ignore[index]
     if not steps:
         return "batchkit engine: no step counted (/metrics had no decode counters)"
-    busy = steps * median
     return (
-        f"batchkit engine: {steps:.0f} steps, {tokens / steps:.1f} tokens a step, median step {1000 * median:.1f} ms: "
-        f"steps x median = {busy:.1f} s of the load's {run.seconds:.1f} s ({busy / run.seconds:.0%})"
+        f"batchkit engine: {steps:.0f} steps, {tokens / steps:.1f} tokens a step, step median {1000 * median:.1f} ms, "
+        f"mean {1000 * busy / steps:.1f} ms: the steps took {busy:.1f} s of the load's {run.seconds:.1f} s "
+        f"({busy / run.seconds:.0%})"
     )
 
 

@@ -86,6 +86,10 @@ def test_the_collector_exports_a_batcher_and_a_loop_without_a_server() -> None:
     assert samples[("batchkit_batcher_max_batch_size", (("batcher", "echo"),))] == 4
     assert samples[("batchkit_decode_generation_tokens_total", (("loop", "lm"),))] == 6
     assert samples[("batchkit_decode_requests_finished_total", (("loop", "lm"),))] == 2
+    step_time = loop.statistics().step_time  # every step's duration, summed: the engine's busy seconds
+    busy = samples[("batchkit_decode_step_seconds_total", (("loop", "lm"),))]
+    assert busy > 0
+    assert busy == pytest.approx(step_time.count * step_time.mean_ms / 1e3)
     blocks = [samples[("batchkit_kv_blocks", (("pool", "lm"), ("state", st)))] for st in ("free", "used", "cached")]
     assert sum(blocks) == kv.num_blocks - 1  # block 0 is the null block
     assert blocks[1] == 0

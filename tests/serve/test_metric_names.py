@@ -48,6 +48,7 @@ METRIC_TYPES = {
     "batchkit_decode_generation_tokens_total": "counter",
     "batchkit_decode_prompt_tokens_total": "counter",
     "batchkit_decode_steps_total": "counter",
+    "batchkit_decode_step_seconds_total": "counter",
     "batchkit_decode_preemptions_total": "counter",
     "batchkit_decode_tokens_per_second": "gauge",
     "batchkit_decode_time_to_first_token_seconds": "gauge",

@@ -283,6 +283,11 @@ class BatchkitCollector(Collector):
         yield counter("batchkit_decode_requests_aborted", "Requests aborted.", lambda n, s: s.scheduler.aborted)
         yield counter("batchkit_decode_steps", "Decode steps run.", lambda n, s: s.steps)
         yield counter(
+            "batchkit_decode_step_seconds",
+            "Seconds the model steps took, summed (the engine's busy time).",
+            lambda n, s: s.step_time.count * s.step_time.mean_ms / 1e3 if s.step_time.count else 0.0,
+        )
+        yield counter(
             "batchkit_decode_generation_tokens", "Tokens generated.", lambda n, s: s.scheduler.generated_tokens
         )
         yield counter(
