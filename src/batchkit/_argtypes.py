@@ -1,7 +1,8 @@
 """What every ``batchkit`` sub-command shares: argparse value types (whole and finite numbers
 within a range, each refused with one line naming the range), the limits and the flags that
 several commands take alike (``--threads``, ``--max-wait-ms``, ``--price-per-hour``,
-``--progress``), the one-line text of an error, and importing a ``module:function`` target from
+``--progress``), the error a command raises for a bad argument found after parsing
+(:class:`UsageError`), the one-line text of an error, and importing a ``module:function`` target from
 the current folder."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __all__ = [
     "MAX_SECONDS",
     "MAX_THREADS",
     "MAX_WAIT_MS",
+    "UsageError",
     "add_max_wait_ms",
     "add_price_per_hour",
     "add_progress",
@@ -26,6 +28,13 @@ __all__ = [
     "one_line",
     "wants_progress",
 ]
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing; its message names the argument and the fix. The
+    command prints it as one line on stderr and exits with status 2 (``batchkit`` and every
+    sub-command alike)."""
+
 
 # Upper bounds: generous for real use, small enough that a typo cannot hang the machine or
 # exhaust its memory. Each command's --help states the ones it takes.

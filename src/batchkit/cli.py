@@ -21,6 +21,7 @@ from ._argtypes import (
     MAX_SECONDS,
     MAX_THREADS,
     MAX_WAIT_MS,
+    UsageError,
     add_max_wait_ms,
     add_price_per_hour,
     add_progress,
@@ -33,7 +34,7 @@ from ._argtypes import float_in as _float_in
 from ._argtypes import int_in as _int_in
 from ._cpu import allowed_cpus, configure_cpu_threads
 from .demo.cli import add_demo_parser, run_demo
-from .jobs.cli import _UsageError, add_run_parser, run_cli
+from .jobs.cli import add_run_parser, run_cli
 
 __all__ = ["main"]
 
@@ -100,13 +101,13 @@ def _check_writable(path: str, option: str) -> None:
     if it did not exist), so that the run does not fail at its end."""
     p = Path(path)
     if p.is_dir():
-        raise _UsageError(f"argument {option}: {path!r} is a folder: pass a file name")
+        raise UsageError(f"argument {option}: {path!r} is a folder: pass a file name")
     existed = p.exists()
     try:
         with p.open("ab"):
             pass
     except OSError as exc:
-        raise _UsageError(
+        raise UsageError(
             f"argument {option}: cannot write {path!r} ({exc.strerror or exc}): pick another path"
         ) from None
     if not existed:
@@ -117,7 +118,7 @@ def _require(module: str, what: str, extra: str) -> Any:
     try:
         return __import__(module)
     except ImportError:
-        raise _UsageError(f"{what} needs {module}: pip install 'batchkit[{extra}]'") from None
+        raise UsageError(f"{what} needs {module}: pip install 'batchkit[{extra}]'") from None
 
 
 def _load(spec: str, option: str) -> Callable[..., Any]:
@@ -127,7 +128,7 @@ def _load(spec: str, option: str) -> Callable[..., Any]:
     try:
         return load_callable(spec)
     except ValueError as exc:
-        raise _UsageError(f"argument {option}: {exc}") from None
+        raise UsageError(f"argument {option}: {exc}") from None
 
 
 # ---------------------------------------------------------------------- demo
@@ -155,13 +156,13 @@ def _prepare_plan(args: argparse.Namespace) -> Callable[[], int]:
         try:
             dtype_bytes = dtype_bytes_of(config.get("torch_dtype") or config.get("dtype") or "float16")
         except ValueError as exc:
-            raise _UsageError(f"argument {option}: {exc}".replace("pass dtype_bytes", "pass --dtype-bytes")) from None
+            raise UsageError(f"argument {option}: {exc}".replace("pass dtype_bytes", "pass --dtype-bytes")) from None
     try:
         shape = ModelShape.from_hf_config(config, dtype_bytes=dtype_bytes)
     except ValueError as exc:
-        raise _UsageError(f"argument {option}: {exc}") from None
+        raise UsageError(f"argument {option}: {exc}") from None
     if args.weights_gib is None and shape.num_params is None:
-        raise _UsageError(
+        raise UsageError(
             f"argument --weights-gib: {name} has no hidden_size to estimate the weights from: pass --weights-gib"
         )
     try:
@@ -180,7 +181,7 @@ def _prepare_plan(args: argparse.Namespace) -> Callable[[], int]:
             msg += ": lower --weights-gib or --activation-gib, or raise --device-gib or --gpu-memory-utilization"
         elif "block_size" in msg:
             msg = msg.replace("use a smaller block_size", "lower --block-size")
-        raise _UsageError(msg) from None
+        raise UsageError(msg) from None
 
     def run() -> int:
         print(
@@ -206,12 +207,12 @@ def _option(dest: str) -> str:
 
 def _prepare_bench(args: argparse.Namespace) -> Callable[[], int]:
     if args.burstiness is not None and args.rate is None:
-        raise _UsageError("argument --burstiness: shapes open-loop arrivals: pass --rate too")
+        raise UsageError("argument --burstiness: shapes open-loop arrivals: pass --rate too")
     if args.url is not None:
         return _prepare_bench_url(args)
     given = [dest for dest in _URL_ONLY if getattr(args, dest) is not None]
     if given:
-        raise _UsageError(f"argument {_option(given[0])}: applies to --url only: pass --url, or drop it")
+        raise UsageError(f"argument {_option(given[0])}: applies to --url only: pass --url, or drop it")
     if args.target is None:
         args.target = "demo"
     return _prepare_bench_target(args)
@@ -221,25 +222,25 @@ def _prepare_bench_url(args: argparse.Namespace) -> Callable[[], int]:
     from urllib.parse import urlsplit
 
     if args.target is not None:
-        raise _UsageError(
+        raise UsageError(
             f"argument --url: not allowed with the target {args.target!r}: load-test a server or a function, not both"
         )
     for dest, hint in _TARGET_ONLY.items():
         if getattr(args, dest) is not None:
-            raise _UsageError(f"argument {_option(dest)}: applies to a target, not to --url{hint}")
+            raise UsageError(f"argument {_option(dest)}: applies to a target, not to --url{hint}")
     parts = urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise _UsageError(f"argument --url: expected http://HOST:PORT (the server's base URL), got {args.url!r}")
+        raise UsageError(f"argument --url: expected http://HOST:PORT (the server's base URL), got {args.url!r}")
     try:
         parts.port  # noqa: B018 - raises ValueError for a port out of range
     except ValueError:
-        raise _UsageError(f"argument --url: the port of {args.url!r} is not in 0..65535") from None
+        raise UsageError(f"argument --url: the port of {args.url!r} is not in 0..65535") from None
     if args.prompt is not None and not args.prompt.strip():
-        raise _UsageError("argument --prompt: is empty: pass some text")
+        raise UsageError("argument --prompt: is empty: pass some text")
     try:
         __import__("httpx")
     except ImportError:
-        raise _UsageError("argument --url needs httpx: pip install httpx") from None
+        raise UsageError("argument --url needs httpx: pip install httpx") from None
     if args.json is not None:
         _check_writable(args.json, "--json")
     from .serve.loadtest import run_load_test
@@ -647,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             run = args.prepare(args)
-        except _UsageError as exc:
+        except UsageError as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         return int(run())

@@ -23,6 +23,7 @@ from typing import Any
 from .._argtypes import (
     MAX_SECONDS,
     MAX_WAIT_MS,
+    UsageError,
     add_max_wait_ms,
     add_price_per_hour,
     add_progress,
@@ -239,12 +240,6 @@ def add_run_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.ArgumentPa
     return p
 
 
-class _UsageError(Exception):
-    """A bad argument found after parsing; its message names the argument and the fix. The
-    command prints it as one line on stderr and exits with status 2 (``batchkit.cli`` raises it
-    for its own commands too)."""
-
-
 class _Terminated(BaseException):
     """SIGTERM arrived (``kill``, a scheduler stopping the job): stop like Ctrl-C does."""
 
@@ -272,14 +267,14 @@ def _sigterm_stops_the_job() -> Iterator[None]:
 def _check_file_arg(path: str, option: str) -> Path:
     p = Path(path)
     if p.is_dir():
-        raise _UsageError(f"argument {option}: {path!r} is a folder: pass a file name")
+        raise UsageError(f"argument {option}: {path!r} is a folder: pass a file name")
     if p.exists() and not p.is_file():
-        raise _UsageError(
+        raise UsageError(
             f"argument {option}: {path!r} is not a regular file (a pipe or a device): the job reads it back to "
             "resume: pass a file name"
         )
     if not p.parent.is_dir():
-        raise _UsageError(f"argument {option}: the folder of {path!r} does not exist: create it or pick another path")
+        raise UsageError(f"argument {option}: the folder of {path!r} does not exist: create it or pick another path")
     return p
 
 
@@ -290,7 +285,7 @@ def _load_target(spec: str) -> Any:
     try:
         return load_callable(spec)
     except ValueError as exc:
-        raise _UsageError(f"argument MODULE:FUNCTION: {exc}") from None
+        raise UsageError(f"argument MODULE:FUNCTION: {exc}") from None
 
 
 def _model_name(args: argparse.Namespace) -> str | None:
@@ -306,7 +301,7 @@ def _model_target(args: argparse.Namespace, built: contextlib.ExitStack) -> Any:
     try:
         from ..models.pretrained import has_tokenizer, load_pretrained, model_source_problem, resolve_source
     except ModuleNotFoundError as exc:
-        raise _UsageError(f"argument --model needs {exc.name}: pip install 'batchkit[models]'") from None
+        raise UsageError(f"argument --model needs {exc.name}: pip install 'batchkit[models]'") from None
     tokenizer_option, tokenizer_source = (
         ("--model", args.model) if args.tokenizer is None else ("--tokenizer", args.tokenizer)
     )
@@ -314,12 +309,12 @@ def _model_target(args: argparse.Namespace, built: contextlib.ExitStack) -> Any:
         try:
             where = resolve_source(source)
         except FileNotFoundError as exc:
-            raise _UsageError(f"argument {option}: {exc}") from None
+            raise UsageError(f"argument {option}: {exc}") from None
         problem = model_source_problem(where) if option == "--model" else None
         if problem:
-            raise _UsageError(f"argument --model: {problem}")
+            raise UsageError(f"argument --model: {problem}")
     if not has_tokenizer(where):  # the tokenizer's source, resolved last
-        raise _UsageError(
+        raise UsageError(
             f"argument {tokenizer_option}: {where} has no tokenizer files: pass --tokenizer a source that has one"
         )
     from .generate import generate_fn
@@ -353,36 +348,34 @@ def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
     input is such a file is told the option, instead of dead-lettering every line."""
     if args.format != "openai-batch":
         if args.served_model_name is not None:
-            raise _UsageError(
-                "argument --served-model-name: goes with --format openai-batch (the name its bodies give)"
-            )
+            raise UsageError("argument --served-model-name: goes with --format openai-batch (the name its bodies give)")
         if args.model is not None and not is_parquet(src):
             from .openai_batch import looks_like_openai_batch
 
             if looks_like_openai_batch(src, args.prompt_field):
-                raise _UsageError(
+                raise UsageError(
                     f"argument --input: {str(src)!r} holds OpenAI Batch request lines (custom_id, body): pass "
                     "--format openai-batch to answer them"
                 )
         return
     if args.model is None:
-        raise _UsageError("argument --format: openai-batch answers each request with a model: pass --model SOURCE")
+        raise UsageError("argument --format: openai-batch answers each request with a model: pass --model SOURCE")
     if args.served_model_name is not None and not args.served_model_name.strip():
-        raise _UsageError("argument --served-model-name: must be a name (the one bodies give as their model), got ''")
+        raise UsageError("argument --served-model-name: must be a name (the one bodies give as their model), got ''")
     # A body says its own prompt and sampling; --max-new-tokens, --max-num-seqs and --num-blocks still apply.
     per_body = {"--prompt-field", "--chat", "--temperature"}
     options = [("--line-ids", args.line_ids), ("--id-field", "--id-field" in args.given)]
     options += [(o, is_set) for o, is_set in _generation_options(args) if o in per_body]
     given = [option for option, is_set in options if is_set]
     if given:
-        raise _UsageError(
+        raise UsageError(
             f"argument {given[0]}: not with --format openai-batch: each line's custom_id is its id, and its url "
             "and body say what to generate and how"
         )
     if is_parquet(src):
-        raise _UsageError("argument --input: --format openai-batch reads a JSONL file of request lines, not Parquet")
+        raise UsageError("argument --input: --format openai-batch reads a JSONL file of request lines, not Parquet")
     if is_parquet(out):
-        raise _UsageError(
+        raise UsageError(
             "argument --output: --format openai-batch writes OpenAI's JSONL output format: name a .jsonl file"
         )
     from .openai_batch import check_custom_ids
@@ -390,7 +383,7 @@ def _check_openai_batch(args: argparse.Namespace, src: Path, out: Path) -> None:
     try:
         check_custom_ids(src)
     except ValueError as exc:
-        raise _UsageError(f"argument --input: {exc}") from None
+        raise UsageError(f"argument --input: {exc}") from None
 
 
 def _generation_options(args: argparse.Namespace) -> list[tuple[str, bool]]:
@@ -432,7 +425,7 @@ def _check_batcher_options(args: argparse.Namespace, fn: Any = None) -> None:
         fix = f"set that where it is built, or drop {option}"
     else:
         return
-    raise _UsageError(f"argument {option}: {why}: {fix}")
+    raise UsageError(f"argument {option}: {why}: {fix}")
 
 
 # The defaults of the options whose presence is checked (parsed as None, so that given is told
@@ -475,24 +468,24 @@ def _check_parquet_files(src: Path, out: Path) -> None:
     now if the input is not one, or pyarrow is missing for either. A ``.csv`` or ``.tsv`` file is
     refused either way."""
     if src.suffix.lower() in _TABLES:
-        raise _UsageError(
+        raise UsageError(
             f"argument --input: {src.name!r} is {src.suffix[1:].upper()}; batchkit run reads JSONL (one JSON object "
             "a line) or Parquet: convert it first (pandas: read_csv(...).to_json(path, orient='records', lines=True))"
         )
     if out.suffix.lower() in _TABLES:
-        raise _UsageError(
+        raise UsageError(
             f"argument --output: batchkit run writes JSONL or Parquet: name it .jsonl or .parquet, not {out.name!r}"
         )
     if is_parquet(src):
         try:
             open_parquet(src)
         except (ValueError, ModuleNotFoundError) as exc:
-            raise _UsageError(f"argument --input: {exc}") from None
+            raise UsageError(f"argument --input: {exc}") from None
     if is_parquet(out):
         try:
             require_pyarrow()
         except ModuleNotFoundError as exc:
-            raise _UsageError(f"argument --output: {exc}") from None
+            raise UsageError(f"argument --output: {exc}") from None
 
 
 def _failure(exc: Exception, *, started: bool, src: Path) -> str:
@@ -519,7 +512,7 @@ def _check_distinct(src: Path, out: Path, dead: Path | None) -> None:
     jsonl_out = out.with_name(out.name + ".jsonl") if is_parquet(out) else out
     dead_path = dead if dead is not None else dead_letter_path_for(jsonl_out)
     if len({src.resolve(), jsonl_out.resolve(), dead_path.resolve()}) != 3:
-        raise _UsageError(
+        raise UsageError(
             f"argument --output: the input, the output and the dead-letter file must be three files, got "
             f"{str(src)!r}, {str(out)!r} and {str(dead_path)!r}"
         )
@@ -552,7 +545,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             _check_parquet_files(src, out)
             started = True
             report = _run_job(args, fn, src, out, dead, id_field)
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -582,7 +575,7 @@ def _job_files(args: argparse.Namespace) -> tuple[Path, Path, Path | None]:
             what = "is not a regular file (a job reads its input again to resume)"
         else:
             what = "does not exist"
-        raise _UsageError(f"argument --input: {args.input!r} {what}: pass the input JSONL file")
+        raise UsageError(f"argument --input: {args.input!r} {what}: pass the input JSONL file")
     out = _check_file_arg(args.output, "--output")
     dead = _check_file_arg(args.dead_letter, "--dead-letter") if args.dead_letter is not None else None
     _check_openai_batch(args, src, out)
@@ -600,7 +593,7 @@ def _id_field(args: argparse.Namespace) -> str | None:
         return None
     id_field: str = args.id_field
     if not id_field or id_field in RESERVED_FIELDS:
-        raise _UsageError(
+        raise UsageError(
             f"argument --id-field: must be a field name other than {', '.join(sorted(RESERVED_FIELDS))}, "
             f"got {id_field!r} (or pass --line-ids)"
         )
@@ -611,21 +604,21 @@ def _job_function(args: argparse.Namespace, built: contextlib.ExitStack) -> Any:
     """The job's function, with the options that do not go with it refused; ``--model``'s
     decode loop is closed with ``built``."""
     if args.tokenizer is not None and args.model is None:
-        raise _UsageError("argument --tokenizer: goes with --model (the model whose tokenizer it replaces)")
+        raise UsageError("argument --tokenizer: goes with --model (the model whose tokenizer it replaces)")
     if args.model is None:
         for option, is_set in _generation_options(args):
             if is_set:
-                raise _UsageError(
+                raise UsageError(
                     f"argument {option}: shapes the text --model generates; a MODULE:FUNCTION target "
                     "(generate_fn's included) has its own settings"
                 )
     if args.model is not None:
         if args.target is not None:
-            raise _UsageError("give MODULE:FUNCTION or --model, not both")
+            raise UsageError("give MODULE:FUNCTION or --model, not both")
         _check_batcher_options(args)
         return _model_target(args, built)
     if args.target is None:
-        raise _UsageError("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
+        raise UsageError("give MODULE:FUNCTION (the batch function) or --model (a model to generate with)")
     fn = _load_target(args.target)
     _check_batcher_options(args, fn)
     return fn
@@ -662,9 +655,9 @@ def _run_job(
             progress=progress,
         )
     except JobStateError as exc:
-        raise _UsageError(f"argument --output: {exc}") from None
+        raise UsageError(f"argument --output: {exc}") from None
     except TypeError as exc:  # run() checks its arguments before it calls anything
-        raise _UsageError(f"argument MODULE:FUNCTION: {exc}") from None
+        raise UsageError(f"argument MODULE:FUNCTION: {exc}") from None
 
 
 def _tell(prog: str, report: JobReport, *, answered_errors: int) -> None:
