@@ -274,3 +274,37 @@ class Gate:
         self.started.set()
         assert self.release.wait(GATE_WAIT_S)
         return list(xs)
+
+
+def scattered_pages(
+    seed: int,
+    q_lens: list[int],
+    ctx: list[int],
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    d: int = 8,
+    bs: int = 4,
+    dtype: Any = None,
+) -> tuple[Any, ...]:
+    """Random paged K/V with each sequence's blocks scattered over the pool, and its queries:
+    ``(query, key_cache, value_cache, block_tables, seq_lens, query_lens)``, float64 unless
+    ``dtype`` says otherwise; the tables end in a column of null-block padding."""
+    import random
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    nb = [-(-c // bs) for c in ctx]
+    num_blocks = 1 + sum(nb) + 3
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables = torch.zeros(len(ctx), max(nb) + 1, dtype=torch.int32)
+    for i, n in enumerate(nb):
+        tables[i, :n] = torch.tensor([ids.pop() for _ in range(n)])
+    want = dtype or torch.float64
+    k = torch.randn(num_blocks, bs, kv_heads, d, generator=g, dtype=torch.float64).to(want)
+    v = torch.randn(num_blocks, bs, kv_heads, d, generator=g, dtype=torch.float64).to(want)
+    q = torch.randn(sum(q_lens), heads, d, generator=g, dtype=torch.float64).to(want)
+    return q, k, v, tables, torch.tensor(ctx), torch.tensor(q_lens)

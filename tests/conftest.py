@@ -54,3 +54,13 @@ def _cpu_threads_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     if torch is not None and threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # the torch loaded before the test (a test may swap in a fake)
+
+
+@pytest.fixture(autouse=True)
+def _native_attention_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that builds the native decode attention (a docs snippet, a compiled step) turns it
+    on for this process: it is put back as it was after the test, so that no later test's
+    attention changes kernel under it."""
+    from batchkit.kv import native
+
+    monkeypatch.setattr(native, "_kernel", native._kernel)

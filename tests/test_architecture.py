@@ -46,6 +46,7 @@ FLOORS: dict[str, int] = {
     "kv.ops": 0,
     "kv.planner": 1,
     "kv.attention": 1,
+    "kv.native": 0,
     "kv.blocks": 0,
     "kv.tables": 0,
     "kv.prefix": 0,

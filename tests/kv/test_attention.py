@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
 
+from _support import scattered_pages
 from batchkit.kv.attention import plan_attention, planned_attention
 from batchkit.kv.ops import paged_attention
 
@@ -16,21 +16,8 @@ torch = pytest.importorskip("torch")
 def _case(
     seed: int, q_lens: list[int], ctx: list[int], heads: int = 4, kv_heads: int = 2, bs: int = 4
 ) -> tuple[Any, ...]:
-    """Random paged K/V with each sequence's blocks scattered over the pool."""
-    g = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    d = 8
-    nb = [-(-c // bs) for c in ctx]
-    num_blocks = 1 + sum(nb) + 3
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    tables = torch.zeros(len(ctx), max(nb) + 1, dtype=torch.int32)  # one column of null padding
-    for i, n in enumerate(nb):
-        tables[i, :n] = torch.tensor([ids.pop() for _ in range(n)])
-    k = torch.randn(num_blocks, bs, kv_heads, d, generator=g, dtype=torch.float64)
-    v = torch.randn(num_blocks, bs, kv_heads, d, generator=g, dtype=torch.float64)
-    q = torch.randn(sum(q_lens), heads, d, generator=g, dtype=torch.float64)
-    return q, k, v, tables, torch.tensor(ctx), torch.tensor(q_lens)
+    """Random paged K/V with each sequence's blocks scattered over the pool (float64)."""
+    return scattered_pages(seed, q_lens, ctx, heads=heads, kv_heads=kv_heads, bs=bs)
 
 
 @pytest.mark.parametrize(

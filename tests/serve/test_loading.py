@@ -75,22 +75,36 @@ def test_an_app_whose_models_fail_to_load_stays_up_and_answers_503_load_failed(t
 
 
 def test_compile_step_compiles_a_model_that_has_a_compiled_step_and_warns_for_others(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ServeSettings(compile_step=True) turns on the native Llama's compiled step at load; a model
-    without one (an HFStepModel) keeps running eagerly, and the log says so."""
+    without one (an HFStepModel) keeps running eagerly, and the log says so; both build the
+    native decode attention."""
     pytest.importorskip("torch")
+    import batchkit.models.llama as llama
     from batchkit.models import LlamaConfig, LlamaModel
     from batchkit.serve.loading import _compile_step
 
+    built: list[bool] = []  # the native attention's build: kept out of this process's other tests
+
+    def build() -> bool:
+        built.append(True)
+        return True
+
+    monkeypatch.setattr(llama, "build_decode_attention", build)
     model = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
     _compile_step(model)
     assert model._compiled is not None
+    assert built == [True]  # inductor's compile builds the native decode attention too
 
     class Eager:
         def __call__(self, batch: Any, kv: Any) -> Any:
             raise AssertionError("not called")
 
+    import batchkit.serve.loading as loading
+
+    monkeypatch.setattr(loading, "build_decode_attention", build)
     with caplog.at_level(logging.WARNING, logger="batchkit.serve.loading"):
         _compile_step(Eager())
     assert "Eager has no compiled step: its steps run eagerly" in caplog.text
+    assert built == [True, True]  # its decodes' attention goes native all the same

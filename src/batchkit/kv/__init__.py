@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import native as native  # the native CPU decode attention (built on request; no torch import)
 from .allocator import AllocatorStatistics, InvalidBlock, PagedKVAllocator, UnknownSequence
 from .cache import PagedKVCache
 from .planner import KVPlan, ModelShape, kv_cache_bytes, plan

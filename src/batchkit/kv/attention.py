@@ -6,8 +6,10 @@ index tensors and masks that attention needs (one host round trip per step), and
 :func:`planned_attention` runs one layer with them: the decodes (one new token each) in one
 batched ``scaled_dot_product_attention`` over their pages, a KV head's query heads as that head's
 queries (or, for bfloat16 pages on a CPU without AMX, two batched matmuls), the prefill chunks in
-another, each padded to its longest member. :func:`batchkit.kv.ops.paged_attention` stays the
-plain reference; the two agree (tests hold them to it).
+another, each padded to its longest member. Once :func:`batchkit.kv.native.build_decode_attention`
+has built it, the decodes run on batchkit's native CPU kernel instead, over the pages where they
+lie. :func:`batchkit.kv.ops.paged_attention` stays the plain reference; they all agree (tests hold
+them to it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._cpu import has_amx
+from .native import decode_attention
 
 __all__ = ["AttentionPlan", "low_precision_attention", "plan_attention", "planned_attention"]
 
@@ -27,11 +30,13 @@ class _Group:
     """Sequences attended together: their pages, query rows and mask."""
 
     tables: Tensor  # [S * nb] int64 block ids, sequence by sequence (flat for index_select)
+    lens: Tensor  # [S] int64 context lengths, the new tokens included
     query_index: Tensor  # [S, q_max] int64 rows of the flattened query (padding: row 0)
     mask: Tensor  # [S, 1, q_max, nb * block_size] bool, True where a query may attend
     out_rows: Tensor  # [n] rows of the flattened output that real queries fill
     out_select: Tensor  # [n] their positions in the flattened [S * q_max] result
     whole: bool  # one query per sequence, every query of the step, in order: no gather or scatter
+    window: int | None = None  # a sliding window the mask holds (set with the mask; None: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +103,7 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, b
         groups.append(
             _Group(
                 tables=tables.reshape(-1),
+                lens=lens.to(device),
                 query_index=query_index.to(device),
                 mask=mask[:, None].to(device),
                 out_rows=query_index.reshape(-1)[flat_valid].to(device),
@@ -137,7 +143,9 @@ def planned_attention(
         :func:`low_precision_attention` says so (its kernels accumulate them in float32);
         elsewhere bfloat16 decodes are two bfloat16 matmuls (accumulated in float32, their
         results rounded to bfloat16 as transformers' eager attention rounds them) around a
-        float32 softmax, and everything else is computed in float32 or wider.
+        float32 softmax, and everything else is computed in float32 or wider. Decodes on the
+        native kernel (:mod:`batchkit.kv.native`, once built) are accumulated in float32 and
+        rounded once.
 
     Raises:
         ValueError: a query that does not match the plan, or heads that do not group.
@@ -164,6 +172,14 @@ def planned_attention(
         s_, q_max = g.query_index.shape
         width = g.mask.shape[-1]
         q = query if g.whole else query.index_select(0, g.query_index.reshape(-1))
+        o = None
+        if q_max == 1:  # decodes: the native kernel where it is built (batchkit.kv.native)
+            o = decode_attention(q, key_cache, value_cache, g.tables.view(s_, -1), g.lens, scale, g.window)
+        if o is not None:
+            if out is None:
+                return o
+            out.index_copy_(0, g.out_rows, o.index_select(0, g.out_select))
+            continue
         # Whole blocks (contiguous runs of block_size rows), not single tokens: [S, W, Hkv, D].
         # index_select on dim 0, not advanced indexing: a row copy, several times faster on CPU.
         k = key_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim)

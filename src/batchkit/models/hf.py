@@ -117,7 +117,7 @@ def _windowed(plan: AttentionPlan, window: int) -> AttentionPlan:
     for g in plan.groups:
         q_pos = g.mask.sum(-1, keepdim=True) - 1  # [S, 1, q_max, 1]
         k_pos = torch.arange(g.mask.shape[-1], device=g.mask.device)
-        groups.append(dataclasses.replace(g, mask=g.mask & (k_pos > q_pos - window)))
+        groups.append(dataclasses.replace(g, mask=g.mask & (k_pos > q_pos - window), window=window))
     return AttentionPlan(num_tokens=plan.num_tokens, groups=tuple(groups))
 
 

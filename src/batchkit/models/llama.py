@@ -23,6 +23,7 @@ from ..continuous.step import StepBatch
 from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
 from ..kv.compiled import attention_plan  # also registers torch.ops.batchkit.write_kv / paged_attention
+from ..kv.native import build_decode_attention
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -488,6 +489,11 @@ class LlamaModel(nn.Module):
         disk makes a later start faster); a step with padding slots, or on a cache that runs
         batchkit's CUDA kernels, runs eagerly.
 
+        With inductor, it first builds batchkit's native CPU decode attention
+        (:func:`batchkit.kv.native.build_decode_attention`: about 30 s the first time on a small
+        CPU, cached on disk after), which then runs every decode's attention, eager or compiled.
+        A build that fails (no C++ compiler) is logged and leaves attention on torch.
+
         The K/V write and the attention run as batchkit's custom operators
         (:mod:`batchkit.kv.compiled`), so the compiled graph writes the cache in place; the
         linear layers run as one operator each, on the same oneDNN weights as the eager step
@@ -501,6 +507,8 @@ class LlamaModel(nn.Module):
         or one sampled row (torch specializes sizes 0 and 1), so a server compiles about four
         graphs, each once.
         """
+        if backend == "inductor":  # inductor needs the C++ compiler the kernel's build needs
+            build_decode_attention()
         keys = {layer: _register_linear(self, layer) for layer in self.modules() if isinstance(layer, nn.Linear)}
 
         def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..continuous.loop import ContinuousDecodeLoop
 from ..control import CircuitBreaker
 from ..dynamic.decorator import BatchedFunction, batched
+from ..kv.native import build_decode_attention
 from .admission import WaitingRoom
 from .metrics import BatchkitCollector
 from .settings import ServeSettings
@@ -123,10 +124,12 @@ class ServedModels:
 
 def _compile_step(model: Any) -> None:
     """Compile the chat model's step where it has a compiled form (the native ``LlamaModel``);
-    any other model runs eagerly, and the log says so."""
+    any other model runs eagerly, and the log says so, its decodes' attention on the native CPU
+    kernel where it builds (``HFStepModel``'s attention is batchkit's planned attention)."""
     compile_step = getattr(model, "compile_step", None)
     if compile_step is None:
         logger.warning("%s has no compiled step: its steps run eagerly", type(model).__name__)
+        build_decode_attention()
         return
     compile_step()
     logger.info("%s: its step compiles at the first generation (the warm-up, if on)", type(model).__name__)

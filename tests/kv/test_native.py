@@ -1,0 +1,156 @@
+"""The native CPU decode attention (batchkit.kv.native) against the torch path it replaces.
+
+The kernel is built once per test session (about 30 s the first time, then loaded from torch's
+extensions cache), and each test turns it on for itself only: other tests keep the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from _support import scattered_pages
+from batchkit.kv import native
+from batchkit.kv.attention import plan_attention, planned_attention
+from batchkit.kv.ops import paged_attention
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Callable[..., Any]:
+    """The built kernel, left off between tests (each test turns it on with ``native_on``)."""
+    if not native.build_decode_attention():
+        pytest.skip(f"the native decode attention does not build here: {native._failed}")
+    built = native._kernel
+    assert built is not None
+    native._kernel = None
+    return built
+
+
+@pytest.fixture
+def native_on(kernel: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_kernel", kernel)
+
+
+def _pages(seed: int, ctx: list[int], dtype: Any, heads: int = 6, kv_heads: int = 2, d: int = 16) -> tuple[Any, ...]:
+    """Random decodes (one query per sequence) over pages scattered through a pool."""
+    q, k, v, tables, lens, _ = scattered_pages(
+        seed, [1] * len(ctx), ctx, heads=heads, kv_heads=kv_heads, d=d, dtype=dtype
+    )
+    return q, k, v, tables, lens
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("ctx", [[1], [4, 5, 1, 12], [33, 2, 16, 7, 40]])
+def test_native_decodes_equal_the_reference_in_float32(
+    native_on: None, heads: int, kv_heads: int, ctx: list[int]
+) -> None:
+    """Float32 decodes through planned_attention run on the kernel and equal ops.paged_attention
+    (in float64) to float32 rounding: contexts of one token, of whole blocks and of partial
+    ones, every grouping of query heads over KV heads."""
+    q, k, v, tables, lens = _pages(sum(ctx), ctx, torch.float32, heads=heads, kv_heads=kv_heads)
+    ones = torch.ones(len(ctx), dtype=torch.int64)
+    plan = plan_attention(tables, lens, ones, block_size=4)
+    got = planned_attention(q, k, v, plan)
+    want = paged_attention(q.double(), k.double(), v.double(), tables, lens, ones)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    direct = native.decode_attention(q, k, v, plan.groups[0].tables.view(len(ctx), -1), lens.long(), 16**-0.5)
+    assert direct is not None
+    torch.testing.assert_close(direct, got, rtol=0, atol=0)  # planned_attention ran the kernel
+
+
+def test_native_bfloat16_decodes_follow_the_torch_path(native_on: None, kernel: Callable[..., Any]) -> None:
+    """bfloat16 pages: the kernel's result (accumulated in float32, rounded once) is within
+    bfloat16 rounding of the torch path's and of the float64 reference."""
+    ctx = [9, 30, 1, 17]
+    q, k, v, tables, lens = _pages(3, ctx, torch.bfloat16)
+    ones = torch.ones(len(ctx), dtype=torch.int64)
+    plan = plan_attention(tables, lens, ones, block_size=4)
+    got = planned_attention(q, k, v, plan)
+    native._kernel = None
+    torch_path = planned_attention(q, k, v, plan)
+    native._kernel = kernel
+    want = paged_attention(q.double(), k.double(), v.double(), tables, lens, ones)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, torch_path, rtol=3e-2, atol=3e-2)
+
+
+def test_a_step_of_decodes_and_prefill_chunks_runs_each_where_it_belongs(native_on: None) -> None:
+    """A mixed step: the decodes go to the kernel, the prefill chunks to torch's SDPA, and every
+    token's output lands in its row (the reference, to float32 rounding)."""
+    q_lens, ctx = [1, 5, 1, 3], [12, 5, 7, 9]
+    q, k, v, tables, lens = _pages(5, ctx, torch.float32)
+    q = torch.randn(sum(q_lens), q.shape[1], q.shape[2], generator=torch.Generator().manual_seed(6))
+    query_lens = torch.tensor(q_lens)
+    plan = plan_attention(tables, lens, query_lens, block_size=4)
+    got = planned_attention(q, k, v, plan)
+    want = paged_attention(q.double(), k.double(), v.double(), tables, lens, query_lens)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_pages_the_kernel_does_not_take_go_to_torch(native_on: None) -> None:
+    """float16 and float64 pages, and pages that are not contiguous, are not the kernel's:
+    decode_attention answers None and planned_attention's torch path runs them."""
+    ctx = [6, 3]
+    for dtype in (torch.float16, torch.float64):
+        q, k, v, tables, lens = _pages(7, ctx, dtype)
+        assert native.decode_attention(q, k, v, tables.long(), lens, 0.25) is None
+        ones = torch.ones(len(ctx), dtype=torch.int64)
+        got = planned_attention(q, k, v, plan_attention(tables, lens, ones, block_size=4))
+        want = paged_attention(q.double(), k.double(), v.double(), tables, lens, ones)
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+    q, k, v, tables, lens = _pages(8, ctx, torch.float32)
+    strided = torch.cat([k, k], dim=-1)[..., : k.shape[-1]]
+    assert not strided.is_contiguous()
+    assert native.decode_attention(q, strided, v, tables.long(), lens, 0.25) is None
+
+
+def test_a_failed_build_is_reported_once_and_leaves_torch_in_place(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No compiler (the build raises): build_decode_attention answers False, says why once in the
+    log, does not try again, and decode_attention answers None."""
+    import torch.utils.cpp_extension as ext
+
+    calls = []
+
+    def no_compiler(**kwargs: Any) -> Any:
+        calls.append(kwargs["name"])
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(ext, "load_inline", no_compiler)
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_failed", None)
+    with caplog.at_level(logging.WARNING, logger="batchkit.kv.native"):
+        assert native.build_decode_attention() is False
+        assert native.build_decode_attention() is False
+    assert caplog.text.count("the native decode attention did not build") == 1
+    assert len(calls) == 1
+    assert calls[0].startswith("batchkit_decode_attention_")
+    assert native._failed == "RuntimeError: no C++ compiler"
+    q, k, v, tables, lens = _pages(9, [3], torch.float32)
+    assert native.decode_attention(q, k, v, tables.long(), lens, 0.25) is None
+
+
+def test_a_sliding_window_limits_the_keys_the_kernel_reads(native_on: None) -> None:
+    """An HFStepModel layer with a sliding window attends over its last ``window`` keys: the
+    windowed plan's decodes on the kernel equal the torch path over the same windowed mask."""
+    from batchkit.models.hf import _windowed
+
+    ctx = [3, 11, 20, 6]
+    q, k, v, tables, lens = _pages(10, ctx, torch.float32)
+    ones = torch.ones(len(ctx), dtype=torch.int64)
+    plan = _windowed(plan_attention(tables, lens, ones, block_size=4), 5)
+    assert plan.groups[0].window == 5
+    got = planned_attention(q, k, v, plan)
+    native._kernel = None
+    want = planned_attention(q, k, v, plan)  # the torch path reads the window from the mask
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    full = planned_attention(q, k, v, plan_attention(tables, lens, ones, block_size=4))
+    assert not torch.allclose(full[1:3], want[1:3])  # the window cut keys of the longer sequences
