@@ -172,35 +172,34 @@ def planned_attention(
         s_, q_max = g.query_index.shape
         width = g.mask.shape[-1]
         q = query if g.whole else query.index_select(0, g.query_index.reshape(-1))
-        o = None
-        if q_max == 1:  # decodes: the native kernel where it is built (batchkit.kv.native)
-            o = decode_attention(q, key_cache, value_cache, g.tables.view(s_, -1), g.lens, scale, g.window)
-        if o is not None:
-            if out is None:
-                return o
-            out.index_copy_(0, g.out_rows, o.index_select(0, g.out_select))
-            continue
-        # Whole blocks (contiguous runs of block_size rows), not single tokens: [S, W, Hkv, D].
-        # index_select on dim 0, not advanced indexing: a row copy, several times faster on CPU.
-        k = key_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim)
-        v = value_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim)
-        if by_matmul and q_max == 1:
-            o = _decode_by_matmul(q, k, v, g.mask, scale)
-        elif q_max == 1:
-            # One query per sequence: each KV head's query heads are that head's queries, so
-            # SDPA runs S x Hkv (sequence, KV head) pairs of `group` queries rather than S x H
-            # pairs of one (1.5-1.8x faster on a CPU, where each pair costs a fixed overhead).
-            k, v = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # [S, Hkv, W, D]
-            q = q.view(s_, num_kv, num_heads // num_kv, head_dim).to(acc)  # head h reads KV head h // group
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
-            o = o.reshape(s_, num_heads, head_dim).to(query.dtype)
-        else:
-            k, v = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # [S, Hkv, W, D]
-            q = q.view(s_, q_max, num_heads, head_dim).to(acc).transpose(1, 2)  # [S, H, q_max, D]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv
-            )
-            o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim).to(query.dtype)
+        # Decodes on the native kernel where it is built (batchkit.kv.native), else on torch.
+        o = (
+            decode_attention(q, key_cache, value_cache, g.tables.view(s_, -1), g.lens, scale, g.window)
+            if q_max == 1
+            else None
+        )
+        if o is None:
+            # Whole blocks (contiguous runs of block_size rows), not single tokens: [S, W, Hkv, D].
+            # index_select on dim 0, not advanced indexing: a row copy, several times faster on CPU.
+            k = key_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim)
+            v = value_cache.index_select(0, g.tables).view(s_, width, num_kv, head_dim)
+            if by_matmul and q_max == 1:
+                o = _decode_by_matmul(q, k, v, g.mask, scale)
+            elif q_max == 1:
+                # One query per sequence: each KV head's query heads are that head's queries, so
+                # SDPA runs S x Hkv (sequence, KV head) pairs of `group` queries rather than S x H
+                # pairs of one (1.5-1.8x faster on a CPU, where each pair costs a fixed overhead).
+                k, v = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # [S, Hkv, W, D]
+                q = q.view(s_, num_kv, num_heads // num_kv, head_dim).to(acc)  # head h reads KV head h // group
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+                o = o.reshape(s_, num_heads, head_dim).to(query.dtype)
+            else:
+                k, v = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # [S, Hkv, W, D]
+                q = q.view(s_, q_max, num_heads, head_dim).to(acc).transpose(1, 2)  # [S, H, q_max, D]
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv
+                )
+                o = o.transpose(1, 2).reshape(s_ * q_max, num_heads, head_dim).to(query.dtype)
         if out is None:  # the one group holds every query in order: its output is the step's
             return o
         out.index_copy_(0, g.out_rows, o.index_select(0, g.out_select))
