@@ -7,12 +7,16 @@ blocks. Two forms of the same decode, both from the pages gathered by ``index_se
 - ``planned_attention`` as batchkit runs it: each KV head's query heads are that head's queries
   (``S x Hkv`` pairs of ``group`` queries in one SDPA call);
 - per query head: SDPA with ``enable_gqa`` over ``S x H`` pairs of one query each (the form
-  batchkit ran before).
+  batchkit ran before);
+- with ``--native``, ``planned_attention`` on batchkit's native CPU decode attention
+  (``batchkit.kv.native``, built first: about 30 s the first time), which reads the pages where
+  they lie; the two torch forms then run with it off.
 
 Prints the median microseconds per layer call of each (calls interleaved) and their ratio, and
 checks that the two agree.
 
-Run:  .venv/bin/python benchmarks/decode_attention.py [--rows 16,48] [--calls 200] [--threads 2] [--json PATH]
+Run:  .venv/bin/python benchmarks/decode_attention.py [--rows 16,48] [--calls 200] [--threads 2] [--native]
+      [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import _harness as harness
 import torch
 
+from batchkit.kv import native
 from batchkit.kv.attention import plan_attention, planned_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 64, 16, 2048
@@ -38,8 +43,19 @@ def per_query_head(q: Any, key_cache: Any, value_cache: Any, tables: Any, mask: 
     return o.transpose(1, 2).reshape(s_, HEADS, HEAD_DIM)
 
 
-def measure(dtype: torch.dtype, s_: int, calls: int, warmup: int, gen: torch.Generator, record: harness.Record) -> str:
-    """One table row: both forms on the same random pages, calls interleaved."""
+def with_kernel(kernel: Any, fn: Any) -> Any:
+    """``fn()`` with the native decode attention set to ``kernel`` (None: torch's path)."""
+    saved, native._kernel = native._kernel, kernel
+    try:
+        return fn()
+    finally:
+        native._kernel = saved
+
+
+def measure(
+    dtype: torch.dtype, s_: int, calls: int, warmup: int, gen: torch.Generator, record: harness.Record, kernel: Any
+) -> str:
+    """One table row: every form on the same random pages, calls interleaved."""
     lens = torch.randint(60, 128, (s_,), generator=gen)
     tables = torch.randperm(NUM_BLOCKS, generator=gen)[: s_ * 8].view(s_, 8).int()
     plan = plan_attention(tables, lens, torch.ones(s_, dtype=torch.int64), BLOCK_SIZE)
@@ -49,16 +65,22 @@ def measure(dtype: torch.dtype, s_: int, calls: int, warmup: int, gen: torch.Gen
     vc = torch.randn(shape, generator=gen).to(dtype)
     q = torch.randn(s_, HEADS, HEAD_DIM, generator=gen).to(dtype)
     forms = {
-        "planned": lambda: planned_attention(q, kc, vc, plan),
+        "planned": lambda: with_kernel(None, lambda: planned_attention(q, kc, vc, plan)),
         "per head": lambda: per_query_head(q, kc, vc, group.tables, group.mask),
     }
-    diff = float((forms["planned"]().float() - forms["per head"]().float()).abs().max())
+    if kernel is not None:
+        forms["native"] = lambda: with_kernel(kernel, lambda: planned_attention(q, kc, vc, plan))
+    want = forms["planned"]().float()
+    diff = max(float((forms[n]().float() - want).abs().max()) for n in forms)
     times = harness.interleave({n: lambda fn=fn: harness.timed(fn)[0] for n, fn in forms.items()}, calls, warmup)
-    planned, per_head = (harness.median(times[n]) * 1e6 for n in forms)
+    us = {n: harness.median(times[n]) * 1e6 for n in forms}
     name = str(dtype).removeprefix("torch.")
     for n in forms:
         record.add(n, [t * 1e6 for t in times[n]], "us per layer call", dtype=name, rows=s_)
-    return f"| {name} | {s_} | {planned:.0f} | {per_head:.0f} | {per_head / planned:.2f}x | {diff:.2g} |"
+    row = f"| {name} | {s_} | {us['planned']:.0f} | {us['per head']:.0f} | {us['per head'] / us['planned']:.2f}x |"
+    if kernel is not None:
+        row += f" {us['native']:.0f} | {us['native'] / us['planned']:.2f}x |"
+    return row + f" {diff:.2g} |"
 
 
 def main() -> None:
@@ -67,19 +89,26 @@ def main() -> None:
     ap.add_argument("--calls", "--repeat", type=int, default=200, help="timed calls of each form")
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls of each form before them")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--native", action="store_true", help="also time batchkit's native decode attention")
     args = ap.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
     if min(rows) < 1 or args.calls < 1 or args.threads < 1:
         ap.error("--rows, --calls and --threads must be at least 1")
     record = harness.start(args)
+    kernel = None
+    if args.native:
+        if not native.build_decode_attention():
+            raise SystemExit(f"the native decode attention did not build: {native._failed}")
+        kernel, native._kernel = native._kernel, None
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     print(f"torch threads {args.threads}; {HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}\n")
-    print("| dtype | rows | planned_attention us | per query head us | ratio | max abs difference |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    native_columns = " native us | native / planned |" if kernel is not None else ""
+    print(f"| dtype | rows | planned_attention us | per query head us | ratio |{native_columns} max abs difference |")
+    print("| --- " * (6 + 2 * (kernel is not None)) + "|")
     for dtype in (torch.bfloat16, torch.float32):
         for s_ in rows:
-            print(measure(dtype, s_, args.calls, args.warmup, gen, record))
+            print(measure(dtype, s_, args.calls, args.warmup, gen, record, kernel))
     record.write()
 
 

