@@ -36,10 +36,12 @@ def native_on(kernel: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(native, "_kernel", kernel)
 
 
-def _pages(seed: int, ctx: list[int], dtype: Any, heads: int = 6, kv_heads: int = 2, d: int = 16) -> tuple[Any, ...]:
+def _pages(
+    seed: int, ctx: list[int], dtype: Any, heads: int = 6, kv_heads: int = 2, d: int = 16, bs: int = 4
+) -> tuple[Any, ...]:
     """Random decodes (one query per sequence) over pages scattered through a pool."""
     q, k, v, tables, lens, _ = scattered_pages(
-        seed, [1] * len(ctx), ctx, heads=heads, kv_heads=kv_heads, d=d, dtype=dtype
+        seed, [1] * len(ctx), ctx, heads=heads, kv_heads=kv_heads, d=d, bs=bs, dtype=dtype
     )
     return q, k, v, tables, lens
 
@@ -62,6 +64,33 @@ def test_native_decodes_equal_the_reference_in_float32(
     direct = native.decode_attention(q, k, v, plan.groups[0].tables.view(len(ctx), -1), lens.long(), 16**-0.5)
     assert direct is not None
     torch.testing.assert_close(direct, got, rtol=0, atol=0)  # planned_attention ran the kernel
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bs", [4, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decodes_at_the_head_dims_of_real_models(native_on: None, d: int, bs: int, dtype: Any) -> None:
+    """Head dims 64 and 128 (with AVX-512, a path of their own: sixteen keys reduced at once),
+    pages smaller and larger than sixteen keys, and a window that starts inside a page: the
+    decodes equal the float64 reference to the dtype's rounding."""
+    from batchkit.models.hf import _windowed
+
+    ctx = [1, 15, 16, 17, 45, 70]
+    q, k, v, tables, lens = _pages(d + bs, ctx, dtype, heads=9, kv_heads=3, d=d, bs=bs)
+    table, scale = tables.long(), d**-0.5
+    ones = torch.ones(len(ctx), dtype=torch.int64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = native.decode_attention(q, k, v, table, lens.long(), scale)
+    assert got is not None
+    assert got.dtype == dtype
+    want = paged_attention(q.double(), k.double(), v.double(), tables, lens, ones)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    windowed = native.decode_attention(q, k, v, table, lens.long(), scale, window=21)
+    native._kernel = None
+    plan = _windowed(plan_attention(tables, lens, ones, block_size=bs), 21)
+    want = planned_attention(q.double(), k.double(), v.double(), plan, scale)
+    assert windowed is not None
+    torch.testing.assert_close(windowed.double(), want, rtol=tol, atol=tol)
 
 
 def test_native_bfloat16_decodes_follow_the_torch_path(native_on: None, kernel: Callable[..., Any]) -> None:

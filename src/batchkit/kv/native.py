@@ -5,8 +5,11 @@ two page gathers, a transposed copy of the keys and values, two small batched ma
 softmax per layer. On a small CPU their fixed costs are most of the attention's time. This kernel
 reads each sequence's pages where they lie (no gather, no copy), one (sequence, KV head) pair per
 task across torch's intra-op threads, and accumulates in float32: the scores, the softmax and
-the weighted sum of the values. Its result agrees with the torch path's to within the rounding
-of the dtype (the torch path rounds bfloat16 scores and weights once more).
+the weighted sum of the values. Each sequence's keys are read a page at a time (no division per
+key). Where the CPU has AVX-512 and the head dim is 64 or 128, sixteen keys' scores are reduced
+together, the value sums stay in registers and the next page is fetched ahead (docs/benchmarks.md
+has the figures). Its result agrees with the torch path's to within the rounding of the dtype
+(the torch path rounds bfloat16 scores and weights once more).
 
 It is C++ compiled with torch's extension builder at :func:`build_decode_attention`, which needs
 a C++ compiler (the same one ``torch.compile`` needs on a CPU); the build is cached per CPU
@@ -34,10 +37,9 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
-#include <vector>
-
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 static inline float to_float(float x) { return x; }
 // bfloat16 is the high half of a float32: a shift, which the compiler vectorizes.
@@ -48,9 +50,181 @@ static inline float to_float(at::BFloat16 x) {
   return f;
 }
 
+// With AVX-512 and a head dim of 64 or 128, the scores and the weighted sum of the values run on
+// the intrinsics below; any other head dim, or a CPU without AVX-512, runs the loops of decode_task,
+// which the compiler vectorizes.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Fetch the cnt rows of the next page (K or V) while this one is computed: a sequence's pages lie apart.
+template <typename T>
+static inline void prefetch_rows(const T* row, int64_t stride, int64_t cnt, int64_t bytes) {
+  for (int64_t i = 0; i < cnt; ++i, row += stride)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+// Sixteen vectors to one: lane t of the result is the sum of the lanes of v[t].
+static inline __m512 sum16(__m512* v) {
+  __m512 r[8], w[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(r[2 * i]), b = _mm512_castps_pd(r[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// Scores of query heads qf[group][HD] against cnt <= 16 keys kr, kr + stride, ...: out[j * n + t].
+template <typename T, int HD>
+static inline void scores16(const float* qf, int64_t group, const T* kr, int64_t stride, int64_t cnt, float* out,
+                            int64_t n) {
+  constexpr int NV = HD / 16;
+  __m512 acc[16];
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 qv[NV];
+    for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qf + j * HD + 16 * c);
+    for (int t = 0; t < 16; ++t) {
+      if (t < cnt) {
+        const T* row = kr + t * stride;
+        __m512 a = _mm512_mul_ps(qv[0], load16(row));
+        for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(qv[c], load16(row + 16 * c), a);
+        acc[t] = a;
+      } else {
+        acc[t] = _mm512_setzero_ps();
+      }
+    }
+    _mm512_mask_storeu_ps(out + j * n, static_cast<__mmask16>((1u << cnt) - 1u), sum16(acc));
+  }
+}
+
+// The weighted sum of the values: acc[j][HD] = sum over keys t of p[j * n + t] * value t, for every query
+// head j of the group, a few heads at a time with their sums in registers.
+template <typename T, int HD>
+static inline void values16(const float* p, int64_t group, int64_t n, const T* v, const int64_t* blocks, int64_t first,
+                            int64_t end, int64_t BS, int64_t G, int64_t g, float* out) {
+  constexpr int NV = HD / 16, JC = NV >= 16 ? 1 : 16 / NV;
+  const int64_t stride = G * HD;
+  for (int64_t j0 = 0; j0 < group; j0 += JC) {
+    const int64_t jn = std::min<int64_t>(JC, group - j0);
+    __m512 acc[JC][NV];  // JC query heads' sums: at most 16 registers
+    for (int j = 0; j < JC; ++j)
+      for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t pos = first; pos < end;) {
+      const int64_t off = pos % BS, cnt = std::min(BS - off, end - pos);
+      const T* vr = v + ((blocks[pos / BS] * BS + off) * G + g) * HD;
+      if (pos + cnt < end) {
+        const int64_t next = pos + cnt, ncnt = std::min(BS, end - next);
+        prefetch_rows(v + ((blocks[next / BS] * BS) * G + g) * HD, stride, ncnt, HD * (int64_t)sizeof(T));
+      }
+      for (int64_t i = 0; i < cnt; ++i, vr += stride) {
+        const int64_t t = pos - first + i;
+        __m512 row[NV];
+        for (int c = 0; c < NV; ++c) row[c] = load16(vr + 16 * c);
+        for (int j = 0; j < JC; ++j) {
+          if (j < jn) {  // not a break: the loop unrolls and the sums stay in registers
+            const __m512 pj = _mm512_set1_ps(p[(j0 + j) * n + t]);
+            for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_fmadd_ps(pj, row[c], acc[j][c]);
+          }
+        }
+      }
+      pos += cnt;
+    }
+    for (int j = 0; j < JC; ++j)
+      if (j < jn)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + (j0 + j) * HD + 16 * c, acc[j][c]);
+  }
+}
+#endif
+
+// One (sequence, KV head) task. HD > 0 fixes the head dim at compile time (the loops over it unroll
+// and stay in registers); HD == 0 reads it from D.
+template <typename T, int HD>
+static void decode_task(const T* q, const T* k, const T* v, const int64_t* blocks, int64_t first, int64_t end,
+                        int64_t BS, int64_t G, int64_t g, int64_t group, int64_t D_, float sc, T* o,
+                        float* qf, float* acc, std::vector<float>& scores) {
+  const int64_t D = HD > 0 ? HD : D_;
+  const int64_t n = end - first, stride = G * D;
+  for (int64_t j = 0; j < group * D; ++j) qf[j] = to_float(q[j]) * sc;
+  scores.resize(group * n);
+  float* sc_ = scores.data();
+  // The scores, a page's run of keys at a time: no division per key.
+  for (int64_t pos = first; pos < end;) {
+    const int64_t off = pos % BS, cnt = std::min(BS - off, end - pos);
+    const T* kr = k + ((blocks[pos / BS] * BS + off) * G + g) * D;
+#if defined(__AVX512F__)
+    if constexpr (HD > 0 && HD % 16 == 0) {
+      if (pos + cnt < end) {
+        const int64_t next = pos + cnt, ncnt = std::min(BS, end - next);
+        prefetch_rows(k + ((blocks[next / BS] * BS) * G + g) * D, stride, ncnt, D * (int64_t)sizeof(T));
+      }
+      for (int64_t i = 0; i < cnt; i += 16)
+        scores16<T, HD>(qf, group, kr + i * stride, stride, std::min<int64_t>(16, cnt - i), sc_ + (pos - first + i), n);
+      pos += cnt;
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < cnt; ++i, kr += stride) {
+      const int64_t t = pos - first + i;
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = qf + j * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qj[d] * to_float(kr[d]);
+        sc_[j * n + t] = dot;
+      }
+    }
+    pos += cnt;
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* sj = sc_ + j * n;
+    float top = sj[0];
+    for (int64_t t = 1; t < n; ++t) top = std::max(top, sj[t]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < n; ++t) {
+      sj[t] = std::exp(sj[t] - top);
+      total += sj[t];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
+  }
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    values16<T, HD>(sc_, group, n, v, blocks, first, end, BS, G, g, acc);
+    for (int64_t j = 0; j < group * D; ++j) o[j] = static_cast<T>(acc[j]);
+    return;
+  }
+#endif
+  std::fill(acc, acc + group * D, 0.f);
+  for (int64_t pos = first; pos < end;) {
+    const int64_t off = pos % BS, cnt = std::min(BS - off, end - pos);
+    const T* vr = v + ((blocks[pos / BS] * BS + off) * G + g) * D;
+    for (int64_t i = 0; i < cnt; ++i, vr += stride) {
+      const int64_t t = pos - first + i;
+      for (int64_t j = 0; j < group; ++j) {
+        const float p = sc_[j * n + t];
+        float* aj = acc + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) aj[d] += p * to_float(vr[d]);
+      }
+    }
+    pos += cnt;
+  }
+  for (int64_t j = 0; j < group * D; ++j) o[j] = static_cast<T>(acc[j]);
+}
+
 // query [S, H, D]; key/value caches [NB, BS, G, D]; tables [S, max_blocks] int64; lens [S] int64.
 // A sequence of length n attends over its keys [n - window, n) (window <= 0: all of them).
-template <typename T>
+template <typename T, int HD>
 static void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale,
                    int64_t window) {
@@ -65,53 +239,26 @@ static void decode(const at::Tensor& query, const at::Tensor& key_cache, const a
   T* o = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, S * G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), row(D), scores;
+    std::vector<float> qf(group * D), acc(group * D), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / G, g = task % G;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len[s] - window) : 0, n = len[s] - first;
-      const int64_t* blocks = table + s * max_blocks;
-      for (int64_t j = 0; j < group * D; ++j) qf[j] = to_float(q[(s * H + g * group) * D + j]) * sc;
-      scores.assign(group * n, 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* kr = k + ((blocks[pos / BS] * BS + pos % BS) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = to_float(kr[d]);
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = qf.data() + j * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qj[d] * row[d];
-          scores[j * n + t] = dot;
-        }
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        float* sj = scores.data() + j * n;
-        const float top = *std::max_element(sj, sj + n);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < n; ++t) {
-          sj[t] = std::exp(sj[t] - top);
-          total += sj[t];
-        }
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* vr = v + ((blocks[pos / BS] * BS + pos % BS) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = to_float(vr[d]);
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * n + t];
-          float* aj = acc.data() + j * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) aj[d] += p * row[d];
-        }
-      }
-      for (int64_t j = 0; j < group * D; ++j) o[(s * H + g * group) * D + j] = static_cast<T>(acc[j]);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len[s] - window) : 0;
+      const int64_t at = (s * H + g * group) * D;
+      decode_task<T, HD>(q + at, k, v, table + s * max_blocks, first, len[s], BS, G, g, group, D, sc, o + at,
+                         qf.data(), acc.data(), scores);
     }
   });
+}
+
+template <typename T>
+static void decode_any(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale,
+                       int64_t window) {
+  switch (query.size(2)) {
+    case 64: return decode<T, 64>(query, key_cache, value_cache, tables, lens, out, scale, window);
+    case 128: return decode<T, 128>(query, key_cache, value_cache, tables, lens, out, scale, window);
+    default: return decode<T, 0>(query, key_cache, value_cache, tables, lens, out, scale, window);
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -127,9 +274,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   auto l = lens.contiguous();
   auto out = at::empty_like(query);
   if (query.scalar_type() == at::kFloat) {
-    decode<float>(query, key_cache, value_cache, t, l, out, scale, window);
+    decode_any<float>(query, key_cache, value_cache, t, l, out, scale, window);
   } else if (query.scalar_type() == at::kBFloat16) {
-    decode<at::BFloat16>(query, key_cache, value_cache, t, l, out, scale, window);
+    decode_any<at::BFloat16>(query, key_cache, value_cache, t, l, out, scale, window);
   } else {
     TORCH_CHECK(false, "decode_attention runs float32 and bfloat16 pages");
   }
