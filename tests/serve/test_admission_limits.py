@@ -177,6 +177,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
         "tokenizer": None,  # the model here is loaded already: its own tokenizer
         "warmup": False,
         "compile_step": False,
+        "native_attention": False,
     }
     assert set(values) == options
     app = create_app(lm, embedding_model=encoder, **values)

@@ -108,3 +108,30 @@ def test_compile_step_compiles_a_model_that_has_a_compiled_step_and_warns_for_ot
         _compile_step(Eager())
     assert "Eager has no compiled step: its steps run eagerly" in caplog.text
     assert built == [True, True]  # its decodes' attention goes native all the same
+
+
+def test_native_attention_is_built_at_load_on_a_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ServeSettings(native_attention=True) builds the native decode attention for an eager step
+    on a CPU; on another device, or when off, nothing is built; with compile_step the compile
+    path builds it (once)."""
+    import batchkit.serve.loading as loading
+    from batchkit.serve import ServeSettings
+
+    built: list[str] = []
+    compiled: list[Any] = []
+
+    def build() -> bool:
+        built.append("native")
+        return True
+
+    monkeypatch.setattr(loading, "build_decode_attention", build)
+    monkeypatch.setattr(loading, "_compile_step", compiled.append)
+    model = object()
+    loading._prepare_step(model, ServeSettings(model="m", native_attention=True))
+    assert built == ["native"]
+    loading._prepare_step(model, ServeSettings(model="m", native_attention=True, device="cuda"))
+    loading._prepare_step(model, ServeSettings(model="m"))
+    assert built == ["native"]  # not on CUDA, not when off
+    loading._prepare_step(model, ServeSettings(model="m", native_attention=True, compile_step=True))
+    assert compiled == [model]
+    assert built == ["native"]  # the compile path builds it itself

@@ -186,13 +186,33 @@ def test_the_start_up_lines_say_how_cpu_threads_run(tmp_path: Path) -> None:
 
 
 def test_the_start_up_line_says_how_the_decode_step_runs_and_why() -> None:
-    """Eager by default, with the reason and the flag that changes it; compiled with
-    --compile-step, naming which models it applies to and when the compile happens."""
+    """Eager by default, its decodes' attention on the native kernel, with the flags that change
+    both; torch's attention with --no-native-attention; compiled with --compile-step, naming
+    which models it applies to and when the compile happens."""
     from batchkit.serve.cli import _step_line
 
-    assert _step_line(False) == (
-        "decode step: eager (--compile-step compiles it and builds a native decode attention: faster in float32 "
-        "on the CPU measured, level in bfloat16, for a start-up about 20-50 s longer)"
+    assert _step_line(False, True) == (
+        "decode step: eager, decodes' attention on batchkit's native CPU kernel (built once per machine, about "
+        "30 s the first time; --no-native-attention keeps torch's); --compile-step also compiles the step, for a "
+        "start-up about 20-50 s longer (docs/serving.md, 'A compiled decode step')"
     )
-    assert _step_line(True).startswith("decode step: compiled by torch.compile where the model has a compiled step")
-    assert "before /ready (--compile-step)" in _step_line(True)
+    assert _step_line(False, False).startswith(
+        "decode step: eager, decodes' attention on torch (--no-native-attention)"
+    )
+    for native in (True, False):
+        assert _step_line(True, native).startswith(
+            "decode step: compiled by torch.compile where the model has a compiled step"
+        )
+        assert "before /ready (--compile-step)" in _step_line(True, native)
+
+
+def test_native_attention_is_on_unless_the_flag_turns_it_off() -> None:
+    """`batchkit serve` builds the native decode attention by default; --no-native-attention
+    keeps torch's. A ModelServer made in code leaves it off unless asked."""
+    from batchkit.cli import _build_parser
+    from batchkit.serve import ServeSettings
+
+    parser = _build_parser()
+    assert parser.parse_args(["serve", "--model", "m"]).native_attention is True
+    assert parser.parse_args(["serve", "--model", "m", "--no-native-attention"]).native_attention is False
+    assert ServeSettings(model="m").native_attention is False

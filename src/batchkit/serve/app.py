@@ -127,6 +127,13 @@ class ModelServer:
         tokenizer: where to read the chat model's tokenizer from when its directory has none (a
             directory, a ``.gguf`` file or an installed package; a source ``model`` only), as
             :func:`~batchkit.models.load_pretrained` takes it.
+        compile_step: compile the chat model's decode step with ``torch.compile`` at load (the
+            native Llama; any other model runs eagerly); it builds the native attention too.
+        native_attention: on a CPU, build batchkit's native decode attention
+            (:func:`batchkit.kv.native.build_decode_attention`) at load, so that the eager step's
+            decodes run on it: about 30 s the first time on a machine, cached after. A failed
+            build is logged and attention stays on torch. ``batchkit serve`` turns it on
+            (``--no-native-attention`` leaves it off).
 
     The arguments become one frozen :class:`~batchkit.serve.settings.ServeSettings`, checked once
     (:attr:`settings`, the value the server runs with); :meth:`from_settings` takes one made
@@ -166,6 +173,7 @@ class ModelServer:
         engine: Literal["thread", "caller"] = "thread",
         tokenizer: str | os.PathLike[str] | None = None,
         compile_step: bool = False,
+        native_attention: bool = False,
     ) -> None:
         self._use(
             ServeSettings(
@@ -196,6 +204,7 @@ class ModelServer:
                 engine=engine,
                 tokenizer=tokenizer,
                 compile_step=compile_step,
+                native_attention=native_attention,
             )
         )
 

@@ -40,6 +40,7 @@ _SETTINGS_AS_FLAGS = (
     "embedding_model",
     "tokenizer",
     "compile_step",
+    "native_attention",
     "embedding_model_name",
     "num_blocks",
     "block_size",
@@ -145,6 +146,13 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         action="store_true",
         help="compile the chat model's decode step with torch.compile (the native Llama only; the first "
         "step compiles, before /ready; off by default: not faster than eager on the CPUs measured)",
+    )
+    s.add_argument(
+        "--no-native-attention",
+        dest="native_attention",
+        action="store_false",
+        help="keep the eager step's decode attention on torch rather than build batchkit's native CPU kernel "
+        "(C++, built once per machine: about 30 s the first time)",
     )
     s.add_argument(
         "--shutdown-grace-s",
@@ -349,7 +357,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
     if getattr(args, "cpu_threads", None) is not None:  # the command line configured them (batchkit.cli)
         print(f"{prog}: {args.cpu_threads.describe()}", file=sys.stderr, flush=True)
     if args.model is not None:
-        print(f"{prog}: {_step_line(args.compile_step)}", file=sys.stderr, flush=True)
+        print(f"{prog}: {_step_line(args.compile_step, args.native_attention)}", file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -371,7 +379,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
     return 0 if server.started else 1
 
 
-def _step_line(compiled: bool) -> str:
+def _step_line(compiled: bool, native: bool) -> str:
     """The start-up line that says how the chat model's step runs, and why."""
     if compiled:
         return (
@@ -379,9 +387,15 @@ def _step_line(compiled: bool) -> str:
             "others run eagerly), decodes' attention on batchkit's native CPU kernel, compiling during the "
             "warm-up before /ready (--compile-step)"
         )
+    attention = (
+        "decodes' attention on batchkit's native CPU kernel (built once per machine, about 30 s the first "
+        "time; --no-native-attention keeps torch's)"
+        if native
+        else "decodes' attention on torch (--no-native-attention)"
+    )
     return (
-        "decode step: eager (--compile-step compiles it and builds a native decode attention: faster in float32 "
-        "on the CPU measured, level in bfloat16, for a start-up about 20-50 s longer)"
+        f"decode step: eager, {attention}; --compile-step also compiles the step, for a start-up about 20-50 s "
+        "longer (docs/serving.md, 'A compiled decode step')"
     )
 
 

@@ -70,8 +70,7 @@ class ServedModels:
                 self.lm = src
             else:
                 self.lm = pretrained.load_pretrained(src, tokenizer=settings.tokenizer, **kwargs)
-            if settings.compile_step:
-                _compile_step(self.lm.model)
+            _prepare_step(self.lm.model, settings)
             self.prompts = PromptTokenizer(self.lm)
             self.loop = self.lm.make_loop(settings.num_blocks, settings.block_size, **settings.loop_options())
             self.waiting_room = WaitingRoom(self.loop.max_waiting)
@@ -120,6 +119,16 @@ class ServedModels:
             await self.loop.aclose()
         if self.embed is not None:
             await self.embed.aclose()
+
+
+def _prepare_step(model: Any, settings: ServeSettings) -> None:
+    """Compile the chat model's step (``compile_step``), or else build the native decode
+    attention its eager step runs on (``native_attention``, on a CPU only). A failed build is
+    logged by :mod:`batchkit.kv.native`; attention then stays on torch."""
+    if settings.compile_step:
+        _compile_step(model)
+    elif settings.native_attention and str(settings.device).startswith("cpu"):
+        build_decode_attention()
 
 
 def _compile_step(model: Any) -> None:

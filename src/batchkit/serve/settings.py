@@ -55,6 +55,7 @@ class ServeSettings:
     engine: Literal["thread", "caller"] = "thread"
     tokenizer: str | os.PathLike[str] | None = None
     compile_step: bool = False
+    native_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None and self.embedding_model is None:
