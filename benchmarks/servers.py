@@ -169,10 +169,15 @@ def print_header() -> None:
 def report_round(k: int, mine: Run, theirs: Run, record: harness.Record) -> float:
     """Print round ``k``'s rows (batchkit, then the peer) and record them; the ratio of rates."""
     for r in (mine, theirs):
-        same = sum(1 for a, b in zip(r.answers, mine.answers, strict=True) if a == b)
+        # batchkit's own row has nothing to compare its answers with
+        same = (
+            "-"
+            if r is mine
+            else f"{sum(a == b for a, b in zip(r.answers, mine.answers, strict=True))}/{len(r.answers)}"
+        )
         print(
             f"| {k} | {r.server} | {r.tokens} | {r.rate:.1f} | {1000 * harness.percentile(r.ttft, 0.5):.0f} / "
-            f"{1000 * harness.percentile(r.ttft, 0.99):.0f} | {same}/{len(r.answers)} | "
+            f"{1000 * harness.percentile(r.ttft, 0.99):.0f} | {same} | "
             f"{'%.2fx' % (r.rate / theirs.rate) if r is mine else '1.00x'} |"
         )
         record.add("output tokens/s", r.rate, "tok/s", server=r.server, round=k)

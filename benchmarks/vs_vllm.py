@@ -9,11 +9,13 @@ streamed greedy chat requests, ``--concurrency`` in flight, ``--max-tokens`` eac
 with its own thread choice (its start-up line says it); vLLM at each ``--vllm-bind``: ``default``
 (its engine on one core, the other kept for its frontend) and ``all`` (the engine on every core,
 none reserved), and batchkit is compared with vLLM's better binding of the round. ``--batchkit
-default,spin,compiled`` also runs batchkit with a fixed team of every core that spins while idle
-(``spin``) and with ``--compile-step`` (``compiled``: the step compiled, decodes' attention on the
-native CPU kernel); the verdict is the first setting's. Rounds alternate the order (``--repeat``). ``--neighbours N``
-keeps N processes spinning on the CPU beside each server, from its start to its stop: the
-busy-neighbour condition (a server beside other work on the same machine).
+default,torch-attention,spin,compiled`` also runs batchkit with its eager step's attention on
+torch (``torch-attention``: ``--no-native-attention``; by default it runs on the native CPU
+kernel), with a fixed team of every core that spins while idle (``spin``) and with
+``--compile-step`` (``compiled``: the step compiled); the verdict is the first setting's.
+Rounds alternate the order (``--repeat``). ``--neighbours N`` keeps N processes spinning on the
+CPU beside each server, from its start to its stop: the busy-neighbour condition (a server beside
+other work on the same machine).
 
 vLLM lives in a virtual environment of its own, never in batchkit's dependencies: pass its
 interpreter as ``--vllm-python`` (or ``$VLLM_PYTHON``). docs/benchmarks.md gives the recipe. Its
@@ -23,7 +25,7 @@ Target: batchkit >= 1.3x vLLM in output tokens/s with TTFT p99 no worse; where i
 last lines say by how much.
 
 Run:  .venv/bin/python benchmarks/vs_vllm.py --vllm-python PATH [--repeat 3] [--dtype float32]
-      [--concurrency 16] [--requests 48] [--vllm-bind default,all] [--batchkit default,spin,compiled]
+      [--concurrency 16] [--requests 48] [--vllm-bind default,all] [--batchkit default,torch-attention,spin,compiled]
       [--neighbours 0] [--json PATH]
 """
 
@@ -43,7 +45,7 @@ from servers import Run, add_load_options, measure_server, print_header, report_
 
 TARGET = 1.3
 BINDINGS = ("default", "all")
-SETTINGS = ("default", "spin", "compiled")
+SETTINGS = ("default", "torch-attention", "spin", "compiled")
 
 
 def vllm_folder(converted: Path, into: Path) -> Path:
@@ -109,7 +111,8 @@ def where_the_time_goes(run: Run) -> str:
 def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object, setting: str = "default") -> Run:
     """``batchkit serve`` at ``setting``: ``default`` (its own thread choice: the team narrows
     while other processes, the load's client among them, use the CPUs), ``spin`` (a team of
-    every allowed CPU whose threads spin while idle, as vLLM's both-cores binding runs) or
+    every allowed CPU whose threads spin while idle, as vLLM's both-cores binding runs),
+    ``torch-attention`` (``--no-native-attention``: the eager step's attention on torch) or
     ``compiled`` (``--compile-step``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "batchkit", "serve", "--model", str(folder), "--dtype", args.dtype]
@@ -118,6 +121,8 @@ def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object, sett
         cmd += ["--threads", str(args.threads)]
     if setting == "compiled":
         cmd += ["--compile-step"]
+    if setting == "torch-attention":
+        cmd += ["--no-native-attention"]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # its own choice of threads
     if setting == "spin":
         env |= {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "ACTIVE"}
@@ -133,7 +138,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="vLLM's interpreter")
     ap.add_argument("--vllm-bind", default=",".join(BINDINGS), help="comma-separated: default, all")
     ap.add_argument("--threads", type=int, default=None, help="batchkit serve --threads (default: its own choice)")
-    ap.add_argument("--batchkit", default="default", help="comma-separated batchkit settings: default, spin, compiled")
+    ap.add_argument("--batchkit", default="default", help="comma-separated batchkit settings: " + ", ".join(SETTINGS))
     ap.add_argument("--repeat", type=int, default=3, help="rounds, the servers' order alternating (default 3)")
     ap.add_argument("--neighbours", type=int, default=0, help="processes spinning beside each server (default 0)")
     args = ap.parse_args()
