@@ -61,10 +61,15 @@ static inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// Fetch the cnt rows of the next page (K or V) while this one is computed: a sequence's pages lie apart.
+// Fetch KV head g's rows of the page that key `next` starts (K or V) while the page before it is
+// computed: a sequence's pages lie apart. Nothing past the last key.
 template <typename T>
-static inline void prefetch_rows(const T* row, int64_t stride, int64_t cnt, int64_t bytes) {
-  for (int64_t i = 0; i < cnt; ++i, row += stride)
+static inline void prefetch_page(const T* base, const int64_t* blocks, int64_t next, int64_t end, int64_t BS,
+                                 int64_t G, int64_t g, int64_t D) {
+  if (next >= end) return;
+  const T* row = base + ((blocks[next / BS] * BS) * G + g) * D;
+  const int64_t rows = std::min(BS, end - next), bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < rows; ++i, row += G * D)
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 // Sixteen vectors to one: lane t of the result is the sum of the lanes of v[t].
@@ -120,10 +125,7 @@ static inline void values16(const float* p, int64_t group, int64_t n, const T* v
     for (int64_t pos = first; pos < end;) {
       const int64_t off = pos % BS, cnt = std::min(BS - off, end - pos);
       const T* vr = v + ((blocks[pos / BS] * BS + off) * G + g) * HD;
-      if (pos + cnt < end) {
-        const int64_t next = pos + cnt, ncnt = std::min(BS, end - next);
-        prefetch_rows(v + ((blocks[next / BS] * BS) * G + g) * HD, stride, ncnt, HD * (int64_t)sizeof(T));
-      }
+      prefetch_page(v, blocks, pos + cnt, end, BS, G, g, HD);
       for (int64_t i = 0; i < cnt; ++i, vr += stride) {
         const int64_t t = pos - first + i;
         __m512 row[NV];
@@ -161,10 +163,7 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
     const T* kr = k + ((blocks[pos / BS] * BS + off) * G + g) * D;
 #if defined(__AVX512F__)
     if constexpr (HD > 0 && HD % 16 == 0) {
-      if (pos + cnt < end) {
-        const int64_t next = pos + cnt, ncnt = std::min(BS, end - next);
-        prefetch_rows(k + ((blocks[next / BS] * BS) * G + g) * D, stride, ncnt, D * (int64_t)sizeof(T));
-      }
+      prefetch_page(k, blocks, pos + cnt, end, BS, G, g, D);
       for (int64_t i = 0; i < cnt; i += 16)
         scores16<T, HD>(qf, group, kr + i * stride, stride, std::min<int64_t>(16, cnt - i), sc_ + (pos - first + i), n);
       pos += cnt;
