@@ -199,6 +199,8 @@ def test_the_start_up_line_says_how_the_decode_step_runs_and_why() -> None:
     assert _step_line(False, False).startswith(
         "decode step: eager, decodes' attention on torch (--no-native-attention)"
     )
+    serving = (Path(__file__).parents[2] / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert f"batchkit serve: {_step_line(False, True)}" in serving  # the line docs/serving.md shows
     for native in (True, False):
         assert _step_line(True, native).startswith(
             "decode step: compiled by torch.compile where the model has a compiled step"
