@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,29 @@ def _cpu_threads_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     if torch is not None and threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # the torch loaded before the test (a test may swap in a fake)
+
+
+@pytest.fixture(scope="session")
+def kernel() -> Callable[..., Any]:
+    """batchkit's native CPU extension (batchkit.kv.native), built once a session (about 30 s
+    the first time, then loaded from torch's extensions cache) and left off between tests: each
+    test turns it on with ``native_on``."""
+    from batchkit.kv import native
+
+    if not native.build_decode_attention():
+        pytest.skip(f"the native extension does not build here: {native._failed}")
+    built = native._kernel
+    assert built is not None
+    native._kernel = None
+    return built
+
+
+@pytest.fixture
+def native_on(kernel: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native extension on for this test only."""
+    from batchkit.kv import native
+
+    monkeypatch.setattr(native, "_kernel", kernel)
 
 
 @pytest.fixture(autouse=True)

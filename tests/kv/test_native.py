@@ -20,22 +20,6 @@ from batchkit.kv.ops import paged_attention
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module")
-def kernel() -> Callable[..., Any]:
-    """The built kernel, left off between tests (each test turns it on with ``native_on``)."""
-    if not native.build_decode_attention():
-        pytest.skip(f"the native decode attention does not build here: {native._failed}")
-    built = native._kernel
-    assert built is not None
-    native._kernel = None
-    return built
-
-
-@pytest.fixture
-def native_on(kernel: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_kernel", kernel)
-
-
 def _pages(
     seed: int, ctx: list[int], dtype: Any, heads: int = 6, kv_heads: int = 2, d: int = 16, bs: int = 4
 ) -> tuple[Any, ...]:
@@ -183,3 +167,60 @@ def test_a_sliding_window_limits_the_keys_the_kernel_reads(native_on: None) -> N
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     full = planned_attention(q, k, v, plan_attention(tables, lens, ones, block_size=4))
     assert not torch.allclose(full[1:3], want[1:3])  # the window cut keys of the longer sequences
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_write_kv_writes_one_layers_slots_in_place(native_on: None, dtype: str) -> None:
+    """torch.ops.batchkit_native.write_kv puts each token's K and V at its slot of the one layer
+    named, converted to the cache's dtype, and touches nothing else."""
+    from batchkit.kv.ops import write_slots
+
+    cache = torch.zeros(3, 2, 5, 4, 2, 8, dtype=getattr(torch, dtype))
+    key, value = torch.randn(4, 2, 8), torch.randn(4, 2, 8)  # float32: converted on the way in
+    slots = torch.tensor([19, 0, 7, 8])
+    want = cache.clone()
+    write_slots(want[1, 0], want[1, 1], key, value, slots)
+    storage = cache.data_ptr()
+    torch.ops.batchkit_native.write_kv(cache, 1, key, value, slots)
+    assert cache.data_ptr() == storage
+    assert torch.equal(cache, want)
+
+
+def test_native_write_kv_names_a_slot_outside_the_cache_and_writes_none(native_on: None) -> None:
+    cache = torch.zeros(1, 2, 2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
+        torch.ops.batchkit_native.write_kv(cache, 0, torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.tensor([1, 8]))
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_linear_follows_its_weight_through_writes_and_replacements(native_on: None, dtype: str) -> None:
+    """torch.ops.batchkit_native.linear keeps a oneDNN copy of the weight per key and makes it again
+    when the weight is written in place or replaced: its answer is F.linear's every time."""
+    dt = getattr(torch, dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 2e-2, "atol": 2e-2}
+    x = torch.randn(5, 32, dtype=dt)
+    weight = torch.randn(48, 32, dtype=dt)
+    try:
+        for _ in range(2):  # the second call reads the copy made by the first
+            torch.testing.assert_close(
+                torch.ops.batchkit_native.linear(x, weight, 7), torch.nn.functional.linear(x, weight), **tol
+            )
+        weight.mul_(-2)  # written in place: its version moves
+        torch.testing.assert_close(
+            torch.ops.batchkit_native.linear(x, weight, 7), torch.nn.functional.linear(x, weight), **tol
+        )
+        other = torch.randn(48, 32, dtype=dt)  # another tensor under the same key
+        torch.testing.assert_close(
+            torch.ops.batchkit_native.linear(x, other, 7), torch.nn.functional.linear(x, other), **tol
+        )
+    finally:
+        native.drop_linear(7)
+
+
+def test_native_linear_runs_a_dtype_onednn_refuses_on_f_linear(native_on: None) -> None:
+    x, weight = torch.randn(3, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    try:
+        assert torch.equal(torch.ops.batchkit_native.linear(x, weight, 8), torch.nn.functional.linear(x, weight))
+    finally:
+        native.drop_linear(8)

@@ -225,18 +225,21 @@ def _greedy_tokens(model: Any, max_num_seqs: int) -> list[list[int]]:
     return drain(loop, [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 3, prompts)
 
 
-@pytest.mark.parametrize(("dtype_name", "prepack"), [("float32", True), ("bfloat16", False)])
+@pytest.mark.parametrize("native", [False, True], ids=["python-ops", "native-ops"])
+@pytest.mark.parametrize(("dtype_name", "prepack"), [("float32", True), ("bfloat16", False), ("bfloat16", True)])
 def test_a_compiled_step_decodes_the_tokens_of_the_eager_step(
-    dtype_name: str, prepack: bool, fresh_dynamo: Any
+    dtype_name: str, prepack: bool, native: bool, fresh_dynamo: Any, request: pytest.FixtureRequest
 ) -> None:
-    """compile_step() traces the step through batchkit's custom operators and gives the eager
-    step's tokens; two sequences at a time, so that a later prompt is prefilled in a step beside
-    decodes (an attention plan of two groups)."""
+    """compile_step() traces the step through batchkit's custom operators (the native
+    extension's where it is built) and gives the eager step's tokens; two sequences at a time, so
+    that a later prompt is prefilled in a step beside decodes (an attention plan of two groups)."""
     import torch
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from batchkit.models import LlamaModel
 
+    if native:
+        request.getfixturevalue("native_on")
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
     eager = LlamaModel(LlamaConfig(**{**SMALL, "num_hidden_layers": 2}), dtype=dtype)
@@ -246,16 +249,22 @@ def test_a_compiled_step_decodes_the_tokens_of_the_eager_step(
     compiled.prepack_weights = prepack
     counter = CompileCounterWithBackend("aot_eager")
     compiled.compile_step(backend=counter)
+    assert (compiled._native_keys is not None) == native
     assert _greedy_tokens(compiled, max_num_seqs=2) == _greedy_tokens(eager, max_num_seqs=2)
     # One graph a shape class (two rows or more / one row; sampled rows likewise), no graph break.
     assert 1 <= counter.frame_count <= 4
 
 
-def test_a_compiled_step_writes_the_new_tokens_into_the_cache_it_was_given(fresh_dynamo: Any) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["python-ops", "native-ops"])
+def test_a_compiled_step_writes_the_new_tokens_into_the_cache_it_was_given(
+    native: bool, fresh_dynamo: Any, request: pytest.FixtureRequest
+) -> None:
     """The compiled step's K/V write lands in the caller's cache tensor, as the eager one's does,
     and its logits equal the eager step's."""
     import torch
 
+    if native:
+        request.getfixturevalue("native_on")
     model, batch, kv = _decode_step(layers=2)
     kv.kv.zero_()  # the step's own slots were written when the loop ran it: start from none
     before = kv.kv.clone()

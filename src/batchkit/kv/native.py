@@ -16,6 +16,12 @@ a C++ compiler (the same one ``torch.compile`` needs on a CPU); the build is cac
 kind under torch's extensions folder, so a later process loads it in about a second.
 ``LlamaModel.compile_step()`` builds it; nothing builds it otherwise, and without it the torch
 path runs as before.
+
+The same build registers two operators for a compiled step (``torch.ops.batchkit_native``), so
+that the graph calls C++ where it would call a Python function: ``write_kv``, the K/V write of
+:mod:`batchkit.kv.compiled` (the cache declared mutated), and ``linear``, ``x @ weight.T`` on a
+oneDNN copy of the weight kept per key (made on first use and again after the weight changes;
+:func:`drop_linear` frees it).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["build_decode_attention", "decode_attention"]
+__all__ = ["build_decode_attention", "built", "decode_attention", "drop_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,8 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 static inline float to_float(float x) { return x; }
@@ -281,10 +289,101 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   }
   return out;
 }
+
+// The two operators of a compiled step that torch.compile calls as they are (torch.ops.batchkit_native):
+// in C++, a call costs the dispatcher's few microseconds, not a Python function's.
+//
+// write_kv: key/value [N, G, D] into the slots (int64, none of them padding) of layer `layer` of the
+// cache kv [layers, 2, NB, BS, G, D], in place.
+void write_kv(at::Tensor kv, int64_t layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots) {
+  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.size(1) == 2, "kv must be a contiguous cache");
+  TORCH_CHECK(0 <= layer && layer < kv.size(0), "no layer ", layer);
+  const int64_t row = kv.size(4) * kv.size(5), num_slots = kv.size(2) * kv.size(3);
+  const auto k = key.to(kv.scalar_type()).contiguous(), v = value.to(kv.scalar_type()).contiguous();
+  const auto s = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(k.numel() == s.numel() * row && v.numel() == k.numel(), "key/value do not fit the slots");
+  const int64_t bytes = row * static_cast<int64_t>(kv.element_size());
+  char* base = static_cast<char*>(kv.data_ptr()) + layer * kv.stride(0) * kv.element_size();
+  char* const dst[2] = {base, base + kv.stride(1) * kv.element_size()};
+  const char* const src[2] = {static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr())};
+  const int64_t* at = s.data_ptr<int64_t>();
+  for (int64_t t = 0; t < s.numel(); ++t)  // all of them before any write
+    TORCH_CHECK(0 <= at[t] && at[t] < num_slots, "slot ", at[t], " is outside the cache");
+  for (int64_t t = 0; t < s.numel(); ++t)
+    for (int h = 0; h < 2; ++h) std::memcpy(dst[h] + at[t] * bytes, src[h] + t * bytes, bytes);
+}
+
+// linear: x @ weight.T on a copy of weight reordered for oneDNN (torch's mkldnn ops), made on the first
+// call with `key` and again when the weight is replaced or written (its storage, version or dtype
+// changes). A weight oneDNN refuses runs on at::linear from then on.
+struct Packed {
+  const void* data;
+  int64_t version;
+  at::ScalarType dtype;
+  at::Tensor weight;  // undefined: at::linear
+};
+static std::mutex packs_lock;
+static std::unordered_map<int64_t, Packed> packs;
+
+static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t key) {
+  Packed entry{};
+  bool found = false;
+  {
+    std::lock_guard<std::mutex> hold(packs_lock);
+    auto it = packs.find(key);
+    if (it != packs.end() && it->second.data == weight.data_ptr() && it->second.version == weight._version() &&
+        it->second.dtype == weight.scalar_type()) {
+      entry = it->second;
+      found = true;
+    }
+  }
+  if (found) return entry.weight.defined() ? onednn_linear(x, entry.weight) : at::linear(x, weight);
+  static auto reorder = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                            .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
+  entry = Packed{weight.data_ptr(), weight._version(), weight.scalar_type(), at::Tensor()};
+  at::Tensor out;
+  try {
+    at::Tensor packed = reorder.call(weight, std::nullopt);
+    out = onednn_linear(x, packed);
+    entry.weight = packed;
+  } catch (const std::exception&) {  // a dtype or CPU oneDNN does not run: the plain matmul
+    out = at::linear(x, weight);
+  }
+  std::lock_guard<std::mutex> hold(packs_lock);
+  packs[key] = entry;
+  return out;
+}
+
+// Forget key's copy (its layer is gone).
+void drop_linear(int64_t key) {
+  std::lock_guard<std::mutex> hold(packs_lock);
+  packs.erase(key);
+}
+
+TORCH_LIBRARY(batchkit_native, m) {
+  m.def("write_kv(Tensor(a!) kv, int layer, Tensor key, Tensor value, Tensor slots) -> ()");
+  m.def("linear(Tensor x, Tensor weight, int key) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(batchkit_native, CPU, m) {
+  m.impl("write_kv", &write_kv);
+  m.impl("linear", &packed_linear);
+}
 """
 
 _lock = threading.Lock()
 _kernel: Callable[..., Tensor] | None = None
+_drop_linear: Callable[[int], None] | None = None
 _failed: str | None = None  # why the build failed, once it has
 
 
@@ -303,7 +402,7 @@ def build_decode_attention() -> bool:
     """Build (or load the cached build of) the kernel and make :func:`decode_attention` use it;
     True when it is in use. Idempotent. A failed build (no compiler, say) is logged once with
     its reason and returns False: attention then stays on the torch path."""
-    global _kernel, _failed
+    global _kernel, _drop_linear, _failed
     with _lock:
         if _kernel is not None or _failed is not None:
             return _kernel is not None
@@ -313,7 +412,7 @@ def build_decode_attention() -> bool:
             module = load_inline(  # type: ignore[no-untyped-call]
                 name=f"batchkit_decode_attention_{_cpu_kind()}",
                 cpp_sources=_SOURCE,
-                functions=["decode_attention"],
+                functions=["decode_attention", "drop_linear"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 verbose=False,
             )
@@ -321,8 +420,38 @@ def build_decode_attention() -> bool:
             _failed = f"{type(exc).__name__}: {exc}"
             logger.warning("the native decode attention did not build, attention stays on torch: %s", _failed)
             return False
-        _kernel = module.decode_attention
+        if _drop_linear is None:  # the first load in this process (a later one finds the module loaded)
+            _register_fakes()
+        _kernel, _drop_linear = module.decode_attention, module.drop_linear
         return True
+
+
+def _register_fakes() -> None:
+    """The output shapes of the extension's operators (``torch.ops.batchkit_native``), which
+    ``torch.compile`` traces with."""
+    import torch
+
+    @torch.library.register_fake("batchkit_native::write_kv")  # type: ignore[untyped-decorator]
+    def _(kv: Tensor, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
+        return None
+
+    @torch.library.register_fake("batchkit_native::linear")  # type: ignore[untyped-decorator]
+    def _(x: Tensor, weight: Tensor, key: int) -> Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def built() -> bool:
+    """True once :func:`build_decode_attention` has built (or loaded) the extension in this
+    process: its kernel runs the decodes, and ``torch.ops.batchkit_native.write_kv`` and
+    ``torch.ops.batchkit_native.linear`` exist."""
+    return _kernel is not None
+
+
+def drop_linear(key: int) -> None:
+    """Free the oneDNN copy of the weight that ``torch.ops.batchkit_native.linear`` keeps for
+    ``key`` (nothing if there is none, or no extension)."""
+    if _drop_linear is not None:
+        _drop_linear(key)
 
 
 def decode_attention(

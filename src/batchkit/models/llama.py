@@ -23,7 +23,8 @@ from ..continuous.step import StepBatch
 from ..kv.attention import AttentionPlan, plan_attention, planned_attention
 from ..kv.cache import PagedKVCache
 from ..kv.compiled import attention_plan  # also registers torch.ops.batchkit.write_kv / paged_attention
-from ..kv.native import build_decode_attention
+from ..kv.native import build_decode_attention, drop_linear
+from ..kv.native import built as native_built
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -220,9 +221,13 @@ class _OpPages(NamedTuple):
     kv: torch.Tensor
     slots: torch.Tensor
     scale: float
+    native: bool  # the write in C++ (torch.ops.batchkit_native, once built), else batchkit.kv.compiled's
 
     def write(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        torch.ops.batchkit.write_kv(self.kv, index, key, value, self.slots)
+        if self.native:
+            torch.ops.batchkit_native.write_kv(self.kv, index, key, value, self.slots)
+        else:
+            torch.ops.batchkit.write_kv(self.kv, index, key, value, self.slots)
 
     def attend(self, index: int, query: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.batchkit.paged_attention(query, self.kv, index, self.scale)
@@ -315,6 +320,13 @@ def _register_linear(model: LlamaModel, layer: nn.Linear) -> int:
     return key
 
 
+def _native_key(layer: nn.Linear) -> int:
+    """``layer``'s key for ``torch.ops.batchkit_native.linear``, whose oneDNN copy of the weight
+    is freed with the layer."""
+    weakref.finalize(layer, drop_linear, id(layer))
+    return id(layer)
+
+
 @torch.library.custom_op("batchkit::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
     return _LINEARS[key](x)
@@ -367,6 +379,9 @@ class LlamaModel(nn.Module):
         # Each linear layer's oneDNN copy of its weight, and which weight it was made from.
         self._packed: dict[int, tuple[tuple[int, int, torch.dtype], _Prepacked | None]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None  # see compile_step
+        # Each linear layer's key in the native extension's oneDNN copies, once compile_step
+        # runs on it (None: the compiled step calls batchkit::linear and batchkit::write_kv).
+        self._native_keys: dict[nn.Linear, int] | None = None
         self.eval()
         self.requires_grad_(False)
 
@@ -457,7 +472,7 @@ class LlamaModel(nn.Module):
         plan = plan_attention(batch.block_tables.to(kv.device), batch.seq_lens, batch.query_lens, kv.block_size)
         slots = self._compilable_slots(batch, kv)
         if slots is not None and self._compiled is not None:
-            ops = _OpPages(kv.kv, slots, float(cfg.dim_per_head**-0.5))
+            ops = _OpPages(kv.kv, slots, float(cfg.dim_per_head**-0.5), self._native_keys is not None)
             with attention_plan(plan):
                 logits: torch.Tensor = self._compiled(batch.input_ids, batch.positions, batch.sample_indices, ops)
             return logits
@@ -465,6 +480,8 @@ class LlamaModel(nn.Module):
         linear = self._linear if self.prepack_weights and cpu else _plain_linear
         if not self.prepack_weights:
             self._packed.clear()
+            for key in (self._native_keys or {}).values():
+                drop_linear(key)
         return self._layers(
             batch.input_ids, batch.positions, batch.sample_indices, _EagerPages(batch, kv, plan), linear
         )
@@ -496,8 +513,10 @@ class LlamaModel(nn.Module):
 
         The K/V write and the attention run as batchkit's custom operators
         (:mod:`batchkit.kv.compiled`), so the compiled graph writes the cache in place; the
-        linear layers run as one operator each, on the same oneDNN weights as the eager step
-        (:attr:`prepack_weights`). On the Intel Xeon measured, a compiled 16-row step of
+        linear layers run as one operator each, on oneDNN copies of the weights
+        (:attr:`prepack_weights`). Where the native extension is built, the write and the
+        linear layers are its C++ operators (``torch.ops.batchkit_native``), which keep the
+        oneDNN copies for the eager steps too. On the Intel Xeon measured, a compiled 16-row step of
         SmolLM2-135M took 0.77-0.90x an eager one's time, much of it from the native attention
         (docs/benchmarks.md).
 
@@ -510,12 +529,17 @@ class LlamaModel(nn.Module):
         """
         if backend == "inductor":  # inductor needs the C++ compiler the kernel's build needs
             build_decode_attention()
-        keys = {layer: _register_linear(self, layer) for layer in self.modules() if isinstance(layer, nn.Linear)}
+        layers = [layer for layer in self.modules() if isinstance(layer, nn.Linear)]
+        if native_built():  # the linear layers and the K/V write in C++
+            self._native_keys = {layer: _native_key(layer) for layer in layers}
+            keys, op = self._native_keys, torch.ops.batchkit_native.linear
+        else:
+            keys, op = {layer: _register_linear(self, layer) for layer in layers}, torch.ops.batchkit.linear
 
         def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
             if not self.prepack_weights:
                 return nn.functional.linear(x, layer.weight)
-            out: torch.Tensor = torch.ops.batchkit.linear(x, layer.weight, keys[layer])
+            out: torch.Tensor = op(x, layer.weight, keys[layer])
             return out
 
         def step(
@@ -545,6 +569,9 @@ class LlamaModel(nn.Module):
         """``layer(x)`` through oneDNN on a reordered copy of the weight, made on first use and
         again whenever the weight is replaced or written (its storage or version changes)."""
         w = layer.weight
+        if self._native_keys is not None:  # compiled on the native extension: its copies serve both steps
+            out: torch.Tensor = torch.ops.batchkit_native.linear(x, w, self._native_keys[layer])
+            return out
         key = (w.data_ptr(), w._version, w.dtype)
         entry = self._packed.get(id(layer))
         if entry is None or entry[0] != key:
