@@ -107,6 +107,21 @@ def test_a_step_of_decodes_and_prefill_chunks_runs_each_where_it_belongs(native_
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_query_sliced_from_wider_rows_is_read_where_it_lies(native_on: None, dtype: str) -> None:
+    """A compiled step's query is the first heads of each token's q/k row (a slice: its
+    sequences lie apart); the kernel's answer is the one for the same query made contiguous."""
+    ctx = [9, 4, 17]
+    q, k, v, tables, lens = _pages(11, ctx, getattr(torch, dtype))
+    rows = torch.cat([q, torch.randn(len(ctx), 2, q.shape[2]).to(q.dtype)], dim=1)  # 2 more heads a token
+    sliced = rows[:, : q.shape[1]]
+    assert not sliced.is_contiguous()
+    got = native.decode_attention(sliced, k, v, tables.long(), lens, 0.25)
+    assert got is not None
+    assert got.is_contiguous()
+    assert torch.equal(got, native.decode_attention(q, k, v, tables.long(), lens, 0.25))
+
+
 def test_pages_the_kernel_does_not_take_go_to_torch(native_on: None) -> None:
     """float16 and float64 pages, and pages that are not contiguous, are not the kernel's:
     decode_attention answers None and planned_attention's torch path runs them."""
@@ -183,6 +198,22 @@ def test_native_write_kv_writes_one_layers_slots_in_place(native_on: None, dtype
     storage = cache.data_ptr()
     torch.ops.batchkit_native.write_kv(cache, 1, key, value, slots)
     assert cache.data_ptr() == storage
+    assert torch.equal(cache, want)
+
+
+def test_native_write_kv_takes_keys_sliced_from_wider_rows(native_on: None) -> None:
+    """The key and value of a compiled step are slices of each token's q/k/v row: each token's
+    heads lie together, the tokens apart. They land as the same tensors made contiguous do."""
+    from batchkit.kv.ops import write_slots
+
+    cache = torch.zeros(1, 2, 3, 4, 2, 8)
+    rows = torch.randn(5, 6, 8)  # per token: 2 query heads, then 2 key heads, then 2 value heads
+    key, value, slots = rows[:, 2:4], rows[:, 4:], torch.tensor([3, 11, 0, 6, 7])
+    assert not key.is_contiguous()
+    assert not value.is_contiguous()
+    want = cache.clone()
+    write_slots(want[0, 0], want[0, 1], key.contiguous(), value.contiguous(), slots)
+    torch.ops.batchkit_native.write_kv(cache, 0, key, value, slots)
     assert torch.equal(cache, want)
 
 

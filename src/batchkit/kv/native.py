@@ -237,7 +237,7 @@ static void decode(const at::Tensor& query, const at::Tensor& key_cache, const a
                    int64_t window) {
   const int64_t S = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), G = key_cache.size(2), group = H / G;
-  const int64_t max_blocks = tables.size(1);
+  const int64_t max_blocks = tables.size(1), qs = query.stride(0);
   const T* q = query.data_ptr<T>();
   const T* k = key_cache.data_ptr<T>();
   const T* v = value_cache.data_ptr<T>();
@@ -250,8 +250,9 @@ static void decode(const at::Tensor& query, const at::Tensor& key_cache, const a
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / G, g = task % G;
       const int64_t first = window > 0 ? std::max<int64_t>(0, len[s] - window) : 0;
-      const int64_t at = (s * H + g * group) * D;
-      decode_task<T, HD>(q + at, k, v, table + s * max_blocks, first, len[s], BS, G, g, group, D, sc, o + at,
+      const int64_t at = g * group * D;
+      decode_task<T, HD>(q + s * qs + at, k, v, table + s * max_blocks, first, len[s], BS, G, g, group, D, sc,
+                         o + s * H * D + at,
                          qf.data(), acc.data(), scores);
     }
   });
@@ -271,7 +272,7 @@ static void decode_any(const at::Tensor& query, const at::Tensor& key_cache, con
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), "bad shapes");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "not contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "not contiguous");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "query and pages must share a dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0 && query.size(2) == key_cache.size(3), "heads do not group");
@@ -279,11 +280,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == query.size(0) && lens.size(0) == query.size(0), "bad tables");
   auto t = tables.contiguous();
   auto l = lens.contiguous();
-  auto out = at::empty_like(query);
+  // A sequence's heads must lie together; sequences may lie apart (the query a slice of wider rows).
+  const auto q = query.stride(2) == 1 && query.stride(1) == query.size(2) ? query : query.contiguous();
+  auto out = at::empty(query.sizes(), query.options());
   if (query.scalar_type() == at::kFloat) {
-    decode_any<float>(query, key_cache, value_cache, t, l, out, scale, window);
+    decode_any<float>(q, key_cache, value_cache, t, l, out, scale, window);
   } else if (query.scalar_type() == at::kBFloat16) {
-    decode_any<at::BFloat16>(query, key_cache, value_cache, t, l, out, scale, window);
+    decode_any<at::BFloat16>(q, key_cache, value_cache, t, l, out, scale, window);
   } else {
     TORCH_CHECK(false, "decode_attention runs float32 and bfloat16 pages");
   }
@@ -299,18 +302,26 @@ void write_kv(at::Tensor kv, int64_t layer, const at::Tensor& key, const at::Ten
   TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.size(1) == 2, "kv must be a contiguous cache");
   TORCH_CHECK(0 <= layer && layer < kv.size(0), "no layer ", layer);
   const int64_t row = kv.size(4) * kv.size(5), num_slots = kv.size(2) * kv.size(3);
-  const auto k = key.to(kv.scalar_type()).contiguous(), v = value.to(kv.scalar_type()).contiguous();
   const auto s = slots.to(at::kLong).contiguous();
-  TORCH_CHECK(k.numel() == s.numel() * row && v.numel() == k.numel(), "key/value do not fit the slots");
-  const int64_t bytes = row * static_cast<int64_t>(kv.element_size());
-  char* base = static_cast<char*>(kv.data_ptr()) + layer * kv.stride(0) * kv.element_size();
-  char* const dst[2] = {base, base + kv.stride(1) * kv.element_size()};
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(0) == s.numel() &&
+                  key.size(1) == kv.size(4) && key.size(2) == kv.size(5),
+              "key/value do not fit the slots");
+  // A token's [G, D] rows must lie together; tokens may lie apart (a slice of the q/k/v rows).
+  const auto rows = [&](const at::Tensor& x) {
+    const auto y = x.to(kv.scalar_type());
+    return y.stride(2) == 1 && y.stride(1) == y.size(2) ? y : y.contiguous();
+  };
+  const auto k = rows(key), v = rows(value);
+  const int64_t es = kv.element_size(), bytes = row * es;
+  char* base = static_cast<char*>(kv.data_ptr()) + layer * kv.stride(0) * es;
+  char* const dst[2] = {base, base + kv.stride(1) * es};
   const char* const src[2] = {static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr())};
+  const int64_t step[2] = {k.stride(0) * es, v.stride(0) * es};
   const int64_t* at = s.data_ptr<int64_t>();
   for (int64_t t = 0; t < s.numel(); ++t)  // all of them before any write
     TORCH_CHECK(0 <= at[t] && at[t] < num_slots, "slot ", at[t], " is outside the cache");
   for (int64_t t = 0; t < s.numel(); ++t)
-    for (int h = 0; h < 2; ++h) std::memcpy(dst[h] + at[t] * bytes, src[h] + t * bytes, bytes);
+    for (int h = 0; h < 2; ++h) std::memcpy(dst[h] + at[t] * bytes, src[h] + t * step[h], bytes);
 }
 
 // linear: x @ weight.T on a copy of weight reordered for oneDNN (torch's mkldnn ops), made on the first
@@ -480,4 +491,4 @@ def decode_attention(
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
     ):
         return None
-    return kernel(query.contiguous(), key_cache, value_cache, tables, lens, scale, window or 0)
+    return kernel(query, key_cache, value_cache, tables, lens, scale, window or 0)
