@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 
 import torch
 
-from batchkit.kv import compiled
+from batchkit.kv import compiled, native
 from batchkit.kv.attention import plan_attention, planned_attention
 from batchkit.kv.ops import write_slots
 
@@ -62,3 +62,40 @@ def test_paged_attention_outside_a_plan_says_where_it_runs() -> None:
     """Called with no plan set in the thread, the operator names the context it needs."""
     with pytest.raises(RuntimeError, match="attention_plan"):
         torch.ops.batchkit.paged_attention(torch.randn(1, HEADS, DIM), _cache(), 0, 1.0)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 3, 1]])
+def test_the_native_operators_agree_with_batchkits_and_pass_opcheck(native_on: None, query_lens: list[int]) -> None:
+    """With the native extension built, torch.ops.batchkit_native's write, attention and linear
+    answer as batchkit's operators and F.linear do, and their schemas and fake kernels pass
+    opcheck: decodes alone (the kernel's, in C++) and decodes beside a prefill chunk (Python's)."""
+    kv = _cache()
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 0]], dtype=torch.int32)
+    plan = plan_attention(tables, torch.tensor([9, 7, 5]), torch.tensor(query_lens), BLOCK)
+    query = torch.randn(sum(query_lens), HEADS, DIM)
+    with compiled.attention_plan(plan):
+        got = torch.ops.batchkit_native.paged_attention(query, kv, 1, DIM**-0.5)
+        want = torch.ops.batchkit.paged_attention(query, kv, 1, DIM**-0.5)
+        torch.library.opcheck(torch.ops.batchkit_native.paged_attention.default, (query, kv, 0, DIM**-0.5))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    key, value, slots = torch.randn(2, KV_HEADS, DIM), torch.randn(2, KV_HEADS, DIM), torch.tensor([2, 9])
+    torch.library.opcheck(torch.ops.batchkit_native.write_kv.default, (kv, 0, key, value, slots))
+    x, weight = torch.randn(3, DIM), torch.randn(5, DIM)
+    try:
+        torch.library.opcheck(torch.ops.batchkit_native.linear.default, (x, weight, 11))
+    finally:
+        native.drop_linear(11)
+
+
+def test_native_attention_runs_decodes_alone_in_cpp_and_forgets_them_after_the_step(native_on: None) -> None:
+    """Inside native.decodes(...) the operator needs no Python plan (the kernel runs the decodes
+    in C++); after the block it goes to batchkit::paged_attention again, which needs one."""
+    kv = _cache()
+    tables, lens = torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([9, 7])
+    query = torch.randn(2, HEADS, DIM)
+    with native.decodes(tables, lens):
+        got = torch.ops.batchkit_native.paged_attention(query, kv, 1, DIM**-0.5)
+    plan = plan_attention(tables, lens, torch.ones(2, dtype=torch.long), BLOCK)
+    torch.testing.assert_close(got, planned_attention(query, kv[1, 0], kv[1, 1], plan), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="attention_plan"):
+        torch.ops.batchkit_native.paged_attention(query, kv, 1, DIM**-0.5)

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from . import native
 from .attention import AttentionPlan, planned_attention
 from .ops import write_slots
 
@@ -47,11 +48,21 @@ def attention_plan(plan: AttentionPlan) -> Iterator[None]:
 
     The plan is not an input of the operator: a compiled graph guards on the shapes of its
     inputs, and the plan's (one or two groups, a group of one sequence) would compile the step
-    again for each combination. The step's tensors stay its inputs (rows, slots, the cache)."""
+    again for each combination. The step's tensors stay its inputs (rows, slots, the cache).
+
+    Where the native extension is built (:mod:`batchkit.kv.native`) and the step is decodes
+    alone, ``torch.ops.batchkit_native.paged_attention`` runs them on its kernel without Python;
+    any other step goes through :func:`paged_attention`."""
     outer = getattr(_step, "plan", None)
     _step.plan = plan
+    if len(plan.groups) == 1 and plan.groups[0].whole:  # decodes alone: the native operator's, in C++
+        group = plan.groups[0]
+        decodes = native.decodes(group.tables.view(plan.num_tokens, -1), group.lens, group.window)
+    else:
+        decodes = native.decodes(None, None)
     try:
-        yield
+        with decodes:
+            yield
     finally:
         _step.plan = outer
 

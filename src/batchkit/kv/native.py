@@ -17,10 +17,11 @@ kind under torch's extensions folder, so a later process loads it in about a sec
 ``LlamaModel.compile_step()`` builds it; nothing builds it otherwise, and without it the torch
 path runs as before.
 
-The same build registers two operators for a compiled step (``torch.ops.batchkit_native``), so
-that the graph calls C++ where it would call a Python function: ``write_kv``, the K/V write of
-:mod:`batchkit.kv.compiled` (the cache declared mutated), and ``linear``, ``x @ weight.T`` on a
-oneDNN copy of the weight kept per key (made on first use and again after the weight changes;
+The same build registers three operators for a compiled step (``torch.ops.batchkit_native``), so
+that the graph calls C++ where it would call a Python function: ``write_kv`` and
+``paged_attention``, those of :mod:`batchkit.kv.compiled` (the attention in C++ for a step of
+decodes alone, which :func:`decodes` sets), and ``linear``, ``x @ weight.T`` on a oneDNN copy of
+the weight kept per key (made on first use and again after the weight changes;
 :func:`drop_linear` frees it).
 """
 
@@ -29,10 +30,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["build_decode_attention", "built", "decode_attention", "drop_linear"]
+__all__ = ["build_decode_attention", "built", "decode_attention", "decodes", "drop_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -381,20 +383,52 @@ void drop_linear(int64_t key) {
   packs.erase(key);
 }
 
+// paged_attention: batchkit::paged_attention (batchkit.kv.compiled), with the decodes of a step that has
+// nothing else (set_decodes) run here on the kernel; any other step, or pages the kernel does not take,
+// goes to the Python operator.
+struct Decodes {
+  at::Tensor tables, lens;  // undefined: none set
+  int64_t window = 0;
+};
+static thread_local Decodes decodes;  // those of the step this thread runs
+
+void set_decodes(const at::Tensor& tables, const at::Tensor& lens, int64_t window) {
+  decodes = Decodes{tables.contiguous(), lens.contiguous(), window};
+}
+
+void clear_decodes() { decodes = Decodes{}; }
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv, int64_t layer, double scale) {
+  const auto type = query.scalar_type();
+  if (decodes.lens.defined() && query.dim() == 3 && query.size(0) == decodes.lens.size(0) && kv.dim() == 6 &&
+      kv.is_contiguous() && kv.scalar_type() == type && (type == at::kFloat || type == at::kBFloat16)) {
+    const auto pages = kv.select(0, layer);
+    return decode_attention(query, pages.select(0, 0), pages.select(0, 1), decodes.tables, decodes.lens, scale,
+                            decodes.window);
+  }
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("batchkit::paged_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>();
+  return op.call(query, kv, layer, scale);
+}
+
 TORCH_LIBRARY(batchkit_native, m) {
   m.def("write_kv(Tensor(a!) kv, int layer, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def("linear(Tensor x, Tensor weight, int key) -> Tensor");
+  m.def("paged_attention(Tensor query, Tensor kv, int layer, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchkit_native, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("linear", &packed_linear);
+  m.impl("paged_attention", &paged_attention);
 }
 """
 
 _lock = threading.Lock()
 _kernel: Callable[..., Tensor] | None = None
 _drop_linear: Callable[[int], None] | None = None
+_module: Any = None  # the built extension
 _failed: str | None = None  # why the build failed, once it has
 
 
@@ -413,7 +447,7 @@ def build_decode_attention() -> bool:
     """Build (or load the cached build of) the kernel and make :func:`decode_attention` use it;
     True when it is in use. Idempotent. A failed build (no compiler, say) is logged once with
     its reason and returns False: attention then stays on the torch path."""
-    global _kernel, _drop_linear, _failed
+    global _kernel, _drop_linear, _module, _failed
     with _lock:
         if _kernel is not None or _failed is not None:
             return _kernel is not None
@@ -423,7 +457,7 @@ def build_decode_attention() -> bool:
             module = load_inline(  # type: ignore[no-untyped-call]
                 name=f"batchkit_decode_attention_{_cpu_kind()}",
                 cpp_sources=_SOURCE,
-                functions=["decode_attention", "drop_linear"],
+                functions=["decode_attention", "drop_linear", "set_decodes", "clear_decodes"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 verbose=False,
             )
@@ -433,7 +467,7 @@ def build_decode_attention() -> bool:
             return False
         if _drop_linear is None:  # the first load in this process (a later one finds the module loaded)
             _register_fakes()
-        _kernel, _drop_linear = module.decode_attention, module.drop_linear
+        _kernel, _drop_linear, _module = module.decode_attention, module.drop_linear, module
         return True
 
 
@@ -450,12 +484,35 @@ def _register_fakes() -> None:
     def _(x: Tensor, weight: Tensor, key: int) -> Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake("batchkit_native::paged_attention")  # type: ignore[untyped-decorator]
+    def _(query: Tensor, kv: Tensor, layer: int, scale: float) -> Tensor:
+        return query.new_empty(query.shape)
+
 
 def built() -> bool:
     """True once :func:`build_decode_attention` has built (or loaded) the extension in this
     process: its kernel runs the decodes, and ``torch.ops.batchkit_native.write_kv`` and
     ``torch.ops.batchkit_native.linear`` exist."""
     return _kernel is not None
+
+
+@contextmanager
+def decodes(tables: Tensor | None, lens: Tensor | None, window: int | None = None) -> Iterator[None]:
+    """Make ``torch.ops.batchkit_native.paged_attention`` run every query of the block's steps on the
+    kernel in this thread, as one decode per sequence over ``tables`` ``[S, max_blocks]`` and
+    ``lens`` ``[S]`` (int64; see :func:`decode_attention`); None: send them all to
+    ``torch.ops.batchkit.paged_attention``. Nothing where the extension is not built."""
+    if _module is None:
+        yield
+        return
+    if tables is None or lens is None:
+        _module.clear_decodes()
+    else:
+        _module.set_decodes(tables, lens, window or 0)
+    try:
+        yield
+    finally:
+        _module.clear_decodes()
 
 
 def drop_linear(key: int) -> None:

@@ -221,7 +221,7 @@ class _OpPages(NamedTuple):
     kv: torch.Tensor
     slots: torch.Tensor
     scale: float
-    native: bool  # the write in C++ (torch.ops.batchkit_native, once built), else batchkit.kv.compiled's
+    native: bool  # the write and attention in C++ (torch.ops.batchkit_native, once built), else Python
 
     def write(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.native:
@@ -230,7 +230,10 @@ class _OpPages(NamedTuple):
             torch.ops.batchkit.write_kv(self.kv, index, key, value, self.slots)
 
     def attend(self, index: int, query: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.batchkit.paged_attention(query, self.kv, index, self.scale)
+        if self.native:
+            out: torch.Tensor = torch.ops.batchkit_native.paged_attention(query, self.kv, index, self.scale)
+        else:
+            out = torch.ops.batchkit.paged_attention(query, self.kv, index, self.scale)
         return out
 
 
