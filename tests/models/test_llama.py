@@ -303,3 +303,21 @@ def test_a_step_with_padding_slots_runs_eagerly_on_a_compiled_model(fresh_dynamo
     model(batch, kv)
     assert len(calls) == 1
     assert not torch.equal(kv.kv, before)
+
+
+def test_without_the_native_build_compile_step_leaves_the_step_eager(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inductor needs the C++ compiler the native build needs: where the build fails,
+    compile_step() says so and the steps stay eager rather than fail at the first one."""
+    import logging
+
+    import batchkit.models.llama as llama
+
+    model, batch, kv = _decode_step(layers=1)
+    monkeypatch.setattr(llama, "build_decode_attention", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="batchkit.models.llama"):
+        model.compile_step()
+    assert model._compiled is None
+    assert "the step stays eager" in caplog.text
+    assert model(batch, kv).shape[0] == len(batch.sample_indices)

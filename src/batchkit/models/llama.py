@@ -512,7 +512,8 @@ class LlamaModel(nn.Module):
         With inductor, it first builds batchkit's native CPU decode attention
         (:func:`batchkit.kv.native.build_decode_attention`: about 30 s the first time on a small
         CPU, cached on disk after), which then runs every decode's attention, eager or compiled.
-        A build that fails (no C++ compiler) is logged and leaves attention on torch.
+        A build that fails (no C++ compiler, which inductor needs too) is logged, and the
+        steps stay eager, attention on torch.
 
         The K/V write and the attention run as batchkit's custom operators
         (:mod:`batchkit.kv.compiled`), so the compiled graph writes the cache in place; the
@@ -530,8 +531,11 @@ class LlamaModel(nn.Module):
         or one sampled row (torch specializes sizes 0 and 1), so a server compiles about four
         graphs, each once.
         """
-        if backend == "inductor":  # inductor needs the C++ compiler the kernel's build needs
-            build_decode_attention()
+        if backend == "inductor" and not build_decode_attention():
+            # Inductor's generated code needs the C++ compiler the native build needed: without
+            # it the first step would fail, so the steps stay eager.
+            logger.warning("compile_step: the native CPU build failed (see above), so the step stays eager")
+            return
         layers = [layer for layer in self.modules() if isinstance(layer, nn.Linear)]
         if native_built():  # the linear layers and the K/V write in C++
             self._native_keys = {layer: _native_key(layer) for layer in layers}
