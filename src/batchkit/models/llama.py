@@ -518,11 +518,11 @@ class LlamaModel(nn.Module):
         The K/V write and the attention run as batchkit's custom operators
         (:mod:`batchkit.kv.compiled`), so the compiled graph writes the cache in place; the
         linear layers run as one operator each, on oneDNN copies of the weights
-        (:attr:`prepack_weights`). Where the native extension is built, the write and the
-        linear layers are its C++ operators (``torch.ops.batchkit_native``), which keep the
-        oneDNN copies for the eager steps too. On the Intel Xeon measured, a compiled 16-row step of
-        SmolLM2-135M took 0.77-0.90x an eager one's time, much of it from the native attention
-        (docs/benchmarks.md).
+        (:attr:`prepack_weights`). Where the native extension is built, the write, the
+        attention of a step of decodes alone and the linear layers are its C++ operators
+        (``torch.ops.batchkit_native``), and its oneDNN copies serve the eager steps too. On the
+        Intel Xeon measured, a compiled 16-row step of SmolLM2-135M took 0.74-0.76x an eager
+        one's time in float32 and 0.65-0.74x in bfloat16 (docs/benchmarks.md).
 
         Args:
             backend: ``torch.compile``'s backend (``"aot_eager"`` traces without generating code).

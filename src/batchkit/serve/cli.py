@@ -145,8 +145,8 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         "--compile-step",
         action="store_true",
         help="compile the chat model's decode step with torch.compile (the native Llama only; the first "
-        "step compiles, before /ready; off by default, for a start-up about 20-50 s longer; 1.02-1.14x vLLM's CPU "
-        "engine on the CPUs measured, docs/serving.md)",
+        "step compiles, before /ready; off by default, for a start-up about 20-50 s longer; 1.17-1.39x vLLM's CPU "
+        "engine on the Intel Xeon measured, docs/serving.md)",
     )
     s.add_argument(
         "--no-native-attention",
