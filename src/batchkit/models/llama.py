@@ -383,7 +383,7 @@ class LlamaModel(nn.Module):
         self._packed: dict[int, tuple[tuple[int, int, torch.dtype], _Prepacked | None]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None  # see compile_step
         # Each linear layer's key in the native extension's oneDNN copies, once compile_step
-        # runs on it (None: the compiled step calls batchkit::linear and batchkit::write_kv).
+        # runs on it (None: the compiled step calls batchkit's Python operators).
         self._native_keys: dict[nn.Linear, int] | None = None
         self.eval()
         self.requires_grad_(False)
