@@ -427,8 +427,7 @@ TORCH_LIBRARY_IMPL(batchkit_native, CPU, m) {
 
 _lock = threading.Lock()
 _kernel: Callable[..., Tensor] | None = None
-_drop_linear: Callable[[int], None] | None = None
-_module: Any = None  # the built extension
+_module: Any = None  # the built extension (its operators stay registered once loaded)
 _failed: str | None = None  # why the build failed, once it has
 
 
@@ -447,7 +446,7 @@ def build_decode_attention() -> bool:
     """Build (or load the cached build of) the kernel and make :func:`decode_attention` use it;
     True when it is in use. Idempotent. A failed build (no compiler, say) is logged once with
     its reason and returns False: attention then stays on the torch path."""
-    global _kernel, _drop_linear, _module, _failed
+    global _kernel, _module, _failed
     with _lock:
         if _kernel is not None or _failed is not None:
             return _kernel is not None
@@ -465,9 +464,9 @@ def build_decode_attention() -> bool:
             _failed = f"{type(exc).__name__}: {exc}"
             logger.warning("the native decode attention did not build, attention stays on torch: %s", _failed)
             return False
-        if _drop_linear is None:  # the first load in this process (a later one finds the module loaded)
+        if _module is None:  # the first load in this process (a later one finds the module loaded)
             _register_fakes()
-        _kernel, _drop_linear, _module = module.decode_attention, module.drop_linear, module
+        _kernel, _module = module.decode_attention, module
         return True
 
 
@@ -491,8 +490,8 @@ def _register_fakes() -> None:
 
 def built() -> bool:
     """True once :func:`build_decode_attention` has built (or loaded) the extension in this
-    process: its kernel runs the decodes, and ``torch.ops.batchkit_native.write_kv`` and
-    ``torch.ops.batchkit_native.linear`` exist."""
+    process: its kernel runs the decodes, and ``torch.ops.batchkit_native.write_kv``,
+    ``.paged_attention`` and ``.linear`` exist."""
     return _kernel is not None
 
 
@@ -518,8 +517,8 @@ def decodes(tables: Tensor | None, lens: Tensor | None, window: int | None = Non
 def drop_linear(key: int) -> None:
     """Free the oneDNN copy of the weight that ``torch.ops.batchkit_native.linear`` keeps for
     ``key`` (nothing if there is none, or no extension)."""
-    if _drop_linear is not None:
-        _drop_linear(key)
+    if _module is not None:
+        _module.drop_linear(key)
 
 
 def decode_attention(
