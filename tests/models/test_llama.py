@@ -321,3 +321,88 @@ def test_without_the_native_build_compile_step_leaves_the_step_eager(
     assert model._compiled is None
     assert "the step stays eager" in caplog.text
     assert model(batch, kv).shape[0] == len(batch.sample_indices)
+
+
+def _tokens_of_every_step_class(model: Any) -> list[list[int]]:
+    """Greedy tokens of a load whose steps take every shape class: decodes alone, one decode,
+    a prompt alone, a prompt chunk that samples nothing (chunked prefill) and prompts beside
+    decodes."""
+    from batchkit.continuous import ContinuousDecodeLoop, SamplingParams
+
+    cache = model.make_cache(num_blocks=40, block_size=4)
+    loop = ContinuousDecodeLoop(model, cache, max_num_seqs=3, max_num_batched_tokens=6)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17], [18, 19]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 3, 5, 2)]
+    return drain(loop, params, prompts)
+
+
+def test_a_warm_compile_builds_every_shape_class_before_the_compiled_step_runs(fresh_dynamo: Any) -> None:
+    """compile_step(warm=True) compiles each shape class on a scratch cache of its own before it
+    returns: a load of every class on another cache then compiles nothing more, and its tokens
+    are the eager step's."""
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from batchkit.models import LlamaModel
+
+    torch.manual_seed(0)
+    eager = LlamaModel(LlamaConfig(**{**SMALL, "num_hidden_layers": 2}))
+    compiled = LlamaModel(eager.config)
+    compiled.load_hf_state_dict(eager.state_dict())
+    counter = CompileCounterWithBackend("aot_eager")
+    assert compiled.compile_step(backend=counter, warm=True) is True
+    graphs = counter.frame_count
+    assert graphs >= 4  # decodes alone, one decode, one sampled row, none, and several beside more tokens
+    assert _tokens_of_every_step_class(compiled) == _tokens_of_every_step_class(eager)
+    assert counter.frame_count == graphs
+    # A one-token chunk that samples nothing: no warm graph fits it, and it runs eagerly.
+    from batchkit.models._scratch import _step
+
+    with torch.inference_mode():
+        lone, kv = _step(1, 0, block_size=4), compiled.make_cache(num_blocks=8, block_size=4)
+        assert compiled(lone, kv).shape == (0, SMALL["vocab_size"])
+    assert counter.frame_count == graphs
+
+
+def test_steps_run_eagerly_while_a_warm_compile_runs_in_another_thread(fresh_dynamo: Any) -> None:
+    """A model serves while compile_step(warm=True) compiles in a thread of its own: its steps
+    run eagerly until the compile returns, compiled after."""
+    import threading
+
+    import torch
+    from torch._dynamo.backends.debugging import aot_eager
+
+    model, batch, kv = _decode_step(layers=1)
+    tracing, release = threading.Event(), threading.Event()
+
+    def held(gm: Any, inputs: Any) -> Any:  # the compile, held until the eager step has run
+        tracing.set()
+        assert release.wait(timeout=60)
+        return aot_eager(gm, inputs)
+
+    thread = threading.Thread(target=model.compile_step, kwargs={"backend": held, "warm": True})
+    thread.start()
+    try:
+        assert tracing.wait(timeout=60)
+        eager_logits = model(batch, kv)
+        assert model._compiled is None
+    finally:
+        release.set()
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert model._compiled is not None
+    torch.testing.assert_close(model(batch, kv), eager_logits)
+
+
+def test_a_warm_compile_that_fails_raises_and_the_steps_stay_eager(fresh_dynamo: Any) -> None:
+    """A compile that fails in compile_step(warm=True) is raised to the caller, and the model's
+    steps stay eager."""
+
+    def broken(gm: Any, inputs: Any) -> Any:
+        raise RuntimeError("no compiler today")
+
+    model, batch, kv = _decode_step(layers=1)
+    with pytest.raises(Exception, match="no compiler today"):
+        model.compile_step(backend=broken, warm=True)
+    assert model._compiled is None
+    assert model(batch, kv).shape[0] == len(batch.sample_indices)

@@ -8,7 +8,10 @@ it is written for clarity on a CPU, not for speed on a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -25,6 +28,7 @@ from ..kv.cache import PagedKVCache
 from ..kv.compiled import attention_plan  # also registers torch.ops.batchkit.write_kv / paged_attention
 from ..kv.native import build_decode_attention, drop_linear
 from ..kv.native import built as native_built
+from ._scratch import scratch_steps
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -306,11 +310,15 @@ def _prepack(weight: torch.Tensor) -> _Prepacked | None:
 # The linear layers a compiled step calls, by key: torch.ops.batchkit.linear runs the model's own
 # _linear (oneDNN weights made on first use and after a write), which a traced graph cannot call.
 _LINEARS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+# Keys are numbered in the order layers are compiled, not id()s: a key is a constant of the traced
+# graph, so a step compiled the same way in another process is the same graph, which inductor's
+# cache on disk then finds instead of generating its code again (half a minute a graph).
+_keys = itertools.count(1)
 
 
 def _register_linear(model: LlamaModel, layer: nn.Linear) -> int:
     """Make ``layer`` of ``model`` callable as ``torch.ops.batchkit.linear(x, layer.weight, key)``."""
-    key, model_ref, layer_ref = id(layer), weakref.ref(model), weakref.ref(layer)
+    key, model_ref, layer_ref = next(_keys), weakref.ref(model), weakref.ref(layer)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         owner, linear = model_ref(), layer_ref()
@@ -326,8 +334,9 @@ def _register_linear(model: LlamaModel, layer: nn.Linear) -> int:
 def _native_key(layer: nn.Linear) -> int:
     """``layer``'s key for ``torch.ops.batchkit_native.linear``, whose oneDNN copy of the weight
     is freed with the layer."""
-    weakref.finalize(layer, drop_linear, id(layer))
-    return id(layer)
+    key = next(_keys)
+    weakref.finalize(layer, drop_linear, key)
+    return key
 
 
 @torch.library.custom_op("batchkit::linear", mutates_args=())
@@ -382,6 +391,7 @@ class LlamaModel(nn.Module):
         # Each linear layer's oneDNN copy of its weight, and which weight it was made from.
         self._packed: dict[int, tuple[tuple[int, int, torch.dtype], _Prepacked | None]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None  # see compile_step
+        self._warmed = False  # compile_step(warm=True): the compiled step compiles no more
         # Each linear layer's key in the native extension's oneDNN copies, once compile_step
         # runs on it (None: the compiled step calls batchkit's Python operators).
         self._native_keys: dict[nn.Linear, int] | None = None
@@ -473,12 +483,10 @@ class LlamaModel(nn.Module):
             )
         # Tables, lengths and masks are the same in every layer: plan them once per step.
         plan = plan_attention(batch.block_tables.to(kv.device), batch.seq_lens, batch.query_lens, kv.block_size)
-        slots = self._compilable_slots(batch, kv)
-        if slots is not None and self._compiled is not None:
-            ops = _OpPages(kv.kv, slots, float(cfg.dim_per_head**-0.5), self._native_keys is not None)
-            with attention_plan(plan):
-                logits: torch.Tensor = self._compiled(batch.input_ids, batch.positions, batch.sample_indices, ops)
-            return logits
+        compiled = self._compiled  # read once: compile_step(warm=True) may set it from another thread
+        slots = self._compilable_slots(batch, kv) if compiled is not None else None
+        if compiled is not None and slots is not None:
+            return self._run_compiled(compiled, batch, kv, plan, slots)
         cpu = batch.input_ids.device.type == "cpu"
         linear = self._linear if self.prepack_weights and cpu else _plain_linear
         if not self.prepack_weights:
@@ -488,6 +496,24 @@ class LlamaModel(nn.Module):
         return self._layers(
             batch.input_ids, batch.positions, batch.sample_indices, _EagerPages(batch, kv, plan), linear
         )
+
+    def _run_compiled(
+        self,
+        compiled: Callable[..., torch.Tensor],
+        batch: StepBatch,
+        kv: PagedKVCache,
+        plan: AttentionPlan,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        ops = _OpPages(kv.kv, slots, float(self.config.dim_per_head**-0.5), self._native_keys is not None)
+        sample = batch.sample_indices
+        if not len(sample):  # an empty tensor's stride, which the graph guards on, is numpy's 0 or torch's 1
+            sample = sample.new_empty(0)
+        # Once warm, a step no graph fits runs eagerly rather than stall its requests to compile.
+        stance = torch.compiler.set_stance("eager_on_recompile") if self._warmed else contextlib.nullcontext()
+        with attention_plan(plan), stance:
+            logits: torch.Tensor = compiled(batch.input_ids, batch.positions, sample, ops)
+        return logits
 
     def _layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, sample: torch.Tensor, pages: _Pages, linear: _LinearFn
@@ -503,11 +529,19 @@ class LlamaModel(nn.Module):
         last = self.model.norm(x.index_select(0, sample))
         return linear(last, self.lm_head)
 
-    def compile_step(self, *, backend: str | Callable[..., Any] = "inductor") -> None:
+    def compile_step(self, *, backend: str | Callable[..., Any] = "inductor", warm: bool = False) -> bool:
         """Run later steps through ``torch.compile`` (inductor, dynamic shapes), eager as before
         until then. The first step compiles (a minute or more on a small CPU; inductor's cache on
         disk makes a later start faster); a step with padding slots, or on a cache that runs
         batchkit's CUDA kernels, runs eagerly.
+
+        With ``warm=True`` it compiles before it returns instead: one step of each shape class
+        (below) on a small scratch cache of its own, and the model's steps stay eager until then.
+        Run it in a thread of its own beside a model that serves: steps in other threads go on
+        eagerly while it compiles (slower: it takes a core), and the compiled step takes over at
+        the first step after it returns. A later step of a shape no graph fits then runs eagerly
+        rather than compile (``torch.compiler.set_stance("eager_on_recompile")`` around it).
+        ``batchkit serve --compile-step background`` does this.
 
         With inductor, it first builds batchkit's native CPU decode attention
         (:func:`batchkit.kv.native.build_decode_attention`: about 30 s the first time on a small
@@ -526,16 +560,24 @@ class LlamaModel(nn.Module):
 
         Args:
             backend: ``torch.compile``'s backend (``"aot_eager"`` traces without generating code).
+            warm: compile every shape class now, and only then run the compiled step.
+
+        Returns:
+            False where the step stays eager: the native build failed (inductor only).
+
+        Raises:
+            Exception: with ``warm=True``, whatever compiling raised; the steps then stay eager.
 
         Shapes are dynamic: a step of any number of rows runs the same graph, except one row
-        or one sampled row (torch specializes sizes 0 and 1), so a server compiles about four
-        graphs, each once.
+        or one sampled row (torch specializes sizes 0 and 1), and a step with as many tokens as
+        rows (decodes alone) is a graph of its own, so a server compiles about five graphs,
+        each once.
         """
         if backend == "inductor" and not build_decode_attention():
             # Inductor's generated code needs the C++ compiler the native build needed: without
             # it the first step would fail, so the steps stay eager.
             logger.warning("compile_step: the native CPU build failed (see above), so the step stays eager")
-            return
+            return False
         layers = [layer for layer in self.modules() if isinstance(layer, nn.Linear)]
         if native_built():  # the linear layers and the K/V write in C++
             self._native_keys = {layer: _native_key(layer) for layer in layers}
@@ -560,7 +602,23 @@ class LlamaModel(nn.Module):
             # Loading inductor imports a torch module that warns of its own use of
             # torch.jit.script_method (torch 2.13): nothing a caller can act on.
             warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
-            self._compiled = torch.compile(step, backend=backend, dynamic=True)
+            compiled = torch.compile(step, backend=backend, dynamic=True)
+        if warm:
+            self._warm(compiled)
+        self._warmed = warm
+        self._compiled = compiled
+        return True
+
+    def _warm(self, compiled: Callable[..., torch.Tensor]) -> None:
+        """Compile ``compiled`` for each shape class on a scratch cache (see :mod:`._scratch`),
+        as the decode loop calls a step: under ``inference_mode``."""
+        started = time.perf_counter()
+        cache, steps = scratch_steps(self.make_cache(num_blocks=2))
+        with torch.inference_mode():
+            for batch in steps:
+                plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_lens, cache.block_size)
+                self._run_compiled(compiled, batch, cache, plan, batch.slot_mapping)
+        logger.info("compile_step: %d shape classes compiled in %.1f s", len(steps), time.perf_counter() - started)
 
     def _compilable_slots(self, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor | None:
         """The step's slots as int64 for the compiled step, or None where the eager step runs
