@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -23,9 +24,11 @@ def start_server(
     threads: int | None = None,
     timeout_s: float = 300,
     env: dict[str, str] | None = None,
+    settled: Callable[[httpx.Response], bool] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``cmd`` (offline; ``threads`` OpenMP threads where given; in ``env``, default this
-    process's environment) and wait until ``ready_url`` answers 200.
+    process's environment) and wait until ``ready_url`` answers 200 (and ``settled(answer)``
+    holds, where given).
 
     Raises:
         RuntimeError: the server exited first (its last stderr lines are in the message).
@@ -41,7 +44,8 @@ def start_server(
             err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
             raise RuntimeError(f"{cmd[0]} exited: {err}")
         try:
-            if httpx.get(ready_url, timeout=5).status_code == 200:
+            answer = httpx.get(ready_url, timeout=5)
+            if answer.status_code == 200 and (settled is None or settled(answer)):
                 return proc
         except httpx.TransportError:
             pass

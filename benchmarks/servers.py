@@ -131,13 +131,15 @@ def measure_server(
     env: dict[str, str] | None = None,
     model: str | None = None,
     probe: Callable[[str], object] | None = None,
+    settled: Callable[[httpx.Response], bool] | None = None,
 ) -> Run:
     """Start ``cmd`` (which listens on the port after ``--port``), warm it up with 2 requests,
     load it with ``args.requests`` chat requests, stop it; ``model`` is the name to ask for
     (default: the first of ``/v1/models``). ``probe(url)``, where given, is read just before and
-    just after the load, into ``Run.probes``."""
+    just after the load, into ``Run.probes``. The load starts once ``ready`` answers 200 and
+    ``settled(answer)`` holds, where given."""
     url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-    proc = start_server(cmd, url + ready, threads, timeout_s=args.start_timeout_s, env=env)
+    proc = start_server(cmd, url + ready, threads, timeout_s=args.start_timeout_s, env=env, settled=settled)
     probes = []
     try:
         model = model or httpx.get(url + "/v1/models").json()["data"][0]["id"]

@@ -12,7 +12,8 @@ none reserved), and batchkit is compared with vLLM's better binding of the round
 default,torch-attention,spin,compiled`` also runs batchkit with its eager step's attention on
 torch (``torch-attention``: ``--no-native-attention``; by default it runs on the native CPU
 kernel), with a fixed team of every core that spins while idle (``spin``) and with
-``--compile-step`` (``compiled``: the step compiled); the verdict is the first setting's.
+``--compile-step`` (``compiled``: the step compiled; ``background``: compiled after the start,
+the load begun once it runs); the verdict is the first setting's.
 Rounds alternate the order (``--repeat``). ``--neighbours N`` keeps N processes spinning on the
 CPU beside each server, from its start to its stop: the busy-neighbour condition (a server beside
 other work on the same machine).
@@ -25,7 +26,8 @@ Target: batchkit >= 1.3x vLLM in output tokens/s with TTFT p99 no worse; where i
 last lines say by how much.
 
 Run:  .venv/bin/python benchmarks/vs_vllm.py --vllm-python PATH [--repeat 3] [--dtype float32]
-      [--concurrency 16] [--requests 48] [--vllm-bind default,all] [--batchkit default,torch-attention,spin,compiled]
+      [--concurrency 16] [--requests 48] [--vllm-bind default,all]
+      [--batchkit default,torch-attention,spin,compiled,background]
       [--neighbours 0] [--json PATH]
 """
 
@@ -45,7 +47,7 @@ from servers import Run, add_load_options, measure_server, print_header, report_
 
 TARGET = 1.3
 BINDINGS = ("default", "all")
-SETTINGS = ("default", "torch-attention", "spin", "compiled")
+SETTINGS = ("default", "torch-attention", "spin", "compiled", "background")
 
 
 def vllm_folder(converted: Path, into: Path) -> Path:
@@ -108,12 +110,18 @@ def where_the_time_goes(run: Run) -> str:
     )
 
 
+def _compiled(ready: httpx.Response) -> bool:
+    """Whether ``GET /ready`` says the decode step runs compiled, or will not be (``eager``)."""
+    return ready.json().get("decode_step") != "compiling"
+
+
 def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object, setting: str = "default") -> Run:
     """``batchkit serve`` at ``setting``: ``default`` (its own thread choice: the team narrows
     while other processes, the load's client among them, use the CPUs), ``spin`` (a team of
     every allowed CPU whose threads spin while idle, as vLLM's both-cores binding runs),
     ``torch-attention`` (``--no-native-attention``: the eager step's attention on torch) or
-    ``compiled`` (``--compile-step``)."""
+    ``compiled`` (``--compile-step``), or ``background`` (``--compile-step background``, the
+    load started once ``/ready`` says the compiled step runs)."""
     port = free_port()
     cmd = [sys.executable, "-m", "batchkit", "serve", "--model", str(folder), "--dtype", args.dtype]
     cmd += ["--port", str(port), "--max-num-seqs", str(args.concurrency)]
@@ -121,13 +129,15 @@ def batchkit_run(folder: Path, args: argparse.Namespace, tokenizer: object, sett
         cmd += ["--threads", str(args.threads)]
     if setting == "compiled":
         cmd += ["--compile-step"]
+    if setting == "background":
+        cmd += ["--compile-step", "background"]
     if setting == "torch-attention":
         cmd += ["--no-native-attention"]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # its own choice of threads
     if setting == "spin":
         env |= {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "ACTIVE"}
     name = "batchkit" if setting == "default" else f"batchkit ({setting})"
-    run = measure_server(name, cmd, "/ready", tokenizer, args, env=env, probe=engine_counters)
+    run = measure_server(name, cmd, "/ready", tokenizer, args, env=env, probe=engine_counters, settled=_compiled)
     print(where_the_time_goes(run), flush=True)
     return run
 

@@ -113,7 +113,8 @@ def test_compile_step_compiles_a_model_that_has_a_compiled_step_and_warns_for_ot
 def test_native_attention_is_built_at_load_on_a_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """ServeSettings(native_attention=True) builds the native decode attention for an eager step
     on a CPU; on another device, or when off, nothing is built; with compile_step the compile
-    path builds it (once)."""
+    path builds it (once); with compile_step="background" it is built at load, for the eager
+    steps until the compiled one runs."""
     import batchkit.serve.loading as loading
     from batchkit.serve import ServeSettings
 
@@ -135,3 +136,90 @@ def test_native_attention_is_built_at_load_on_a_cpu_only(monkeypatch: pytest.Mon
     loading._prepare_step(model, ServeSettings(model="m", native_attention=True, compile_step=True))
     assert compiled == [model]
     assert built == ["native"]  # the compile path builds it itself
+    assert loading._prepare_step(model, ServeSettings(model="m", compile_step="background")) is False
+    assert built == ["native", "native"]  # for the eager steps, until the compiled one runs
+    assert compiled == [model]  # that compile starts after the warm-up (compile_in_background)
+
+
+def _served(compile_step: Any, model: Any) -> Any:
+    """ServedModels of a chat model already loaded (``model``: its step function)."""
+    from types import SimpleNamespace
+
+    from batchkit.serve import ServeSettings
+    from batchkit.serve.loading import ServedModels
+    from batchkit.serve.metrics import BatchkitCollector
+
+    served = ServedModels(ServeSettings(model="m", compile_step=compile_step), BatchkitCollector())
+    served.lm = SimpleNamespace(model=model)  # type: ignore[assignment]
+    return served
+
+
+def test_compile_step_background_compiles_in_a_thread_after_the_start(caplog: pytest.LogCaptureFixture) -> None:
+    """compile_step="background": compile_in_background runs the model's compile_step(warm=True)
+    in a daemon thread; decode_step says "compiling" until it returns, then "compiled", and
+    on_compiled is called once."""
+    release = threading.Event()
+    calls: list[dict[str, Any]] = []
+
+    class Model:
+        def compile_step(self, **kwargs: Any) -> bool:
+            calls.append(kwargs)
+            assert release.wait(timeout=WAIT_S)
+            return True
+
+    served = _served("background", Model())
+    assert served.decode_step == "eager"
+    compiled: list[bool] = []
+    with caplog.at_level(logging.INFO, logger="batchkit.serve.loading"):
+        thread = served.compile_in_background(lambda: compiled.append(True))
+        assert thread is not None
+        assert thread.daemon
+        assert served.decode_step == "compiling"
+        release.set()
+        thread.join(timeout=WAIT_S)
+    assert not thread.is_alive()
+    assert (served.decode_step, compiled, calls) == ("compiled", [True], [{"warm": True}])
+    assert "the steps run compiled from now on" in caplog.text
+
+
+def test_a_background_compile_that_fails_or_cannot_run_leaves_the_step_eager(caplog: pytest.LogCaptureFixture) -> None:
+    """A compile that raises is logged and the step stays eager (decode_step "eager", no
+    on_compiled); so does one that reports it could not compile (False); a model without a
+    compiled step starts no thread and the log says so; nor does a server not asked to, or one
+    whose device is not a CPU."""
+
+    class Broken:
+        def compile_step(self, **kwargs: Any) -> bool:
+            raise RuntimeError("no compiler today")
+
+    class Refused:
+        def compile_step(self, **kwargs: Any) -> bool:
+            return False
+
+    compiled: list[bool] = []
+    with caplog.at_level(logging.INFO, logger="batchkit.serve.loading"):
+        for model in (Broken(), Refused()):
+            served = _served("background", model)
+            thread = served.compile_in_background(lambda: compiled.append(True))
+            assert thread is not None
+            thread.join(timeout=WAIT_S)
+            assert served.decode_step == "eager"
+        assert "compiling the decode step failed: the steps stay eager" in caplog.text
+        assert "no compiler today" in caplog.text
+        assert _served("background", object()).compile_in_background(lambda: compiled.append(True)) is None
+        assert "object has no compiled step: its steps run eagerly" in caplog.text
+    assert _served(False, Refused()).compile_in_background(lambda: compiled.append(True)) is None
+    on_gpu = _served("background", Refused())
+    object.__setattr__(on_gpu.settings, "device", "cuda")
+    assert on_gpu.compile_in_background(lambda: compiled.append(True)) is None
+    assert on_gpu.decode_step == "eager"
+    assert _served(True, Refused()).compile_in_background(lambda: compiled.append(True)) is None
+    assert compiled == []
+
+
+def test_compile_step_takes_false_true_or_background() -> None:
+    """Any other compile_step is a ValueError naming the three."""
+    from batchkit.serve import ServeSettings
+
+    with pytest.raises(ValueError, match="compile_step must be False, True or 'background', got 'later'"):
+        ServeSettings(model="m", compile_step="later")  # type: ignore[arg-type]

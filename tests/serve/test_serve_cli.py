@@ -188,24 +188,43 @@ def test_the_start_up_lines_say_how_cpu_threads_run(tmp_path: Path) -> None:
 def test_the_start_up_line_says_how_the_decode_step_runs_and_why() -> None:
     """Eager by default, its decodes' attention on the native kernel, with the flags that change
     both; torch's attention with --no-native-attention; compiled with --compile-step, naming
-    which models it applies to and when the compile happens."""
+    which models it applies to and when the compile happens (before /ready, or after it in the
+    background)."""
     from batchkit.serve.cli import _step_line
 
-    assert _step_line(False, True) == (
+    assert _step_line("off", True) == (
         "decode step: eager, decodes' attention on batchkit's native CPU kernel (built once per machine, about "
         "30 s the first time; --no-native-attention keeps torch's); --compile-step also compiles the step, for a "
-        "start-up about 20-50 s longer (docs/serving.md, 'A compiled decode step')"
+        "start-up about 20-50 s longer, or --compile-step background after the start (docs/serving.md, "
+        "'A compiled decode step')"
     )
-    assert _step_line(False, False).startswith(
+    assert _step_line("off", False).startswith(
         "decode step: eager, decodes' attention on torch (--no-native-attention)"
     )
     serving = (Path(__file__).parents[2] / "docs" / "serving.md").read_text(encoding="utf-8")
-    assert f"batchkit serve: {_step_line(False, True)}" in serving  # the line docs/serving.md shows
+    assert f"batchkit serve: {_step_line('off', True)}" in serving  # the line docs/serving.md shows
     for native in (True, False):
-        assert _step_line(True, native).startswith(
+        assert _step_line("warmup", native).startswith(
             "decode step: compiled by torch.compile where the model has a compiled step"
         )
-        assert "before /ready (--compile-step)" in _step_line(True, native)
+        assert "before /ready (--compile-step)" in _step_line("warmup", native)
+        background = _step_line("background", native)
+        assert background.startswith("decode step: eager at first, then compiled by torch.compile")
+        assert "GET /ready's decode_step says 'compiled' from then on (--compile-step background)" in background
+
+
+def test_compile_step_is_off_by_default_and_takes_warmup_or_background() -> None:
+    """--compile-step alone compiles before /ready (compile_step=True), --compile-step background
+    after it; without the flag the step stays eager; another value is a usage error."""
+    from batchkit.cli import _build_parser
+    from batchkit.serve.cli import _COMPILE_STEP
+
+    parser = _build_parser()
+    for extra, value in (([], False), (["--compile-step"], True), (["--compile-step", "background"], "background")):
+        args = parser.parse_args(["serve", "--model", "m", *extra])
+        assert _COMPILE_STEP[args.compile_step] == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--compile-step", "later"])
 
 
 def test_native_attention_is_on_unless_the_flag_turns_it_off() -> None:

@@ -127,8 +127,10 @@ class ModelServer:
         tokenizer: where to read the chat model's tokenizer from when its directory has none (a
             directory, a ``.gguf`` file or an installed package; a source ``model`` only), as
             :func:`~batchkit.models.load_pretrained` takes it.
-        compile_step: compile the chat model's decode step with ``torch.compile`` at load (the
-            native Llama; any other model runs eagerly); it builds the native attention too.
+        compile_step: compile the chat model's decode step with ``torch.compile`` (the native
+            Llama; any other model runs eagerly): True at load, before ``/ready``; ``"background"``
+            in a thread once the server is ready, the eager step serving until it is done
+            (``GET /ready``'s ``decode_step`` says it). Either builds the native attention too.
         native_attention: on a CPU, build batchkit's native decode attention
             (:func:`batchkit.kv.native.build_decode_attention`) at load, so that the eager step's
             decodes run on it: about 30 s the first time on a machine, cached after. A failed
@@ -172,7 +174,7 @@ class ModelServer:
         device: Any = "cpu",
         engine: Literal["thread", "caller"] = "thread",
         tokenizer: str | os.PathLike[str] | None = None,
-        compile_step: bool = False,
+        compile_step: bool | Literal["background"] = False,
         native_attention: bool = False,
     ) -> None:
         self._use(
@@ -349,10 +351,13 @@ class ModelServer:
 
     async def readiness(self, request: Request) -> Response:
         state = self.state
+        body = {"status": state.value}
+        if self.settings.model is not None and self.settings.compile_step:  # how its steps run now
+            body["decode_step"] = self.engine.models.decode_step
         if state is ServerState.READY:
-            return JSONResponse({"status": state.value})
+            return JSONResponse(body)
         retry = {"Retry-After": str(self.settings.retry_after_s)}
-        return JSONResponse({"status": state.value}, status_code=503, headers=retry)
+        return JSONResponse(body, status_code=503, headers=retry)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         body = await anyio.to_thread.run_sync(generate_latest, self.registry)

@@ -13,13 +13,14 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from .._argtypes import float_in, int_in
 from .._validate import positive_int
@@ -35,11 +36,12 @@ _positive_int = int_in(1, 2**31 - 1)
 _non_negative_float = float_in(0.0, 1e9)
 _positive_float = float_in(0.0, 1e9, lo_open=True)
 _port = int_in(0, 65535)
+# --compile-step's values, as ServeSettings.compile_step takes them.
+_COMPILE_STEP: dict[str, bool | Literal["background"]] = {"off": False, "warmup": True, "background": "background"}
 # The settings whose flag is their name (--num-blocks sets num_blocks), read as they are.
 _SETTINGS_AS_FLAGS = (
     "embedding_model",
     "tokenizer",
-    "compile_step",
     "native_attention",
     "embedding_model_name",
     "num_blocks",
@@ -143,10 +145,14 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
     s.add_argument("--embedding-max-wait-ms", type=_non_negative_float, default=5.0, help="embedding batch wait")
     s.add_argument(
         "--compile-step",
-        action="store_true",
-        help="compile the chat model's decode step with torch.compile (the native Llama only; the first "
-        "step compiles, before /ready; off by default, for a start-up about 20-50 s longer; 1.17-1.39x vLLM's CPU "
-        "engine on the Intel Xeon measured, docs/serving.md)",
+        nargs="?",
+        const="warmup",
+        default="off",
+        choices=_COMPILE_STEP,
+        help="compile the chat model's decode step with torch.compile (the native Llama only): 'warmup' (the "
+        "bare flag) compiles before /ready, a start-up about 20-50 s longer; 'background' answers at once, "
+        "eagerly, and switches to the compiled step once it is built (GET /ready's decode_step says when); "
+        "default: off. 1.17-1.39x vLLM's CPU engine on the Intel Xeon measured, docs/serving.md",
     )
     s.add_argument(
         "--no-native-attention",
@@ -377,16 +383,32 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, quotas: dict[str, i
             traceback.print_exception(exc, file=sys.stderr)
         print(f"{prog}: the models failed to load: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 1
-    return 0 if server.started else 1
+    code = 0 if server.started else 1
+    compiling = server_state.engine.models.compile_thread
+    if compiling is not None and compiling.is_alive():
+        # --compile-step background, stopped before the compile ended: the server is shut down,
+        # and a thread left inside torch's C++ as the interpreter finalizes aborts the process
+        # (std::terminate). Nothing else is left to run: end it here.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
-def _step_line(compiled: bool, native: bool) -> str:
+def _step_line(compile_step: str, native: bool) -> str:
     """The start-up line that says how the chat model's step runs, and why."""
-    if compiled:
+    compiled = (
+        "compiled by torch.compile where the model has a compiled step (the native Llama; others run "
+        "eagerly), decodes' attention on batchkit's native CPU kernel"
+    )
+    if compile_step == "warmup":
+        return f"decode step: {compiled}, compiling during the warm-up before /ready (--compile-step)"
+    if compile_step == "background":
         return (
-            "decode step: compiled by torch.compile where the model has a compiled step (the native Llama; "
-            "others run eagerly), decodes' attention on batchkit's native CPU kernel, compiling during the "
-            "warm-up before /ready (--compile-step)"
+            f"decode step: eager at first, then {compiled}: it compiles in the background once the server is "
+            "ready, a minute or more, and GET /ready's decode_step says 'compiled' from then on "
+            "(--compile-step background)"
         )
     attention = (
         "decodes' attention on batchkit's native CPU kernel (built once per machine, about 30 s the first "
@@ -396,7 +418,7 @@ def _step_line(compiled: bool, native: bool) -> str:
     )
     return (
         f"decode step: eager, {attention}; --compile-step also compiles the step, for a start-up about 20-50 s "
-        "longer (docs/serving.md, 'A compiled decode step')"
+        "longer, or --compile-step background after the start (docs/serving.md, 'A compiled decode step')"
     )
 
 
@@ -436,6 +458,7 @@ def _settings(
         dtype=dtype,
         on_load_error=on_load_error,
         engine="caller",
+        compile_step=_COMPILE_STEP[args.compile_step],
         **{name: getattr(args, name) for name in _SETTINGS_AS_FLAGS},
     )
 

@@ -80,6 +80,8 @@ class EngineBridge:
             return
         if self.lifecycle.move(Transition.LOADED) is ServerState.READY:
             logger.info("batchkit.serve: ready (%s)", ", ".join(self.models.served()))
+            self.metrics.step_compiled.set(self.models.decode_step == "compiled")
+            self.models.compile_in_background(lambda: self.metrics.step_compiled.set(1))
 
     async def shutdown(self) -> None:
         """Stop admitting; give requests in flight ``shutdown_grace_s`` to finish; abort the rest; close."""

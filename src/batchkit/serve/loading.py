@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..continuous.loop import ContinuousDecodeLoop
@@ -41,6 +44,10 @@ class ServedModels:
         self.loop: ContinuousDecodeLoop | None = None
         self.waiting_room = WaitingRoom(None)  # the loop's max_waiting once the loop is made
         self.embed: BatchedFunction[str, tuple[list[float], int]] | None = None
+        # How the chat model's steps run: "eager", "compiling" (in the background, eager
+        # meanwhile) or "compiled"; GET /ready says it.
+        self.decode_step = "eager"
+        self.compile_thread: threading.Thread | None = None  # compile_in_background's
 
     @property
     def model_name(self) -> str | None:
@@ -70,7 +77,8 @@ class ServedModels:
                 self.lm = src
             else:
                 self.lm = pretrained.load_pretrained(src, tokenizer=settings.tokenizer, **kwargs)
-            _prepare_step(self.lm.model, settings)
+            if _prepare_step(self.lm.model, settings):
+                self.decode_step = "compiled"
             self.prompts = PromptTokenizer(self.lm)
             self.loop = self.lm.make_loop(settings.num_blocks, settings.block_size, **settings.loop_options())
             self.waiting_room = WaitingRoom(self.loop.max_waiting)
@@ -102,6 +110,46 @@ class ServedModels:
         if self.embed is not None:
             await self.embed.acall("Hello")
 
+    def compile_in_background(self, on_compiled: Callable[[], None]) -> threading.Thread | None:
+        """With ``compile_step="background"``: compile the chat model's step in a daemon thread
+        while the eager step serves (:meth:`LlamaModel.compile_step` with ``warm=True``), then
+        call ``on_compiled``. None, and nothing started, where there is nothing to compile (no
+        chat model, or one without a compiled step) or the device is not a CPU."""
+        model = self.lm.model if self.lm is not None else None
+        if self.settings.compile_step != "background" or model is None:
+            return None
+        if not str(self.settings.device).startswith("cpu"):  # a compiled step runs on a CPU cache only
+            logger.info(
+                "compile_step='background' compiles on a CPU only: the steps on %s stay eager", self.settings.device
+            )
+            return None
+        compile_step = getattr(model, "compile_step", None)
+        if compile_step is None:
+            logger.warning("%s has no compiled step: its steps run eagerly", type(model).__name__)
+            return None
+        self.decode_step = "compiling"
+
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                compiled = compile_step(warm=True)
+            except Exception:
+                logger.exception("compiling the decode step failed: the steps stay eager")
+                compiled = False
+            if not compiled:
+                self.decode_step = "eager"
+                return
+            self.decode_step = "compiled"
+            logger.info(
+                "decode step compiled in %.0f s: the steps run compiled from now on", time.perf_counter() - started
+            )
+            on_compiled()
+
+        thread = threading.Thread(target=run, name="batchkit-compile-step", daemon=True)
+        thread.start()
+        self.compile_thread = thread
+        return thread
+
     def served(self) -> list[str]:
         """What is served, in words (``"chat model smollm2"``), for the log."""
         return [
@@ -121,17 +169,19 @@ class ServedModels:
             await self.embed.aclose()
 
 
-def _prepare_step(model: Any, settings: ServeSettings) -> None:
-    """Compile the chat model's step (``compile_step``), or else build the native decode
-    attention its eager step runs on (``native_attention``, on a CPU only). A failed build is
-    logged by :mod:`batchkit.kv.native`; attention then stays on torch."""
-    if settings.compile_step:
-        _compile_step(model)
-    elif settings.native_attention and str(settings.device).startswith("cpu"):
-        build_decode_attention()
+def _prepare_step(model: Any, settings: ServeSettings) -> bool:
+    """Compile the chat model's step (``compile_step=True``: True where it compiles), or else
+    build the native decode attention its eager step runs on (``native_attention``, or
+    ``compile_step="background"`` for its eager steps until then; on a CPU only). A failed build
+    is logged by :mod:`batchkit.kv.native`; attention then stays on torch."""
+    if settings.compile_step is True:
+        return _compile_step(model)
+    if str(settings.device).startswith("cpu") and (settings.native_attention or settings.compile_step):
+        build_decode_attention()  # compile_step="background": the eager steps' attention meanwhile
+    return False
 
 
-def _compile_step(model: Any) -> None:
+def _compile_step(model: Any) -> bool:
     """Compile the chat model's step where it has a compiled form (the native ``LlamaModel``);
     any other model runs eagerly, and the log says so, its decodes' attention on the native CPU
     kernel where it builds (``HFStepModel``'s attention is batchkit's planned attention)."""
@@ -139,9 +189,11 @@ def _compile_step(model: Any) -> None:
     if compile_step is None:
         logger.warning("%s has no compiled step: its steps run eagerly", type(model).__name__)
         build_decode_attention()
-        return
-    compile_step()
+        return False
+    if not compile_step():
+        return False
     logger.info("%s: its step compiles at the first generation (the warm-up, if on)", type(model).__name__)
+    return True
 
 
 def _source_name(source: Any) -> str | None:

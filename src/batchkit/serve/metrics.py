@@ -385,6 +385,9 @@ class ServerMetrics:
         )
         self.in_flight = Gauge("batchkit_http_in_flight", "Requests being served.", registry=registry)
         self.ready = Gauge("batchkit_ready", "1 once the models are loaded and warm.", registry=registry)
+        self.step_compiled = Gauge(
+            "batchkit_decode_step_compiled", "1 once the chat model's decode step runs compiled.", registry=registry
+        )
         self.prompt_tokens = Counter(
             "batchkit_request_prompt_tokens", "Prompt tokens of accepted requests.", ["route"], registry=registry
         )

@@ -54,12 +54,14 @@ class ServeSettings:
     device: Any = "cpu"
     engine: Literal["thread", "caller"] = "thread"
     tokenizer: str | os.PathLike[str] | None = None
-    compile_step: bool = False
+    compile_step: bool | Literal["background"] = False
     native_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None and self.embedding_model is None:
             raise ValueError("give a model, an embedding_model, or both")
+        if self.compile_step not in (False, True, "background"):
+            raise ValueError(f"compile_step must be False, True or 'background', got {self.compile_step!r}")
         positive_int("max_request_bytes", self.max_request_bytes, note="(bytes)")
         positive_int("max_prompts_per_request", self.max_prompts_per_request)
         if self.tenant_quotas is not None:  # a copy of its own, read-only: the value stays frozen
