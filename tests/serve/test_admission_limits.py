@@ -152,7 +152,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
     flags = {a.dest for a in serve._actions if a.option_strings and a.dest not in ("help", "traceback")}
     renamed = {"no_prefix_caching": "enable_prefix_caching", "served_model_name": "model_name"}
     flag_options = {renamed.get(d, d) for d in flags} - {"model", "embedding_model", "host", "port", "log_level"}
-    assert options - {"warmup"} == flag_options
+    assert options - {"warmup", "freeze_heap"} == flag_options  # always on in batchkit serve
     lm, encoder = models
     values: dict[str, Any] = {
         "num_blocks": 16,
@@ -178,6 +178,7 @@ def test_the_documented_create_app_options_are_accepted_and_match_batchkit_serve
         "warmup": False,
         "compile_step": False,
         "native_attention": False,
+        "freeze_heap": False,
     }
     assert set(values) == options
     app = create_app(lm, embedding_model=encoder, **values)

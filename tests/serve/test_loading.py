@@ -223,3 +223,47 @@ def test_compile_step_takes_false_true_or_background() -> None:
 
     with pytest.raises(ValueError, match="compile_step must be False, True or 'background', got 'later'"):
         ServeSettings(model="m", compile_step="later")  # type: ignore[arg-type]
+
+
+def test_settle_heap_collects_then_freezes_what_is_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """settle_heap() collects the garbage, then moves every object left into the collector's
+    permanent generation, where full passes no longer walk it."""
+    import gc
+
+    from batchkit.serve.loading import settle_heap
+
+    calls: list[str] = []
+
+    def collect(*args: Any) -> int:
+        calls.append("collect")
+        return 0
+
+    monkeypatch.setattr(gc, "collect", collect)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    settle_heap()
+    assert calls == ["collect", "freeze"]
+
+
+def test_a_background_compile_settles_the_heap_when_the_server_owns_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """freeze_heap=True (batchkit serve's): the heap is settled after the background compile too;
+    off (a server made in code), it is left alone."""
+    import batchkit.serve.loading as loading
+    from batchkit.serve import ServeSettings
+
+    settled: list[bool] = []
+    monkeypatch.setattr(loading, "settle_heap", lambda: settled.append(True))
+
+    class Model:
+        def compile_step(self, **kwargs: Any) -> bool:
+            return True
+
+    for freeze in (False, True):
+        served = _served("background", Model())
+        served.settings = ServeSettings(model="m", compile_step="background", freeze_heap=freeze)
+        thread = served.compile_in_background(lambda: None)
+        assert thread is not None
+        thread.join(timeout=WAIT_S)
+        assert served.decode_step == "compiled"
+    assert settled == [True]

@@ -227,6 +227,18 @@ def test_compile_step_is_off_by_default_and_takes_warmup_or_background() -> None
         parser.parse_args(["serve", "--model", "m", "--compile-step", "later"])
 
 
+def test_batchkit_serve_freezes_the_heap_a_server_made_in_code_does_not() -> None:
+    """The command owns its process: its settings freeze the heap once warm; ServeSettings'
+    default leaves the process's garbage collector alone."""
+    from batchkit.cli import _build_parser
+    from batchkit.serve import ServeSettings
+    from batchkit.serve.cli import _settings
+
+    args = _build_parser().parse_args(["serve", "--model", "m"])
+    assert _settings(args, None, None, on_load_error=lambda exc: None).freeze_heap is True
+    assert ServeSettings(model="m").freeze_heap is False
+
+
 def test_native_attention_is_on_unless_the_flag_turns_it_off() -> None:
     """`batchkit serve` builds the native decode attention by default; --no-native-attention
     keeps torch's. A ModelServer made in code leaves it off unless asked."""

@@ -459,6 +459,7 @@ def _settings(
         on_load_error=on_load_error,
         engine="caller",
         compile_step=_COMPILE_STEP[args.compile_step],
+        freeze_heap=True,  # the process is the server's own
         **{name: getattr(args, name) for name in _SETTINGS_AS_FLAGS},
     )
 

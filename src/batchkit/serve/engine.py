@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from .embedding import Embedder
 from .errors import ApiError
 from .lifecycle import InFlight, Lifecycle, ServerState, Transition
-from .loading import ServedModels
+from .loading import ServedModels, settle_heap
 from .metrics import BatchkitCollector, ServerMetrics
 from .refusals import Refusals
 from .settings import ServeSettings
@@ -67,6 +67,8 @@ class EngineBridge:
                 return
             if self.settings.warmup:
                 await self.models.warm_up()
+            if self.settings.freeze_heap:
+                settle_heap()
         except Exception as exc:
             self.lifecycle.fail(exc)
             on_load_error = self.settings.on_load_error

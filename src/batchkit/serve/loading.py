@@ -5,6 +5,7 @@ closes them. Nothing here knows of requests or HTTP.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -140,6 +141,8 @@ class ServedModels:
                 self.decode_step = "eager"
                 return
             self.decode_step = "compiled"
+            if self.settings.freeze_heap:
+                settle_heap()  # what the compile left behind
             logger.info(
                 "decode step compiled in %.0f s: the steps run compiled from now on", time.perf_counter() - started
             )
@@ -167,6 +170,16 @@ class ServedModels:
             await self.loop.aclose()
         if self.embed is not None:
             await self.embed.aclose()
+
+
+def settle_heap() -> None:
+    """Collect the garbage, then move every object left out of the garbage collector's reach
+    (``gc.freeze``). Loading a model leaves about 350,000 objects, compiling its step 900,000:
+    a full collection then stops every thread for 0.2-1 s, and one that falls inside a step
+    delays every request in it. Frozen objects are never collected, so this runs once the heap
+    holds what serving keeps (``ServeSettings.freeze_heap``: it acts on the whole process)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _prepare_step(model: Any, settings: ServeSettings) -> bool:

@@ -56,6 +56,7 @@ class ServeSettings:
     tokenizer: str | os.PathLike[str] | None = None
     compile_step: bool | Literal["background"] = False
     native_attention: bool = False
+    freeze_heap: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None and self.embedding_model is None:
