@@ -509,9 +509,12 @@ class LlamaModel(nn.Module):
         sample = batch.sample_indices
         if not len(sample):  # an empty tensor's stride, which the graph guards on, is numpy's 0 or torch's 1
             sample = sample.new_empty(0)
-        # Once warm, a step no graph fits runs eagerly rather than stall its requests to compile.
-        stance = torch.compiler.set_stance("eager_on_recompile") if self._warmed else contextlib.nullcontext()
-        with attention_plan(plan), stance:
+        # Once warm, a step no graph fits runs eagerly rather than stall its requests to compile
+        # (set_stance sets it when called, and puts the last one back when its block ends).
+        with (
+            attention_plan(plan),
+            torch.compiler.set_stance("eager_on_recompile") if self._warmed else contextlib.nullcontext(),
+        ):
             logits: torch.Tensor = compiled(batch.input_ids, batch.positions, sample, ops)
         return logits
 
