@@ -152,7 +152,7 @@ def add_serve_parser(subparsers: Any, **parser_kwargs: Any) -> argparse.Argument
         help="compile the chat model's decode step with torch.compile (the native Llama only): 'warmup' (the "
         "bare flag) compiles before /ready, a start-up about 20-50 s longer; 'background' answers at once, "
         "eagerly, and switches to the compiled step once it is built (GET /ready's decode_step says when); "
-        "default: off. 1.17-1.39x vLLM's CPU engine on the Intel Xeon measured, docs/serving.md",
+        "1.17-1.39x vLLM's CPU engine on the Intel Xeon measured, docs/serving.md (default: off)",
     )
     s.add_argument(
         "--no-native-attention",
