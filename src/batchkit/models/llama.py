@@ -484,8 +484,7 @@ class LlamaModel(nn.Module):
         # Tables, lengths and masks are the same in every layer: plan them once per step.
         plan = plan_attention(batch.block_tables.to(kv.device), batch.seq_lens, batch.query_lens, kv.block_size)
         compiled = self._compiled  # read once: compile_step(warm=True) may set it from another thread
-        slots = self._compilable_slots(batch, kv) if compiled is not None else None
-        if compiled is not None and slots is not None:
+        if compiled is not None and (slots := self._compilable_slots(batch, kv)) is not None:
             return self._run_compiled(compiled, batch, kv, plan, slots)
         cpu = batch.input_ids.device.type == "cpu"
         linear = self._linear if self.prepack_weights and cpu else _plain_linear
@@ -625,8 +624,8 @@ class LlamaModel(nn.Module):
 
     def _compilable_slots(self, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor | None:
         """The step's slots as int64 for the compiled step, or None where the eager step runs
-        (not compiled, padding slots, a slot outside the cache, or the cache's CUDA kernels)."""
-        if self._compiled is None or kv.kv.device.type != "cpu":
+        (padding slots, a slot outside the cache, or the cache's CUDA kernels)."""
+        if kv.kv.device.type != "cpu":
             return None
         slots = torch.as_tensor(batch.slot_mapping).long()
         if slots.numel() == 0 or int(slots.min()) < 0 or int(slots.max()) >= kv.num_blocks * kv.block_size:

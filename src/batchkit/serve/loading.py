@@ -124,9 +124,8 @@ class ServedModels:
                 "compile_step='background' compiles on a CPU only: the steps on %s stay eager", self.settings.device
             )
             return None
-        compile_step = getattr(model, "compile_step", None)
+        compile_step = _compiled_form(model)
         if compile_step is None:
-            logger.warning("%s has no compiled step: its steps run eagerly", type(model).__name__)
             return None
         self.decode_step = "compiling"
 
@@ -194,13 +193,20 @@ def _prepare_step(model: Any, settings: ServeSettings) -> bool:
     return False
 
 
+def _compiled_form(model: Any) -> Callable[..., bool] | None:
+    """``model.compile_step``, or None, logged, where the model has no compiled form."""
+    compile_step: Callable[..., bool] | None = getattr(model, "compile_step", None)
+    if compile_step is None:
+        logger.warning("%s has no compiled step: its steps run eagerly", type(model).__name__)
+    return compile_step
+
+
 def _compile_step(model: Any) -> bool:
     """Compile the chat model's step where it has a compiled form (the native ``LlamaModel``);
     any other model runs eagerly, and the log says so, its decodes' attention on the native CPU
     kernel where it builds (``HFStepModel``'s attention is batchkit's planned attention)."""
-    compile_step = getattr(model, "compile_step", None)
+    compile_step = _compiled_form(model)
     if compile_step is None:
-        logger.warning("%s has no compiled step: its steps run eagerly", type(model).__name__)
         build_decode_attention()
         return False
     if not compile_step():
